@@ -1,0 +1,1 @@
+"""kvpool: the client library of kvpoold."""

@@ -1,0 +1,1 @@
+"""Code generated from protos/kvpool.proto by scripts/gen_protos.py (never edited by hand)."""

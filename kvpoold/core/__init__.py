@@ -1,0 +1,38 @@
+"""The pure core of kvpoold: block pool, page tables, prefix cache, placement.
+
+Nothing here imports torch, CuPy, Numba, gRPC or touches files: it is
+integers, token ids and hashes, testable on its own.
+"""
+
+from .block_pool import DEFAULT_CHUNK_BYTES, ChunkBudget, ClassPool
+from .errors import (
+    InvalidArgument,
+    KvpoolError,
+    LayoutDoesNotFit,
+    NotOwner,
+    OutOfBlocks,
+    UnknownSequence,
+    WrongState,
+)
+from .layout import DTYPE_SIZES, Geometry
+from .manager import KVCacheManager
+from .results import (
+    BlockCopy,
+    ClassStats,
+    ExtendItem,
+    ExtendResult,
+    LookupResult,
+    PoolStats,
+    SeqDelta,
+    SequenceInfo,
+    TierStats,
+)
+from .tiers import Move, Tier, TierPlacement
+
+__all__ = [
+    "DEFAULT_CHUNK_BYTES", "ChunkBudget", "ClassPool", "InvalidArgument", "KvpoolError",
+    "LayoutDoesNotFit", "NotOwner", "OutOfBlocks", "UnknownSequence", "WrongState", "DTYPE_SIZES",
+    "Geometry", "KVCacheManager", "BlockCopy", "ClassStats", "ExtendItem", "ExtendResult",
+    "LookupResult", "PoolStats", "SeqDelta", "SequenceInfo", "TierStats", "Move", "Tier",
+    "TierPlacement",
+]

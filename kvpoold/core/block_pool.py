@@ -1,0 +1,316 @@
+"""Block ids of one layout class, and the chunk budget the classes share.
+
+Memory is counted in *chunks* (2 MiB by default, the CUDA VMM granularity).
+A class owns *slabs* of ``slab_chunks`` chunks; slab slot ``s`` of a class
+holds block ids ``[s*bps, (s+1)*bps)``, so a class's ids form one uniform
+array (one base, one stride for kernels) and memory flows between classes a
+slab at a time, without a static split.
+
+Inside a class every block id of an owned slab is in exactly one state:
+
+* **free**: on the free stack (no hash, nobody holds it);
+* **cached**: nobody holds it but it carries a hash; kept in eviction order
+  and reused on a prefix hit until its memory is needed;
+* **held**: by ``1 + extra[b]`` holders (page-table entries and reserves).
+
+Allocation pops the free stack (C-level slice), release pushes it back; both
+are O(1) per block with no scan.  Only giving slabs back to another class
+looks at the class's free list, and that happens rarely and in bulk.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter
+from typing import Callable, Iterable
+
+from .errors import LayoutDoesNotFit, OutOfBlocks
+from .layout import Geometry
+from .policy import make_policy
+
+DEFAULT_CHUNK_BYTES = 2 << 20
+
+
+def choose_slab_chunks(block_bytes: int, chunk_bytes: int, total_chunks: int) -> int:
+    """Chunks per slab: the fewest that hold a block with at most 1/32 waste."""
+    k_min = -(-block_bytes // chunk_bytes)
+    if k_min > total_chunks:
+        raise LayoutDoesNotFit(
+            f"one block needs {block_bytes} bytes but the pool has only {total_chunks * chunk_bytes}"
+        )
+    best, best_waste = k_min, 1.0
+    for k in range(k_min, min(total_chunks, 16 * k_min) + 1):
+        waste = (k * chunk_bytes % block_bytes) / (k * chunk_bytes)
+        if waste <= 1 / 32:
+            return k
+        if waste < best_waste:
+            best, best_waste = k, waste
+    return best
+
+
+class ChunkBudget:
+    """The pool's memory, in chunks, shared by every class."""
+
+    def __init__(self, total_chunks: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+        if total_chunks <= 0 or chunk_bytes <= 0:
+            raise ValueError("the pool needs at least one chunk of positive size")
+        self.total = total_chunks
+        self.free = total_chunks
+        self.chunk_bytes = chunk_bytes
+        self.classes: list[ClassPool] = []
+
+    def reclaimable(self, requester: "ClassPool", evict: bool) -> int:
+        """Chunks the other classes could give back (empty slabs, or unheld ones if ``evict``)."""
+        return sum(c.slabs_to_give(evict) * c.slab_chunks for c in self.classes if c is not requester)
+
+    def reclaim(self, requester: "ClassPool", chunks: int, evict: bool) -> None:
+        """Make at least ``chunks`` chunks free by taking slabs back from other classes."""
+        for other in self.classes:
+            if self.free >= chunks:
+                return
+            if other is not requester:
+                other.give_back_slabs(chunks - self.free, evict)
+
+
+class ClassPool:
+    """Block ids, ref counts and the device-tier prefix index of one layout class."""
+
+    def __init__(
+        self,
+        class_id: int,
+        geometry: Geometry,
+        budget: ChunkBudget,
+        policy: str = "lru",
+        on_evict: Callable[[int, int, bytes], None] | None = None,
+    ) -> None:
+        self.class_id = class_id
+        self.geometry = geometry
+        self.block_bytes = geometry.block_bytes
+        self.block_size = geometry.block_size
+        self.budget = budget
+        self.slab_chunks = choose_slab_chunks(self.block_bytes, budget.chunk_bytes, budget.total)
+        self.slab_bytes = self.slab_chunks * budget.chunk_bytes
+        self.blocks_per_slab = self.slab_bytes // self.block_bytes
+        self.max_slabs = budget.total // self.slab_chunks
+        #: size of the id space: the class could own the whole pool
+        self.num_block_ids = self.max_slabs * self.blocks_per_slab
+        self.free: list[int] = []
+        self.cached = make_policy(policy)
+        self.extra: dict[int, int] = {}
+        self.hash_of: dict[int, bytes] = {}
+        self.by_hash: dict[bytes, int] = {}
+        self.slots: set[int] = set()
+        self._unowned_slots = list(range(self.max_slabs))  # a heap: lowest slot first
+        self.released: list[int] = []  # slots given back since the daemon last drained them
+        self.on_evict = on_evict
+        self.evictions = 0
+        budget.classes.append(self)
+
+    # -- sizes --------------------------------------------------------------
+    @property
+    def total_blocks(self) -> int:
+        return len(self.slots) * self.blocks_per_slab
+
+    @property
+    def held_blocks(self) -> int:
+        return self.total_blocks - len(self.free) - len(self.cached)
+
+    def obtainable(self, need: int | None = None) -> int:
+        """How many blocks ``allocate`` could produce right now (evicting if needed).
+
+        With ``need``, stops as soon as the cheap sources cover it: looking at
+        what other classes could give back is only done when it matters.
+        """
+        cheap = len(self.free) + len(self.cached)
+        chunks = self.budget.free
+        cheap_total = cheap + (chunks // self.slab_chunks) * self.blocks_per_slab
+        if need is not None and cheap_total >= need:
+            return cheap_total
+        chunks += self.budget.reclaimable(self, evict=True)
+        return cheap + (chunks // self.slab_chunks) * self.blocks_per_slab
+
+    # -- allocation -----------------------------------------------------------
+    def allocate(self, n: int) -> list[int]:
+        """``n`` fresh block ids, each held once.  Callers check ``obtainable`` first."""
+        if n <= 0:
+            return []
+        free = self.free
+        if len(free) < n:
+            self._grow(n - len(free))
+        ids = free[:-n - 1:-1]  # the top n of the stack, top first
+        del free[-n:]
+        return ids
+
+    def _grow(self, short: int) -> None:
+        """Add at least ``short`` blocks under the free stack, cheapest source first."""
+        bps, k, budget = self.blocks_per_slab, self.slab_chunks, self.budget
+        gained: list[int] = []
+        short = self._take_slabs(short, gained)
+        if short > 0:  # other classes' empty slabs cost nothing to take
+            budget.reclaim(self, -(-short // bps) * k, evict=False)
+            short = self._take_slabs(short, gained)
+        while short > 0 and len(self.cached):  # then our own least useful cached blocks
+            gained.append(self._evict_one())
+            short -= 1
+        if short > 0:  # last, other classes' cached-only slabs
+            budget.reclaim(self, -(-short // bps) * k, evict=True)
+            short = self._take_slabs(short, gained)
+        # below what is already free, in the order gained: low ids of a new slab first
+        self.free[:0] = gained[::-1]
+        if short > 0:
+            raise OutOfBlocks(short, 0)
+
+    def _take_slabs(self, short: int, gained: list[int]) -> int:
+        bps, k = self.blocks_per_slab, self.slab_chunks
+        while short > 0 and self.budget.free >= k and self._unowned_slots:
+            slot = heapq.heappop(self._unowned_slots)
+            self.slots.add(slot)
+            self.budget.free -= k
+            gained.extend(range(slot * bps, (slot + 1) * bps))
+            short -= bps
+        return short
+
+    def _evict_one(self) -> int:
+        block = self.cached.victim()
+        self._forget_hash(block)
+        return block
+
+    def _forget_hash(self, block: int) -> None:
+        digest = self.hash_of.pop(block)
+        del self.by_hash[digest]
+        self.evictions += 1
+        if self.on_evict is not None:
+            self.on_evict(self.class_id, block, digest)
+
+    # -- holders --------------------------------------------------------------
+    def share(self, ids: Iterable[int]) -> None:
+        """One more holder for each held block (fork, prefix hit on a held block)."""
+        extra = self.extra
+        for b in ids:
+            extra[b] = extra.get(b, 0) + 1
+
+    def release(self, ids: list[int]) -> None:
+        """One holder fewer for each block, in the given order.
+
+        Callers pass a sequence's blocks tail first: cached blocks enter the
+        eviction order in that order, so a sequence's tail is evicted first.
+        """
+        extra, hash_of = self.extra, self.hash_of
+        if extra.keys().isdisjoint(ids) and hash_of.keys().isdisjoint(ids):
+            self.free.extend(ids)  # the common case, in C
+            return
+        cached, free = self.cached, self.free
+        for b in ids:
+            c = extra.get(b)
+            if c:
+                if c == 1:
+                    del extra[b]
+                else:
+                    extra[b] = c - 1
+            elif b in hash_of:
+                cached.insert(b)
+            else:
+                free.append(b)
+
+    def refcount(self, block: int) -> int:
+        """Holders of a block (0 for free or cached); O(n) in the free list: for checks."""
+        if block in self.cached or block in self.free:
+            return 0
+        return 1 + self.extra.get(block, 0)
+
+    def is_shared(self, block: int) -> bool:
+        return block in self.extra
+
+    # -- prefix index ---------------------------------------------------------
+    def lookup(self, digest: bytes) -> int | None:
+        return self.by_hash.get(digest)
+
+    def acquire_cached(self, block: int) -> None:
+        """A prefix hit on ``block``: cached becomes held, held gains a holder."""
+        if block in self.cached:
+            self.cached.remove(block)
+        else:
+            self.extra[block] = self.extra.get(block, 0) + 1
+
+    def register(self, block: int, digest: bytes) -> bool:
+        """Give a held, just-filled block its hash, unless another block has it already."""
+        if digest in self.by_hash:
+            return False
+        self.by_hash[digest] = block
+        self.hash_of[block] = digest
+        return True
+
+    def drop_cached(self, max_blocks: int | None = None) -> int:
+        """Evict cached blocks (oldest first) to the free list; returns how many."""
+        n = 0
+        while len(self.cached) and (max_blocks is None or n < max_blocks):
+            self.free.append(self._evict_one())
+            n += 1
+        return n
+
+    # -- giving memory back ----------------------------------------------------
+    def _slot_usage(self) -> tuple[Counter, Counter]:
+        bps = self.blocks_per_slab
+        return Counter(b // bps for b in self.free), Counter(b // bps for b in self.cached)
+
+    def slabs_to_give(self, evict: bool) -> int:
+        """Slabs with no held block (empty ones only unless ``evict``)."""
+        if not self.slots:
+            return 0
+        free_per, cached_per = self._slot_usage()
+        bps = self.blocks_per_slab
+        return sum(
+            1 for s in self.slots
+            if free_per[s] == bps or (evict and free_per[s] + cached_per[s] == bps)
+        )
+
+    def give_back_slabs(self, chunks: int, evict: bool) -> None:
+        """Return unheld slabs to the budget until ``chunks`` chunks were freed."""
+        free_per, cached_per = self._slot_usage()
+        bps = self.blocks_per_slab
+        empty = [s for s in self.slots if free_per[s] == bps]
+        cached_only = [s for s in self.slots if evict and 0 < cached_per[s] and free_per[s] + cached_per[s] == bps]
+        chosen: set[int] = set()
+        for slot in empty + cached_only:
+            if len(chosen) * self.slab_chunks >= chunks:
+                break
+            chosen.add(slot)
+        if not chosen:
+            return
+        doomed = [b for b in self.cached if b // bps in chosen]
+        for b in doomed:
+            self.cached.remove(b)
+            self._forget_hash(b)
+        self.free = [b for b in self.free if b // bps not in chosen]
+        self.free.sort(reverse=True)  # compact: later allocations take low slots first
+        for slot in chosen:
+            self.slots.remove(slot)
+            heapq.heappush(self._unowned_slots, slot)
+            self.released.append(slot)
+        self.budget.free += len(chosen) * self.slab_chunks
+
+    def drain_released(self) -> list[int]:
+        """Slots given back since the last call (their memory can be released)."""
+        out, self.released = self.released, []
+        return out
+
+    # -- invariants -----------------------------------------------------------
+    def check(self) -> dict[int, int]:
+        """Assert the pool's invariants; returns block -> holder count for held blocks."""
+        bps = self.blocks_per_slab
+        owned = {b for s in self.slots for b in range(s * bps, (s + 1) * bps)}
+        free = set(self.free)
+        cached = set(self.cached)
+        assert len(free) == len(self.free), "a block is twice on the free list"
+        assert not (free & cached), "a block is both free and cached"
+        assert free <= owned and cached <= owned, "a free/cached block outside the owned slabs"
+        held = owned - free - cached
+        assert set(self.extra) <= held, "a shared count on a block that is not held"
+        assert all(c >= 1 for c in self.extra.values())
+        assert cached <= set(self.hash_of), "a cached block without a hash"
+        assert not (free & set(self.hash_of)), "a free block with a hash"
+        assert {self.by_hash[h] for h in self.by_hash} == set(self.hash_of)
+        assert all(self.hash_of[b] == h for h, b in self.by_hash.items())
+        assert not (self.slots & set(self._unowned_slots))
+        assert len(self.slots) + len(self._unowned_slots) == self.max_slabs
+        return {b: 1 + self.extra.get(b, 0) for b in held}

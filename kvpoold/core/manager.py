@@ -1,0 +1,620 @@
+"""The core's one entry point: sequences, page tables, prefix cache, reserves.
+
+``KVCacheManager`` is pure bookkeeping: integers, token ids and hashes, no
+I/O.  Every public call validates everything first and then applies, so an
+error (a ``KvpoolError``) always leaves the state exactly as it was.  It is
+not thread-safe: the daemon calls it under one lock.
+
+Owners are opaque integers (the daemon's session ids).  A sequence belongs to
+the owner that created or forked it; any other owner naming it gets
+``NotOwner``.  A *reserve* is a set of blocks an owner holds outside any page
+table: the client assigns them to its sequences locally and reports the
+assignment with its next ``extend`` (claims), which is how a decode loop
+calls the daemon far less than once per step.
+
+The hot call is :meth:`extend_columns`: a batch as three flat arrays (ids,
+token counts, tokens), processed with vectorised checks; only sequences that
+cross a block boundary take a Python-level step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+import numpy as np
+
+from .block_pool import DEFAULT_CHUNK_BYTES, ChunkBudget, ClassPool
+from .errors import InvalidArgument, OutOfBlocks
+from .hashing import _digest, chain_hashes, pack_tokens, root_hash
+from .layout import Geometry
+from .results import (
+    BlockCopy,
+    ClassStats,
+    ExtendItem,
+    ExtendResult,
+    LookupResult,
+    PoolStats,
+    SeqDelta,
+    SequenceInfo,
+    TierStats,
+)
+from .seq_table import SeqTable
+from .tiers import Move, TierPlacement
+
+_EMPTY_I64 = np.zeros(0, np.int64)
+
+
+@dataclass
+class _Counters:
+    cow_copies: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
+
+
+class _Owner:
+    __slots__ = ("seqs", "reserves")
+
+    def __init__(self) -> None:
+        self.seqs: set[int] = set()  # sequence ids
+        self.reserves: dict[int, dict[int, None]] = {}  # class id -> reserved blocks, in grant order
+
+
+def _as_array(values, dtype, name: str) -> np.ndarray:
+    if type(values) is np.ndarray and values.dtype == dtype and values.ndim == 1:
+        return values  # the wire path: already the right kind
+    try:
+        arr = np.asarray(values)
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgument(f"{name}: {exc}") from None
+    if arr.ndim != 1:
+        raise InvalidArgument(f"{name} must be one-dimensional, got shape {arr.shape}")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise InvalidArgument(f"{name} must hold integers, got {arr.dtype}")
+    if arr.size and arr.dtype != dtype:
+        info = np.iinfo(dtype)
+        if arr.min() < info.min or arr.max() > info.max:
+            raise InvalidArgument(f"{name} out of range for {np.dtype(dtype).name}")
+    return arr.astype(dtype, copy=False)
+
+
+class KVCacheManager:
+    """Block bookkeeping for a whole pool of several layout classes."""
+
+    def __init__(
+        self,
+        pool_bytes: int,
+        *,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        host_bytes: int = 0,
+        disk_bytes: int = 0,
+        policy: str = "lru",
+        max_reserve_blocks: int = 1024,
+    ) -> None:
+        for name, value in (("pool_bytes", pool_bytes), ("chunk_bytes", chunk_bytes)):
+            if type(value) is not int or value <= 0:
+                raise InvalidArgument(f"{name} must be a positive integer, got {value!r}")
+        if pool_bytes < chunk_bytes:
+            raise InvalidArgument(f"pool_bytes ({pool_bytes}) is smaller than one chunk ({chunk_bytes})")
+        if type(max_reserve_blocks) is not int or max_reserve_blocks < 0:
+            raise InvalidArgument(f"max_reserve_blocks must be >= 0, got {max_reserve_blocks!r}")
+        self.budget = ChunkBudget(pool_bytes // chunk_bytes, chunk_bytes)
+        self.placement = TierPlacement(host_bytes, disk_bytes, policy)
+        self._track_moves = host_bytes > 0 or disk_bytes > 0
+        self.policy = policy
+        self.max_reserve_blocks = max_reserve_blocks
+        self.classes: list[ClassPool] = []
+        self._counters: list[_Counters] = []
+        self._class_ids: dict[Geometry, int] = {}
+        self._block_size = np.zeros(0, np.int64)  # class id -> block size
+        self.seqs = SeqTable()
+        self._owners: dict[int, _Owner] = {}
+        self._moves: list[Move] = []
+
+    # -- classes ----------------------------------------------------------------
+    def register_class(self, geometry: Geometry) -> int:
+        """The class id of ``geometry``, creating the class on first use."""
+        if not isinstance(geometry, Geometry):
+            raise InvalidArgument(f"expected a Geometry, got {type(geometry).__name__}")
+        cid = self._class_ids.get(geometry)
+        if cid is None:
+            cid = len(self.classes)
+            pool = ClassPool(cid, geometry, self.budget, self.policy, self._on_evict)
+            self.classes.append(pool)
+            self._counters.append(_Counters())
+            self._class_ids[geometry] = cid
+            self._block_size = np.append(self._block_size, geometry.block_size)
+            self.seqs.ensure_tail_width(geometry.block_size)
+        return cid
+
+    def class_pool(self, class_id: int) -> ClassPool:
+        if type(class_id) is not int or not 0 <= class_id < len(self.classes):
+            raise InvalidArgument(f"unknown layout class {class_id!r}")
+        return self.classes[class_id]
+
+    def _on_evict(self, class_id: int, block: int, digest: bytes) -> None:
+        if self._track_moves:
+            self._moves.extend(self.placement.demote((class_id, digest), self.classes[class_id].block_bytes))
+
+    def drain_moves(self) -> list[Move]:
+        """Tier moves planned since the last call (for the transfer engine)."""
+        out, self._moves = self._moves, []
+        return out
+
+    def drain_released_slabs(self) -> list[tuple[int, int, int]]:
+        """(class id, byte offset, bytes) of slabs whose memory can be released."""
+        out = []
+        for pool in self.classes:
+            for slot in pool.drain_released():
+                out.append((pool.class_id, slot * pool.blocks_per_slab * pool.block_bytes, pool.slab_bytes))
+        return out
+
+    # -- owners and sequence lookups ----------------------------------------------
+    @staticmethod
+    def _check_owner(owner) -> None:
+        if type(owner) is not int:
+            raise InvalidArgument(f"owner must be an int, got {type(owner).__name__}")
+
+    def _owner(self, owner: int) -> _Owner:
+        state = self._owners.get(owner)
+        if state is None:
+            self._check_owner(owner)
+            state = self._owners[owner] = _Owner()
+        return state
+
+    def _info(self, slot: int) -> SequenceInfo:
+        t = self.seqs
+        return SequenceInfo(
+            t.seq_id(slot), int(t.cls[slot]), tuple(t.blocks[slot]), int(t.ntok[slot]), int(t.num_cached[slot])
+        )
+
+    def sequence(self, owner: int, seq_id: int) -> SequenceInfo:
+        return self._info(self.seqs.slot_of(owner, seq_id))
+
+    def sequences(self, owner: int) -> list[SequenceInfo]:
+        state = self._owners.get(owner)
+        return [self.sequence(owner, i) for i in sorted(state.seqs)] if state else []
+
+    def owners(self) -> dict[int, tuple[int, int]]:
+        """owner -> (sequences, reserved blocks)."""
+        return {
+            o: (len(s.seqs), sum(len(r) for r in s.reserves.values())) for o, s in self._owners.items()
+        }
+
+    def reserve(self, owner: int, class_id: int) -> tuple[int, ...]:
+        state = self._owners.get(owner)
+        return tuple(state.reserves.get(class_id, ())) if state else ()
+
+    # -- sequences --------------------------------------------------------------
+    def create(
+        self, owner: int, class_id: int, model_id: str, tokens, extra_key: str = ""
+    ) -> SequenceInfo:
+        """A new sequence holding ``tokens``; reuses the longest cached prefix."""
+        pool = self.class_pool(class_id)
+        packed = pack_tokens(tokens)
+        root = root_hash(model_id, extra_key)
+        self._check_owner(owner)
+        bs = pool.block_size
+        hashes = chain_hashes(root, packed, bs)
+        matched: list[int] = []
+        for h in hashes:
+            b = pool.by_hash.get(h)
+            if b is None:
+                break
+            matched.append(b)
+        need = -(-len(packed) // bs) - len(matched)
+        revived = sum(1 for b in matched if b in pool.cached)
+        avail = pool.obtainable(need + revived) - revived
+        if avail < need:
+            raise OutOfBlocks(need, avail)
+        # -- apply --
+        for b in matched:
+            pool.acquire_cached(b)
+        fresh = pool.allocate(need)
+        for h, b in zip(hashes[len(matched):], fresh):
+            pool.register(b, h)
+        c = self._counters[class_id]
+        c.prefix_queries += 1
+        c.prefix_hits += bool(matched)
+        c.prefix_query_tokens += len(packed)
+        c.prefix_hit_tokens += len(matched) * bs
+        state = self._owner(owner)
+        t = self.seqs
+        seq_id = t.add(owner, class_id, matched + fresh, len(packed),
+                       hashes[-1] if hashes else root, len(matched) * bs)
+        rest = packed[len(hashes) * bs:]
+        t.tail[seq_id & 0xFFFFFFFF, : len(rest)] = rest
+        state.seqs.add(seq_id)
+        return self._info(seq_id & 0xFFFFFFFF)
+
+    def extend(self, owner: int, items: Mapping[int, object] | Iterable[ExtendItem]) -> ExtendResult:
+        """Append tokens to many sequences in one call; returns only what changed.
+
+        ``items`` maps sequence ids to token lists, or is a list of
+        ``ExtendItem`` (which may carry reserve claims).
+        """
+        if isinstance(items, Mapping):
+            items = [ExtendItem(k, v) for k, v in items.items()]
+        ids, counts, packed, claim_counts, claims = [], [], [], [], []
+        for item in items:
+            if not isinstance(item, ExtendItem):
+                raise InvalidArgument(f"extend takes ExtendItem objects, got {type(item).__name__}")
+            if type(item.seq_id) is not int:
+                raise InvalidArgument(f"sequence ids are integers, got {type(item.seq_id).__name__}")
+            p = pack_tokens(item.tokens)
+            ids.append(item.seq_id)
+            counts.append(len(p))
+            packed.append(p)
+            claim_counts.append(len(item.claimed))
+            claims.extend(item.claimed)
+        tokens = np.concatenate([np.frombuffer(p, "<u4") for p in packed]) if packed else np.zeros(0, "<u4")
+        return self.extend_columns(
+            owner, _as_array(ids, np.int64, "sequence ids"), np.asarray(counts, np.int64), tokens,
+            np.asarray(claim_counts, np.int64) if claims else None,
+            _as_array(claims, np.int64, "claimed blocks") if claims else None,
+        )
+
+    def extend_columns(
+        self,
+        owner: int,
+        seq_ids,
+        counts,
+        tokens,
+        claim_counts=None,
+        claims=None,
+    ) -> ExtendResult:
+        """``extend`` for a batch given as flat arrays (the wire format).
+
+        ``tokens`` holds ``counts[i]`` tokens for ``seq_ids[i]``, in order;
+        ``claims`` holds ``claim_counts[i]`` reserved blocks for it.  All the
+        sequences must be of one layout class (a session has one layout).
+        """
+        self._check_owner(owner)
+        seq_ids = _as_array(seq_ids, np.int64, "sequence ids")
+        counts = _as_array(counts, np.int64, "token counts")
+        tokens = _as_array(tokens, np.uint32, "token ids")
+        n = len(seq_ids)
+        if len(counts) != n:
+            raise InvalidArgument(f"{n} sequence ids but {len(counts)} token counts")
+        if n == 0:
+            if len(tokens):
+                raise InvalidArgument(f"no sequences but {len(tokens)} tokens were sent")
+            return ExtendResult(())
+        t = self.seqs
+        slots = t.slots_of(owner, seq_ids)
+        c0 = int(t.cls[slots[0]])
+        if len(self.classes) > 1 and not (t.cls[slots] == c0).all():
+            # one layout class per call keeps the capacity check exact (a session has one layout)
+            raise InvalidArgument("one extend call takes sequences of one layout class only")
+        pool = self.classes[c0]
+        bs = pool.block_size
+        nt = t.ntok[slots]
+        if claim_counts is None and claims is None and len(tokens) == n and (counts == 1).all() \
+                and not t.maybe_shared[slots].any():
+            return self._extend_one_each(pool, slots, seq_ids, nt, tokens)
+        if counts.min() < 0:
+            raise InvalidArgument("token counts must be >= 0")
+        if int(counts.sum()) != len(tokens):
+            raise InvalidArgument(f"token counts add up to {int(counts.sum())} but {len(tokens)} tokens were sent")
+        new_nt = nt + counts
+        grow = -(-new_nt // bs) + (nt // -bs)  # new blocks: ceil(new/bs) - ceil(old/bs)
+        cow = np.zeros(n, np.bool_)
+        for i in np.flatnonzero((counts > 0) & (nt % bs != 0) & t.maybe_shared[slots]):
+            cow[i] = pool.is_shared(t.blocks[slots[i]][-1])
+        has = None
+        if claim_counts is not None or claims is not None:
+            has, claims, claimed_at = self._check_claims(owner, c0, seq_ids, counts, grow, cow, claim_counts, claims)
+            claims_per = np.diff(claimed_at)
+            need = grow + cow - np.where(has, claims_per, 0)
+        else:
+            need = grow + cow
+        total = int(need.sum())
+        avail = pool.obtainable(total)
+        if avail < total:
+            raise OutOfBlocks(total, avail)
+        # -- apply: block changes (a few sequences per step) --
+        fresh = iter(pool.allocate(total))
+        deltas = []
+        copies = []
+        for i in np.flatnonzero((grow > 0) | cow).tolist():
+            slot = int(slots[i])
+            blocks = t.blocks[slot]
+            first = len(blocks)
+            if cow[i]:
+                src = blocks[-1]
+                dst = next(fresh)
+                pool.release([src])
+                blocks[-1] = dst
+                copies.append(BlockCopy(c0, src, dst))
+                self._counters[c0].cow_copies += 1
+                first -= 1
+            g = int(grow[i])
+            if has is not None and has[i]:
+                mine = claims[claimed_at[i]:claimed_at[i + 1]].tolist()
+                reserve = self._owners[owner].reserves[c0]
+                for b in mine:
+                    del reserve[b]
+                blocks.extend(mine)
+                g -= len(mine)
+            blocks.extend(next(fresh) for _ in range(g))
+            deltas.append(SeqDelta(int(seq_ids[i]), first, tuple(blocks[first:]), int(new_nt[i])))
+        t.maybe_shared[slots[(grow > 0) | cow]] = False
+        self._append_general(pool, slots, nt, counts, tokens)
+        t.ntok[slots] = new_nt
+        return ExtendResult(tuple(deltas), tuple(copies))
+
+    def _extend_one_each(self, pool: ClassPool, slots, seq_ids, nt, tokens) -> ExtendResult:
+        """Steady decode: one token for each sequence, none of them sharing its last block."""
+        t = self.seqs
+        bs = pool.block_size
+        pos = nt % bs
+        starts = np.flatnonzero(pos == 0)  # these need a new block
+        if len(starts):
+            avail = pool.obtainable(len(starts))
+            if avail < len(starts):
+                raise OutOfBlocks(len(starts), avail)
+        deltas = []
+        if len(starts):
+            all_blocks = t.blocks
+            for i, b, slot, seq_id, ntok in zip(
+                starts.tolist(), pool.allocate(len(starts)), slots[starts].tolist(),
+                seq_ids[starts].tolist(), nt[starts].tolist(),
+            ):
+                blocks = all_blocks[slot]
+                blocks.append(b)
+                deltas.append(SeqDelta(seq_id, len(blocks) - 1, (b,), ntok + 1))
+        t.tail[slots, pos] = tokens
+        filled = np.flatnonzero(pos == bs - 1)
+        if len(filled):
+            tail, last_hash, all_blocks = t.tail, t.last_hash, t.blocks
+            for slot in slots[filled].tolist():
+                h = _digest(last_hash[slot] + tail[slot, :bs].tobytes())
+                pool.register(all_blocks[slot][-1], h)
+                last_hash[slot] = h
+        t.ntok[slots] = nt + 1
+        return ExtendResult(tuple(deltas))
+
+    def _check_claims(self, owner, c0, seq_ids, counts, grow, cow, claim_counts, claims):
+        """Validate reserve claims; returns (has-claims mask, claims, offsets)."""
+        n = len(seq_ids)
+        claim_counts = _as_array(claim_counts if claim_counts is not None else [], np.int64, "claim counts")
+        claims = _as_array(claims if claims is not None else [], np.int64, "claimed blocks")
+        if len(claim_counts) != n or (n and claim_counts.min() < 0) or int(claim_counts.sum()) != len(claims):
+            raise InvalidArgument("claim counts must give one non-negative count per sequence, adding up to the claims")
+        has = claim_counts > 0
+        bad = has & ((claim_counts > grow) | cow)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            if cow[i]:
+                raise InvalidArgument(
+                    f"sequence {int(seq_ids[i])} shares its last block: extend it without claimed blocks"
+                )
+            raise InvalidArgument(
+                f"sequence {int(seq_ids[i])} needs {int(grow[i])} new blocks for {int(counts[i])} tokens, "
+                f"{int(claim_counts[i])} were claimed (claims may cover part of them, not more)"
+            )
+        state = self._owners.get(owner)
+        reserve = state.reserves.get(c0, {}) if state else {}
+        starts = np.concatenate(([0], np.cumsum(claim_counts)))
+        seen: set[int] = set()
+        for b in claims.tolist():
+            if b not in reserve or b in seen:
+                raise InvalidArgument(f"block {b} is not in this session's reserve")
+            seen.add(b)
+        return has, claims, starts
+
+    def _append_general(self, pool: ClassPool, slots, nt, counts, tokens) -> None:
+        t = self.seqs
+        bs = pool.block_size
+        offsets = np.concatenate(([0], np.cumsum(counts)))
+        for i in np.flatnonzero(counts).tolist():
+            slot = int(slots[i])
+            pos, ntok = int(nt[i] % bs), int(nt[i])
+            new = tokens[offsets[i]:offsets[i + 1]]
+            row = t.tail[slot]
+            parent = t.last_hash[slot]
+            blocks = t.blocks[slot]
+            k = 0
+            while k < len(new):
+                take = min(bs - pos, len(new) - k)
+                row[pos:pos + take] = new[k:k + take]
+                k += take
+                pos += take
+                if pos == bs:
+                    parent = _digest(parent + row[:bs].tobytes())
+                    pool.register(blocks[(ntok + k) // bs - 1], parent)
+                    pos = 0
+            t.last_hash[slot] = parent
+
+    def fork(self, owner: int, seq_id: int) -> SequenceInfo:
+        """A new sequence sharing every block of ``seq_id`` (copy-on-write later)."""
+        t = self.seqs
+        slot = t.slot_of(owner, seq_id)
+        c = int(t.cls[slot])
+        pool = self.classes[c]
+        pool.share(t.blocks[slot])
+        ntok = int(t.ntok[slot])
+        child_id = t.add(owner, c, list(t.blocks[slot]), ntok, t.last_hash[slot], int(t.num_cached[slot]))
+        child = child_id & 0xFFFFFFFF
+        t.tail[child] = t.tail[slot]
+        if ntok % pool.block_size:
+            t.maybe_shared[slot] = t.maybe_shared[child] = True
+        self._owners[owner].seqs.add(child_id)
+        return self._info(child)
+
+    def free(self, owner: int, seq_ids: Iterable[int]) -> int:
+        """Free sequences (tail blocks first); returns how many blocks were released."""
+        seq_ids = list(seq_ids)
+        t = self.seqs
+        slots = [t.slot_of(owner, i) for i in seq_ids]
+        if len(set(slots)) != len(slots):
+            raise InvalidArgument("a sequence appears twice in one free")
+        released = 0
+        for seq_id, slot in zip(seq_ids, slots):
+            blocks = t.blocks[slot]
+            self.classes[int(t.cls[slot])].release(blocks[::-1])
+            released += len(blocks)
+            t.remove(slot)
+            self._owners[owner].seqs.discard(int(seq_id))
+        return released
+
+    def lookup(self, class_id: int, model_id: str, tokens, extra_key: str = "") -> LookupResult:
+        """Longest cached prefix of ``tokens`` over every tier; allocates nothing."""
+        pool = self.class_pool(class_id)
+        packed = pack_tokens(tokens)
+        hashes = chain_hashes(root_hash(model_id, extra_key), packed, pool.block_size)
+        per_tier = [0, 0, 0]
+        for h in hashes:
+            if h in pool.by_hash:
+                per_tier[0] += 1
+                continue
+            tier = self.placement.locate((class_id, h))
+            if tier is None:
+                break
+            per_tier[tier] += 1
+        bs = pool.block_size
+        c = self._counters[class_id]
+        c.prefix_queries += 1
+        c.prefix_hits += bool(sum(per_tier))
+        c.prefix_query_tokens += len(packed)
+        c.prefix_hit_tokens += sum(per_tier) * bs
+        return LookupResult(sum(per_tier) * bs, per_tier[0] * bs, per_tier[1] * bs, per_tier[2] * bs)
+
+    # -- reserves ----------------------------------------------------------------
+    def grant_reserve(self, owner: int, class_id: int, target: int) -> tuple[int, ...]:
+        """Top the owner's reserve up towards ``target`` blocks; returns the blocks added.
+
+        Best effort and cheap: reserves take free memory only, they never evict
+        the prefix cache or take memory from other classes.
+        """
+        pool = self.class_pool(class_id)
+        if type(target) is not int or target < 0:
+            raise InvalidArgument(f"reserve target must be a non-negative integer, got {target!r}")
+        self._check_owner(owner)
+        current = self._owners[owner].reserves.get(class_id, {}) if owner in self._owners else {}
+        want = min(target, self.max_reserve_blocks) - len(current)
+        cheap = len(pool.free) + (self.budget.free // pool.slab_chunks) * pool.blocks_per_slab
+        n = min(want, cheap)
+        if n <= 0:
+            return ()
+        ids = pool.allocate(n)
+        self._owner(owner).reserves.setdefault(class_id, {}).update(dict.fromkeys(ids))
+        return tuple(ids)
+
+    def return_reserve(self, owner: int, class_id: int, blocks: Iterable[int] | None = None) -> int:
+        """Give reserved blocks back (all of them when ``blocks`` is None)."""
+        pool = self.class_pool(class_id)
+        state = self._owners.get(owner)
+        reserve = state.reserves.get(class_id, {}) if state else {}
+        blocks = list(reserve) if blocks is None else list(blocks)
+        if len(set(blocks)) != len(blocks):
+            raise InvalidArgument("a block appears twice in one reserve return")
+        for b in blocks:
+            if b not in reserve:
+                raise InvalidArgument(f"block {b!r} is not in this session's reserve")
+        for b in blocks:
+            del reserve[b]
+        pool.release(blocks)
+        return len(blocks)
+
+    def drop_owner(self, owner: int) -> int:
+        """Free everything an owner holds (a session ended); returns blocks released."""
+        state = self._owners.get(owner)
+        if state is None:
+            return 0
+        released = self.free(owner, sorted(state.seqs))
+        for cls in list(state.reserves):
+            released += self.return_reserve(owner, cls)
+        del self._owners[owner]
+        return released
+
+    # -- admin --------------------------------------------------------------------
+    def evict_cached(self, class_id: int | None = None, max_blocks: int | None = None) -> int:
+        """Drop cached (unheld) blocks, oldest first; returns how many."""
+        pools = self.classes if class_id is None else [self.class_pool(class_id)]
+        if max_blocks is not None and (type(max_blocks) is not int or max_blocks < 0):
+            raise InvalidArgument(f"max_blocks must be a non-negative integer, got {max_blocks!r}")
+        n = 0
+        for pool in pools:
+            n += pool.drop_cached(None if max_blocks is None else max_blocks - n)
+        return n
+
+    def stats(self) -> PoolStats:
+        reserved = [0] * len(self.classes)
+        for state in self._owners.values():
+            for cls, r in state.reserves.items():
+                reserved[cls] += len(r)
+        classes = []
+        for pool, c in zip(self.classes, self._counters):
+            classes.append(
+                ClassStats(
+                    class_id=pool.class_id,
+                    geometry=pool.geometry.describe(),
+                    block_bytes=pool.block_bytes,
+                    capacity_blocks=pool.num_block_ids,
+                    total_blocks=pool.total_blocks,
+                    used_blocks=pool.held_blocks,
+                    reserved_blocks=reserved[pool.class_id],
+                    cached_blocks=len(pool.cached),
+                    free_blocks=len(pool.free),
+                    cow_copies=c.cow_copies,
+                    evictions=pool.evictions,
+                    prefix_queries=c.prefix_queries,
+                    prefix_hits=c.prefix_hits,
+                    prefix_query_tokens=c.prefix_query_tokens,
+                    prefix_hit_tokens=c.prefix_hit_tokens,
+                )
+            )
+        tiers = tuple(
+            TierStats(t.tier.name.lower(), t.capacity, t.used, len(t)) for t in self.placement.lower
+        )
+        return PoolStats(
+            pool_bytes=self.budget.total * self.budget.chunk_bytes,
+            chunk_bytes=self.budget.chunk_bytes,
+            free_chunks=self.budget.free,
+            sequences=self.seqs.live,
+            owners=len(self._owners),
+            classes=tuple(classes),
+            tiers=tiers,
+        )
+
+    def check_invariants(self) -> None:
+        """Assert every invariant of the bookkeeping (for tests and ``kvpoolctl check``)."""
+        t = self.seqs
+        holders: list[dict[int, int]] = [dict() for _ in self.classes]
+        live = t.live_slots()
+        assert len(live) == t.live, "live sequence count is off"
+        for slot in live.tolist():
+            c = int(t.cls[slot])
+            pool = self.classes[c]
+            bs, ntok = pool.block_size, int(t.ntok[slot])
+            blocks = t.blocks[slot]
+            seq_id = t.seq_id(slot)
+            assert len(blocks) == -(-ntok // bs), f"sequence {seq_id}: blocks vs tokens"
+            owner = int(t.owner[slot])
+            assert seq_id in self._owners[owner].seqs, f"sequence {seq_id} missing from its owner"
+            if ntok % bs and len(blocks) and pool.is_shared(blocks[-1]) and not t.maybe_shared[slot]:
+                # a shared partial block must be flagged, or an append would skip copy-on-write
+                sharers = sum(1 for s in live.tolist() if t.blocks[s] and t.blocks[s][-1] == blocks[-1]
+                              and int(t.ntok[s]) % bs)
+                assert sharers <= 1, f"sequence {seq_id}: shared partial block not flagged"
+            for b in blocks:
+                holders[c][b] = holders[c].get(b, 0) + 1
+        for owner, state in self._owners.items():
+            for seq_id in state.seqs:
+                assert int(t.owner[seq_id & 0xFFFFFFFF]) == owner and t.seq_id(seq_id & 0xFFFFFFFF) == seq_id
+            for c, reserve in state.reserves.items():
+                for b in reserve:
+                    holders[c][b] = holders[c].get(b, 0) + 1
+        assert sum(len(s.seqs) for s in self._owners.values()) == t.live
+        used_chunks = 0
+        for pool in self.classes:
+            refs = pool.check()
+            assert refs == holders[pool.class_id], (
+                f"class {pool.class_id}: ref counts differ from page-table holders"
+            )
+            used_chunks += len(pool.slots) * pool.slab_chunks
+        assert used_chunks + self.budget.free == self.budget.total, "chunks lost or double counted"
+        self.placement.check()

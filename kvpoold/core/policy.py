@@ -1,0 +1,61 @@
+"""Eviction policies: pure objects that only order keys.
+
+A policy never owns memory; the pool or tier index asks it which key to give
+up next.  New policies (LFU, ARC, ...) implement the same five methods.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Generic, Hashable, Iterator, TypeVar
+
+K = TypeVar("K", bound=Hashable)
+
+
+class LRUPolicy(Generic[K]):
+    """Least recently used first.  Every method is O(1) (a C OrderedDict)."""
+
+    name = "lru"
+
+    __slots__ = ("_order",)
+
+    def __init__(self) -> None:
+        self._order: OrderedDict[K, None] = OrderedDict()
+
+    def insert(self, key: K) -> None:
+        """A key becomes evictable; it is the most recently used."""
+        self._order[key] = None
+
+    def remove(self, key: K) -> None:
+        """A key stops being evictable (reused, or dropped by its owner)."""
+        del self._order[key]
+
+    def touch(self, key: K) -> None:
+        self._order.move_to_end(key)
+
+    def victim(self) -> K:
+        """Remove and return the key to evict next; KeyError when empty."""
+        return self._order.popitem(last=False)[0]
+
+    def peek(self) -> K:
+        return next(iter(self._order))
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._order
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __iter__(self) -> Iterator[K]:
+        """Oldest first: the order in which victims would come."""
+        return iter(self._order)
+
+
+POLICIES = {"lru": LRUPolicy}
+
+
+def make_policy(name: str) -> LRUPolicy:
+    try:
+        return POLICIES[name]()
+    except KeyError:
+        raise ValueError(f"unknown eviction policy {name!r}; known: {sorted(POLICIES)}") from None

@@ -1,0 +1,152 @@
+"""Sequences as a struct of arrays, so that a whole batch is checked at once.
+
+A decode step touches every running sequence; per-sequence Python objects
+would make that cost a microsecond or more each.  Here the per-sequence
+scalars live in numpy columns indexed by a *slot*, and a batch of sequence
+ids is validated and advanced with a handful of vectorised operations.  Only
+page tables (``blocks``) and hash-chain heads stay Python objects: they change
+once per ``block_size`` tokens.
+
+A sequence id is ``generation << 32 | slot``.  Freeing a sequence bumps its
+slot's generation, so a stale id is recognised ("already freed") and can
+never name the slot's next tenant.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import InvalidArgument, NotOwner, UnknownSequence
+
+SLOT_BITS = 32
+SLOT_MASK = (1 << SLOT_BITS) - 1
+NO_OWNER = -1
+
+_ARANGE = np.arange(4096, dtype=np.int64)
+
+
+def _arange(n: int) -> np.ndarray:
+    return _ARANGE[:n] if n <= len(_ARANGE) else np.arange(n, dtype=np.int64)
+
+
+class SeqTable:
+    def __init__(self, capacity: int = 256, tail_width: int = 16) -> None:
+        self.owner = np.full(capacity, NO_OWNER, np.int64)
+        self.gen = np.zeros(capacity, np.int64)
+        #: the live sequence id of each slot, -1 when free: one compare checks id, slot and generation
+        self.current = np.full(capacity, -1, np.int64)
+        self.cls = np.zeros(capacity, np.int32)
+        self.ntok = np.zeros(capacity, np.int64)
+        #: the partly filled last block may be shared (set by fork; cleared lazily)
+        self.maybe_shared = np.zeros(capacity, np.bool_)
+        #: tokens of the partly filled last block, little-endian uint32
+        self.tail = np.zeros((capacity, tail_width), "<u4")
+        self.num_cached = np.zeros(capacity, np.int64)
+        self.blocks: list[list[int] | None] = [None] * capacity
+        self.last_hash: list[bytes | None] = [None] * capacity
+        self._free = list(range(capacity - 1, -1, -1))
+        self._mark = np.full(capacity, -1, np.int64)  # scratch for duplicate checks
+        self.live = 0
+
+    @property
+    def capacity(self) -> int:
+        return len(self.owner)
+
+    def ensure_tail_width(self, width: int) -> None:
+        if width > self.tail.shape[1]:
+            wider = np.zeros((self.capacity, width), "<u4")
+            wider[:, : self.tail.shape[1]] = self.tail
+            self.tail = wider
+
+    def _grow(self) -> None:
+        old = self.capacity
+        new = old * 2
+
+        def widen(a, fill):
+            out = np.full((new,) + a.shape[1:], fill, a.dtype)
+            out[:old] = a
+            return out
+
+        self.owner = widen(self.owner, NO_OWNER)
+        self.gen = widen(self.gen, 0)
+        self.current = widen(self.current, -1)
+        self.cls = widen(self.cls, 0)
+        self.ntok = widen(self.ntok, 0)
+        self.maybe_shared = widen(self.maybe_shared, False)
+        self.tail = widen(self.tail, 0)
+        self.num_cached = widen(self.num_cached, 0)
+        self._mark = widen(self._mark, -1)
+        self.blocks.extend([None] * old)
+        self.last_hash.extend([None] * old)
+        self._free.extend(range(new - 1, old - 1, -1))
+
+    # -- lifecycle ------------------------------------------------------------------
+    def add(self, owner: int, cls: int, blocks: list[int], ntok: int, last_hash: bytes, num_cached: int = 0) -> int:
+        """Place a new sequence; returns its id.  The caller fills the tail row."""
+        if not self._free:
+            self._grow()
+        slot = self._free.pop()
+        self.owner[slot] = owner
+        self.cls[slot] = cls
+        self.ntok[slot] = ntok
+        self.maybe_shared[slot] = False
+        self.num_cached[slot] = num_cached
+        self.blocks[slot] = blocks
+        self.last_hash[slot] = last_hash
+        self.live += 1
+        seq_id = int(self.gen[slot]) << SLOT_BITS | slot
+        self.current[slot] = seq_id
+        return seq_id
+
+    def remove(self, slot: int) -> None:
+        self.owner[slot] = NO_OWNER
+        self.current[slot] = -1
+        self.gen[slot] += 1
+        self.blocks[slot] = None
+        self.last_hash[slot] = None
+        self._free.append(slot)
+        self.live -= 1
+
+    # -- resolving ids ------------------------------------------------------------------
+    def slot_of(self, owner: int, seq_id) -> int:
+        """The slot of one sequence id, or a typed error naming what is wrong."""
+        if type(seq_id) is not int:
+            if isinstance(seq_id, np.integer):
+                seq_id = int(seq_id)
+            else:
+                raise InvalidArgument(f"sequence ids are integers, got {type(seq_id).__name__}")
+        if seq_id < 0:
+            raise UnknownSequence(f"sequence {seq_id} does not exist")
+        slot, gen = seq_id & SLOT_MASK, seq_id >> SLOT_BITS
+        if slot >= self.capacity or gen > self.gen[slot] or (
+            gen == self.gen[slot] and self.owner[slot] == NO_OWNER
+        ):
+            raise UnknownSequence(f"sequence {seq_id} does not exist")
+        if gen < self.gen[slot]:
+            raise UnknownSequence(f"sequence {seq_id} was already freed")
+        if self.owner[slot] != owner:
+            raise NotOwner(f"sequence {seq_id} belongs to another session")
+        return slot
+
+    def slots_of(self, owner: int, seq_ids: np.ndarray) -> np.ndarray:
+        """Slots of a batch of ids: all valid, all the owner's, no duplicates."""
+        slots = seq_ids & SLOT_MASK
+        # an out-of-range slot is clipped to another slot, whose id cannot match
+        ok = self.current.take(slots, mode="clip") == seq_ids
+        ok &= self.owner.take(slots, mode="clip") == owner
+        if not ok.all():
+            self.slot_of(owner, int(seq_ids[np.flatnonzero(~ok)[0]]))  # raises the precise error
+            raise AssertionError("unreachable")  # pragma: no cover
+        order = _arange(len(slots))
+        mark = self._mark
+        mark[slots] = order  # with a duplicate, the later position wins...
+        if not (mark[slots] == order).all():  # ...and the earlier one sees it
+            first = int(np.flatnonzero(mark[slots] != order)[0])
+            raise InvalidArgument(f"sequence {int(seq_ids[first])} appears twice in one call")
+        return slots
+
+    def seq_id(self, slot: int) -> int:
+        return int(self.gen[slot]) << SLOT_BITS | slot
+
+    def live_slots(self) -> np.ndarray:
+        return np.flatnonzero(self.owner != NO_OWNER)

@@ -1,0 +1,1 @@
+"""The gRPC service: a thin adapter from the wire to the core, sessions, admin."""

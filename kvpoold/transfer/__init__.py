@@ -1,0 +1,1 @@
+"""Block copies between tiers (filled in with the memory hierarchy)."""

@@ -1,0 +1,26 @@
+"""Shared helpers for the core tests: a snapshot of every piece of state."""
+
+from __future__ import annotations
+
+from kvpoold.core import KVCacheManager
+
+
+def snapshot(m: KVCacheManager):
+    """Everything a call could change, as plain comparable values."""
+    t = m.seqs
+    seqs = {
+        t.seq_id(i): (
+            int(t.owner[i]), int(t.cls[i]), tuple(t.blocks[i]), int(t.ntok[i]), bool(t.maybe_shared[i]),
+            t.tail[i].tobytes(), t.last_hash[i], int(t.num_cached[i]),
+        )
+        for i in t.live_slots().tolist()
+    }
+    pools = [
+        (
+            tuple(p.free), tuple(p.cached), dict(p.extra), dict(p.hash_of), dict(p.by_hash),
+            frozenset(p.slots), tuple(sorted(p._unowned_slots)), p.evictions,
+        )
+        for p in m.classes
+    ]
+    owners = {o: (frozenset(s.seqs), {c: tuple(r) for c, r in s.reserves.items()}) for o, s in m._owners.items()}
+    return seqs, pools, owners, m.budget.free, t.gen.tobytes(), t.live, [vars(c).copy() for c in m._counters]

@@ -1,0 +1,136 @@
+"""ClassPool and ChunkBudget: exact behaviour of ids, holders, eviction and slabs."""
+
+import pytest
+
+from kvpoold.core import ChunkBudget, ClassPool, Geometry, LayoutDoesNotFit, OutOfBlocks
+from kvpoold.core.block_pool import choose_slab_chunks
+
+# 2 layers * 2 (k|v) * 1 head * 8 dim * 4 tokens * 2 bytes = 256-byte blocks
+G = Geometry(num_layers=2, num_kv_heads=1, head_dim=8, dtype="float16", block_size=4)
+
+
+def make(chunks=4, chunk_bytes=1024):
+    budget = ChunkBudget(chunks, chunk_bytes)
+    evicted = []
+    pool = ClassPool(0, G, budget, on_evict=lambda c, b, h: evicted.append((b, h)))
+    return budget, pool, evicted
+
+
+def test_geometry_sizes():
+    assert G.block_bytes == 256
+    assert G.block_shape == (2, 2, 1, 4, 8)
+    assert Geometry(32, 8, 128, "bfloat16", 16).block_bytes == 2 << 20  # Llama-3-8B-like
+
+
+def test_allocate_takes_lowest_ids_and_slabs_on_demand():
+    budget, pool, _ = make()
+    assert pool.blocks_per_slab == 4 and pool.slab_chunks == 1 and pool.num_block_ids == 16
+    assert pool.total_blocks == 0
+    assert pool.allocate(3) == [0, 1, 2]
+    assert budget.free == 3 and pool.total_blocks == 4
+    assert pool.allocate(3) == [3, 4, 5]  # crosses into a second slab
+    assert budget.free == 2
+    pool.check()
+
+
+def test_release_pushes_back_and_reuses_lifo():
+    _, pool, _ = make()
+    ids = pool.allocate(4)
+    pool.release(ids[::-1])
+    assert pool.held_blocks == 0 and len(pool.free) == 4
+    assert pool.allocate(1) == [0]  # released tail first, so the head comes back first
+    pool.check()
+
+
+def test_shared_blocks_need_every_holder_released():
+    _, pool, _ = make()
+    ids = pool.allocate(2)
+    pool.share(ids)
+    assert pool.refcount(ids[0]) == 2 and pool.is_shared(ids[0])
+    pool.release(ids)
+    assert pool.refcount(ids[0]) == 1 and not pool.is_shared(ids[0])
+    pool.release(ids)
+    assert pool.refcount(ids[0]) == 0
+    assert pool.check() == {}
+
+
+def test_cached_blocks_evicted_in_release_order():
+    _, pool, evicted = make(chunks=1)
+    ids = pool.allocate(4)
+    for i, b in enumerate(ids):
+        assert pool.register(b, bytes([i]) * 16)
+    pool.release([ids[3], ids[2]])  # a tail, freed tail first
+    pool.release([ids[0]])
+    assert list(pool.cached) == [ids[3], ids[2], ids[0]]
+    assert pool.allocate(2) == [ids[3], ids[2]]  # evicted oldest first, handed out in that order
+    assert evicted == [(ids[3], bytes([3]) * 16), (ids[2], bytes([2]) * 16)]
+    assert pool.lookup(bytes([0]) * 16) == ids[0]
+    assert pool.lookup(bytes([3]) * 16) is None
+    pool.check()
+
+
+def test_prefix_hit_revives_cached_and_shares_held():
+    _, pool, _ = make()
+    a, b = pool.allocate(2)
+    pool.register(a, b"a" * 16)
+    pool.release([a])
+    pool.acquire_cached(a)  # cached -> held once
+    assert pool.refcount(a) == 1 and a not in pool.cached
+    pool.acquire_cached(a)  # held -> held twice
+    assert pool.refcount(a) == 2
+    pool.check()
+
+
+def test_register_keeps_first_block_for_a_hash():
+    _, pool, _ = make()
+    a, b = pool.allocate(2)
+    assert pool.register(a, b"h" * 16)
+    assert not pool.register(b, b"h" * 16)
+    assert pool.lookup(b"h" * 16) == a and b not in pool.hash_of
+
+
+def test_memory_flows_between_classes_by_slab():
+    budget = ChunkBudget(2, 1024)
+    a = ClassPool(0, G, budget)
+    b = ClassPool(1, Geometry(1, 1, 8, "float16", 4), budget)  # 128-byte blocks, 8 per slab
+    ids = a.allocate(8)  # both chunks go to class a
+    assert budget.free == 0 and b.obtainable() == 0
+    a.release(ids[:4][::-1])  # slab 0 of class a becomes empty
+    assert b.obtainable() == 8
+    got = b.allocate(8)
+    assert got == list(range(8)) and a.total_blocks == 4 and b.total_blocks == 8
+    assert a.drain_released() == [0] and a.drain_released() == []
+    a.check(), b.check()
+
+
+def test_reclaim_evicts_other_class_cached_slab_last():
+    budget = ChunkBudget(2, 1024)
+    evicted = []
+    a = ClassPool(0, G, budget, on_evict=lambda c, blk, h: evicted.append((c, blk)))
+    b = ClassPool(1, G, budget)
+    ids = a.allocate(8)
+    for i, blk in enumerate(ids):
+        a.register(blk, bytes([i]) * 16)
+    a.release(ids[4:][::-1])  # slab 1 holds only cached blocks now
+    assert b.obtainable() == 4
+    assert b.allocate(4) == [0, 1, 2, 3]
+    assert sorted(evicted) == [(0, 4), (0, 5), (0, 6), (0, 7)]
+    assert a.total_blocks == 4 and len(a.cached) == 0
+    a.check(), b.check()
+
+
+def test_out_of_blocks_when_nothing_can_be_obtained():
+    _, pool, _ = make(chunks=1)
+    pool.allocate(4)
+    assert pool.obtainable() == 0
+    with pytest.raises(OutOfBlocks) as err:
+        pool.allocate(1)
+    assert "needed 1" in str(err.value)
+
+
+def test_slab_chunks_choice_and_too_large_layout():
+    assert choose_slab_chunks(2 << 20, 2 << 20, 100) == 1
+    assert choose_slab_chunks(3 << 20, 2 << 20, 100) == 3  # 6 MiB holds two 3 MiB blocks exactly
+    assert choose_slab_chunks(100, 4096, 10) == 1  # 40 blocks, 96 bytes of 4096 wasted (2.3%)
+    with pytest.raises(LayoutDoesNotFit):
+        choose_slab_chunks(5 << 20, 2 << 20, 2)

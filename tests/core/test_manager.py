@@ -1,0 +1,312 @@
+"""KVCacheManager: sequences, prefix cache, copy-on-write, reserves, errors."""
+
+import pytest
+
+from kvpoold.core import (
+    BlockCopy,
+    ExtendItem,
+    Geometry,
+    InvalidArgument,
+    KVCacheManager,
+    LayoutDoesNotFit,
+    NotOwner,
+    OutOfBlocks,
+    SeqDelta,
+    UnknownSequence,
+)
+
+from helpers import snapshot
+
+G = Geometry(num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16", block_size=4)  # 128 B
+
+
+def make(blocks=16, **kw):
+    m = KVCacheManager(blocks * 128, chunk_bytes=512, **kw)  # 4 blocks a slab
+    return m, m.register_class(G)
+
+
+def test_create_allocates_ceil_blocks_and_reports_no_hit():
+    m, c = make()
+    s = m.create(1, c, "llama", range(10))
+    assert s.block_table == (0, 1, 2) and s.num_tokens == 10 and s.num_cached_tokens == 0
+    m.check_invariants()
+
+
+def test_prefix_hit_reuses_full_blocks_only():
+    m, c = make()
+    a = m.create(1, c, "llama", range(10))
+    b = m.create(2, c, "llama", list(range(8)) + [99, 98, 97])
+    assert b.block_table[:2] == a.block_table[:2]
+    assert b.block_table[2] not in a.block_table
+    assert b.num_cached_tokens == 8
+    assert m.classes[c].refcount(a.block_table[0]) == 2
+    other_model = m.create(3, c, "qwen", range(10))
+    assert other_model.num_cached_tokens == 0
+    lora = m.create(3, c, "llama", range(10), extra_key="lora-7")
+    assert lora.num_cached_tokens == 0
+    m.check_invariants()
+
+
+def test_lookup_allocates_nothing_and_counts():
+    m, c = make()
+    m.create(1, c, "llama", range(12))
+    before = m.stats().classes[0]
+    r = m.lookup(c, "llama", list(range(9)))
+    assert r.num_cached_tokens == 8 and r.device_tokens == 8
+    after = m.stats().classes[0]
+    assert after.used_blocks == before.used_blocks and after.free_blocks == before.free_blocks
+    assert after.prefix_queries == before.prefix_queries + 1
+    assert after.prefix_hit_tokens == before.prefix_hit_tokens + 8
+
+
+def test_freed_blocks_stay_cached_and_tail_is_evicted_first():
+    m, c = make(blocks=4)  # one slab of 4 blocks
+    a = m.create(1, c, "llama", range(16))
+    m.free(1, [a.seq_id])
+    st = m.stats().classes[0]
+    assert st.cached_blocks == 4 and st.free_blocks == 0
+    assert list(m.classes[c].cached) == list(a.block_table[::-1])
+    b = m.create(1, c, "llama", [7, 7, 7, 7])  # needs one block: evicts the old tail
+    assert b.block_table == (a.block_table[3],)
+    assert m.lookup(c, "llama", range(16)).num_cached_tokens == 12
+    assert m.create(2, c, "llama", range(12)).num_cached_tokens == 12
+    m.check_invariants()
+
+
+def test_extend_returns_only_new_blocks_and_hashes_filled_blocks():
+    m, c = make()
+    a = m.create(1, c, "llama", range(3))
+    r = m.extend(1, {a.seq_id: [3]})
+    assert r.deltas == () and r.copies == ()  # the block table did not change
+    assert m.sequence(1, a.seq_id).num_tokens == 4
+    r = m.extend(1, {a.seq_id: [4, 5]})
+    assert r.deltas == (SeqDelta(a.seq_id, 1, (1,), 6),)
+    # the first block (tokens 0..3) is now in the prefix cache
+    assert m.lookup(c, "llama", range(4)).num_cached_tokens == 4
+    assert m.sequence(1, a.seq_id).block_table == (0, 1)
+
+
+def test_extend_batch_is_one_call_for_many_sequences():
+    m, c = make(blocks=64)
+    seqs = [m.create(1, c, "m", [i] * 4) for i in range(8)]
+    r = m.extend(1, {s.seq_id: [1] for s in seqs})
+    assert [d.seq_id for d in r.deltas] == [s.seq_id for s in seqs]
+    assert all(len(d.blocks) == 1 and d.num_tokens == 5 for d in r.deltas)
+
+
+def test_fork_shares_and_copy_on_write_on_first_append():
+    m, c = make()
+    a = m.create(1, c, "llama", range(6))  # blocks 0 (full), 1 (2 of 4 tokens)
+    f = m.fork(1, a.seq_id)
+    assert f.block_table == a.block_table
+    r = m.extend(1, {f.seq_id: [50]})
+    (copy,) = r.copies
+    assert copy == BlockCopy(c, a.block_table[1], r.deltas[0].blocks[0])
+    assert r.deltas[0].first == 1
+    assert m.sequence(1, f.seq_id).block_table == (a.block_table[0], copy.dst)
+    # the parent is now the only holder: no second copy
+    r2 = m.extend(1, {a.seq_id: [60]})
+    assert r2.copies == () and r2.deltas == ()
+    assert m.stats().classes[0].cow_copies == 1
+    m.check_invariants()
+
+
+def test_fork_at_block_boundary_needs_no_copy():
+    m, c = make()
+    a = m.create(1, c, "llama", range(8))
+    f = m.fork(1, a.seq_id)
+    r = m.extend(1, {f.seq_id: [1], a.seq_id: [2]})
+    assert r.copies == ()
+    assert r.deltas[0].blocks != r.deltas[1].blocks
+
+
+def test_out_of_blocks_is_typed_and_changes_nothing():
+    m, c = make(blocks=4)
+    a = m.create(1, c, "llama", range(12))
+    before = snapshot(m)
+    with pytest.raises(OutOfBlocks) as err:
+        m.create(1, c, "llama", range(100, 108))
+    assert err.value.needed == 2 and err.value.available == 1
+    assert snapshot(m) == before
+    with pytest.raises(OutOfBlocks):
+        m.extend(1, {a.seq_id: list(range(8))})
+    assert snapshot(m) == before
+
+
+def test_extend_is_all_or_nothing_across_the_batch():
+    m, c = make(blocks=4)
+    a = m.create(1, c, "llama", range(4))
+    b = m.create(1, c, "llama", range(10, 14))
+    before = snapshot(m)
+    with pytest.raises(OutOfBlocks):
+        m.extend(1, {a.seq_id: [1], b.seq_id: list(range(8))})
+    assert snapshot(m) == before
+    with pytest.raises(UnknownSequence):
+        m.extend(1, {a.seq_id: [1], 999: [1]})
+    assert snapshot(m) == before
+
+
+@pytest.mark.parametrize(
+    "call, error",
+    [
+        (lambda m, c, s: m.free(1, [s + 100]), UnknownSequence),
+        (lambda m, c, s: m.extend(1, {s: ["x"]}), InvalidArgument),
+        (lambda m, c, s: m.extend(1, {s: [-1]}), InvalidArgument),
+        (lambda m, c, s: m.extend(1, {s: [2**32]}), InvalidArgument),
+        (lambda m, c, s: m.extend(1, {s: [1.5]}), InvalidArgument),
+        (lambda m, c, s: m.extend(1, {s: "abc"}), InvalidArgument),
+        (lambda m, c, s: m.extend(1, {"1": [1]}), InvalidArgument),
+        (lambda m, c, s: m.create(1, c, "m", [None]), InvalidArgument),
+        (lambda m, c, s: m.create(1, c, "", [1]), InvalidArgument),
+        (lambda m, c, s: m.create(1, 7, "m", [1]), InvalidArgument),
+        (lambda m, c, s: m.free(2, [s]), NotOwner),
+        (lambda m, c, s: m.extend(2, {s: [1]}), NotOwner),
+        (lambda m, c, s: m.fork(2, s), NotOwner),
+        (lambda m, c, s: m.free(1, [s, s]), InvalidArgument),
+        (lambda m, c, s: m.grant_reserve(1, c, -1), InvalidArgument),
+        (lambda m, c, s: m.return_reserve(1, c, [0]), InvalidArgument),
+        (lambda m, c, s: m.evict_cached(c, -3), InvalidArgument),
+    ],
+)
+def test_invalid_calls_raise_typed_errors_and_change_nothing(call, error):
+    m, c = make()
+    s = m.create(1, c, "m", range(6)).seq_id
+    before = snapshot(m)
+    with pytest.raises(error):
+        call(m, c, s)
+    assert snapshot(m) == before
+
+
+def test_double_free_names_the_sequence():
+    m, c = make()
+    s = m.create(1, c, "m", range(6)).seq_id
+    m.free(1, [s])
+    before = snapshot(m)
+    with pytest.raises(UnknownSequence, match=f"sequence {s} was already freed"):
+        m.free(1, [s])
+    assert snapshot(m) == before
+
+
+def test_layout_that_does_not_fit():
+    m = KVCacheManager(4096, chunk_bytes=1024)
+    with pytest.raises(LayoutDoesNotFit):
+        m.register_class(Geometry(64, 8, 128, "float16", 16))
+    with pytest.raises(InvalidArgument):
+        Geometry(0, 1, 1, "float16")
+    with pytest.raises(InvalidArgument):
+        Geometry(1, 1, 1, "int7")
+    with pytest.raises(InvalidArgument):
+        KVCacheManager(100, chunk_bytes=1024)
+
+
+def test_reserve_claims_move_blocks_into_sequences():
+    m, c = make(blocks=32, max_reserve_blocks=6)
+    a = m.create(1, c, "m", range(4))
+    granted = m.grant_reserve(1, c, 10)
+    assert len(granted) == 6  # capped
+    assert m.stats().classes[0].reserved_blocks == 6
+    r = m.extend(1, [ExtendItem(a.seq_id, [1, 2, 3, 4, 5], claimed=granted[:2])])
+    assert r.deltas[0].blocks == granted[:2]
+    assert m.reserve(1, c) == granted[2:]
+    with pytest.raises(InvalidArgument, match="needs 1 new blocks"):
+        m.extend(1, [ExtendItem(a.seq_id, [1, 2, 3, 4], claimed=granted[2:4])])
+    # claims may cover the first new blocks only; the daemon allocates the rest
+    r = m.extend(1, [ExtendItem(a.seq_id, list(range(8)), claimed=granted[2:3])])
+    assert r.deltas[0].blocks[0] == granted[2] and len(r.deltas[0].blocks) == 2
+    assert m.reserve(1, c) == granted[3:]
+    with pytest.raises(InvalidArgument, match="not in this session's reserve"):
+        m.extend(1, [ExtendItem(a.seq_id, [1, 2, 3, 4], claimed=(granted[0],))])
+    b = m.create(2, c, "m", range(4))
+    with pytest.raises(InvalidArgument, match="not in this session's reserve"):
+        m.extend(2, [ExtendItem(b.seq_id, [1], claimed=(granted[3],))])
+    m.check_invariants()
+    assert m.drop_owner(1) == 5 + 3  # its sequence's 5 blocks and the 3 left in its reserve
+    m.check_invariants()
+
+
+def test_claims_refused_for_a_shared_partial_block():
+    m, c = make()
+    a = m.create(1, c, "m", range(6))
+    m.fork(1, a.seq_id)
+    blocks = m.grant_reserve(1, c, 2)
+    with pytest.raises(InvalidArgument, match="shares its last block"):
+        m.extend(1, [ExtendItem(a.seq_id, [1, 2, 3], claimed=blocks[:1])])
+
+
+def test_drop_owner_frees_everything_but_keeps_cache():
+    m, c = make()
+    m.create(1, c, "m", range(9))
+    m.grant_reserve(1, c, 3)
+    m.drop_owner(1)
+    st = m.stats()
+    assert st.sequences == 0 and st.classes[0].used_blocks == 0
+    assert st.classes[0].cached_blocks == 2  # the two full blocks
+    m.check_invariants()
+
+
+def test_two_classes_share_memory_without_static_split():
+    m = KVCacheManager(8 * 512, chunk_bytes=512)
+    small = m.register_class(G)  # 4 blocks / chunk
+    big = m.register_class(Geometry(2, 1, 8, "float16", 4))  # 256 B: 2 blocks / chunk
+    a = m.create(1, small, "a", range(4 * 30))  # 30 blocks: 8 chunks minus ...
+    assert m.budget.free == 0
+    with pytest.raises(OutOfBlocks):
+        m.create(2, big, "b", range(4))
+    m.free(1, [a.seq_id])
+    b = m.create(2, big, "b", range(4 * 16))  # takes the whole pool, evicting a's cache
+    assert len(b.block_table) == 16 and m.stats().classes[0].total_blocks == 0
+    assert sorted(o for c, o, n in m.drain_released_slabs()) == [i * 512 for i in range(8)]
+    m.check_invariants()
+
+
+def test_tier_placement_records_demotions():
+    m, c = make(blocks=4, host_bytes=2 * 128, disk_bytes=128)
+    a = m.create(1, c, "m", range(16))
+    m.free(1, [a.seq_id])
+    m.evict_cached(c)
+    moves = m.drain_moves()
+    # evicted tail first (h3, h2, h1, h0): the host keeps the last two, h2 is
+    # pushed to disk, and h3, pushed to disk first, is pushed out of it
+    dst = [(mv.src.name, mv.dst.name if mv.dst is not None else None) for mv in moves]
+    assert dst == [
+        ("DEVICE", "HOST"), ("DEVICE", "HOST"),
+        ("HOST", "DISK"), ("DEVICE", "HOST"),
+        ("DISK", None), ("HOST", "DISK"), ("DEVICE", "HOST"),
+    ]
+    r = m.lookup(c, "m", range(16))
+    assert (r.num_cached_tokens, r.device_tokens, r.host_tokens, r.disk_tokens) == (12, 0, 8, 4)
+    m.check_invariants()
+
+
+def test_extend_takes_one_class_per_call():
+    m = KVCacheManager(8 * 512, chunk_bytes=512)
+    a_cls = m.register_class(G)
+    b_cls = m.register_class(Geometry(2, 1, 8, "float16", 4))
+    a = m.create(1, a_cls, "a", range(3))
+    b = m.create(1, b_cls, "b", range(3))
+    before = snapshot(m)
+    with pytest.raises(InvalidArgument, match="one layout class"):
+        m.extend(1, {a.seq_id: [1], b.seq_id: [1]})
+    assert snapshot(m) == before
+
+
+def test_extend_columns_matches_mapping_form():
+    m1, c1 = make(blocks=64)
+    m2, c2 = make(blocks=64)
+    ids = [m1.create(1, c1, "m", range(i)).seq_id for i in range(6)]
+    ids2 = [m2.create(1, c2, "m", range(i)).seq_id for i in range(6)]
+    assert ids == ids2
+    batch = {s: list(range(100, 100 + k)) for k, s in enumerate(ids)}
+    r1 = m1.extend(1, batch)
+    import numpy as np
+
+    counts = np.array([len(v) for v in batch.values()])
+    tokens = np.concatenate([np.array(v, np.uint32) for v in batch.values()])
+    r2 = m2.extend_columns(1, np.array(ids), counts, tokens)
+    assert r1 == r2
+    with pytest.raises(InvalidArgument, match="add up"):
+        m2.extend_columns(1, np.array(ids), counts, tokens[:-1])
+    with pytest.raises(InvalidArgument, match="appears twice"):
+        m2.extend_columns(1, np.array([ids[1], ids[1]]), np.array([1, 1]), np.array([1, 2]))
+    with pytest.raises(InvalidArgument, match="out of range"):
+        m2.extend_columns(1, np.array([ids[1]]), np.array([1]), np.array([-5]))

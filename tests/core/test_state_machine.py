@@ -1,0 +1,254 @@
+"""A hypothesis state machine over the core, checked against a simple model.
+
+The model is what a client would see: each sequence's token list.  A fake
+"device memory" (block -> tokens written there) is updated the way a client
+updates the real pool: it writes the tokens it was not told are cached, and
+runs copy-on-write copies before writing.  After every step each live
+sequence must read back exactly its own tokens through its block table, which
+proves prefix sharing, copy-on-write and eviction never mix data up.
+"""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+from hypothesis import HealthCheck, event, settings
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from kvpoold.core import (
+    ExtendItem,
+    Geometry,
+    KVCacheManager,
+    KvpoolError,
+    OutOfBlocks,
+)
+
+from helpers import snapshot
+
+# a small alphabet and a few shared stems make prefix hits frequent
+STEMS = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 9, 9], [5, 5, 5, 5, 5, 5, 5, 5]]
+tokens = st.lists(st.integers(0, 6), max_size=12)
+prompts = st.one_of(
+    tokens, st.builds(lambda i, t: STEMS[i] + t, st.integers(0, len(STEMS) - 1), tokens)
+)
+OWNERS = (1, 2)
+
+
+class CoreMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.m: KVCacheManager | None = None
+
+    @initialize(
+        bs=st.sampled_from([1, 2, 4]),
+        chunks=st.integers(1, 12),
+        two_classes=st.booleans(),
+        host=st.integers(0, 3),
+    )
+    def setup(self, bs, chunks, two_classes, host):
+        g = Geometry(1, 1, 4, "float16", bs)  # 16*bs bytes per block
+        self.m = KVCacheManager(chunks * 128, chunk_bytes=128, host_bytes=host * 16 * bs, max_reserve_blocks=3)
+        self.cls = [self.m.register_class(g)]
+        if two_classes:
+            self.cls.append(self.m.register_class(Geometry(1, 1, 4, "float16", 2 * bs)))
+        self.memory: dict[tuple[int, int], list] = {}
+        self.tokens: dict[int, list[int]] = {}  # seq id -> tokens (the model)
+        self.owner_of: dict[int, int] = {}
+        self.class_of: dict[int, int] = {}
+        self.model_of: dict[int, str] = {}
+        self.known: set[tuple[int, str, tuple]] = set()  # full-block prefixes ever written
+
+    # -- helpers -----------------------------------------------------------------
+    def bs(self, cls):
+        return self.m.classes[cls].block_size
+
+    def write(self, seq_id, table, start, toks):
+        cls, bs = self.class_of[seq_id], self.bs(self.class_of[seq_id])
+        for pos, t in enumerate(toks, start):
+            cell = self.memory.setdefault((cls, table[pos // bs]), [None] * bs)
+            cell[pos % bs] = t
+
+    def guarded(self, fn):
+        """Run a core call; on an error the state must be exactly as before."""
+        before = snapshot(self.m)
+        try:
+            return fn()
+        except KvpoolError as exc:
+            assert snapshot(self.m) == before, f"{type(exc).__name__} left the state changed"
+            assert isinstance(exc, OutOfBlocks), exc
+            event("out of blocks")
+            return None
+
+    # -- rules ---------------------------------------------------------------------
+    @rule(owner=st.sampled_from(OWNERS), prompt=prompts, which=st.integers(0, 1), model=st.sampled_from("ab"))
+    def create(self, owner, prompt, which, model):
+        cls = self.cls[which % len(self.cls)]
+        info = self.guarded(lambda: self.m.create(owner, cls, model, prompt))
+        if info is None:
+            return
+        bs = self.bs(cls)
+        if info.num_cached_tokens:
+            event("prefix hit")
+        # a hit can only be a prefix that some sequence wrote earlier
+        assert info.num_cached_tokens % bs == 0
+        for n in range(bs, info.num_cached_tokens + 1, bs):
+            assert (cls, model, tuple(prompt[:n])) in self.known
+        self.tokens[info.seq_id] = list(prompt)
+        self.owner_of[info.seq_id] = owner
+        self.class_of[info.seq_id] = cls
+        self.model_of[info.seq_id] = model
+        self.write(info.seq_id, info.block_table, info.num_cached_tokens, prompt[info.num_cached_tokens:])
+        self._learn(info.seq_id, model)
+
+    def _learn(self, seq_id, model):
+        toks, cls = self.tokens[seq_id], self.class_of[seq_id]
+        bs = self.bs(cls)
+        for n in range(bs, len(toks) + 1, bs):
+            self.known.add((cls, model, tuple(toks[:n])))
+
+    def _live(self, owner=None):
+        return sorted(s for s, o in self.owner_of.items() if owner is None or o == owner)
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), owner=st.sampled_from(OWNERS))
+    def extend(self, data, owner):
+        live = self._live(owner)
+        if not live:
+            return
+        cls = self.class_of[data.draw(st.sampled_from(live))]
+        live = [s for s in live if self.class_of[s] == cls]  # one layout class per call
+        chosen = data.draw(st.lists(st.sampled_from(live), unique=True, min_size=1, max_size=4))
+        batch = {s: data.draw(tokens) for s in chosen}
+        res = self.guarded(lambda: self.m.extend(owner, batch))
+        if res is None:
+            return
+        self._apply(res, batch)
+
+    def _apply(self, res, batch):
+        if res.copies:
+            event("copy-on-write")
+        for copy in res.copies:
+            self.memory[(copy.class_id, copy.dst)] = list(self.memory[(copy.class_id, copy.src)])
+        changed = {d.seq_id: d for d in res.deltas}
+        for seq_id, new in batch.items():
+            table = self.m.sequence(self.owner_of[seq_id], seq_id).block_table
+            d = changed.get(seq_id)
+            if d is not None:
+                assert table[d.first:] == d.blocks
+                assert d.num_tokens == len(self.tokens[seq_id]) + len(new)
+            else:  # unchanged table: the new tokens fit in the old last block
+                assert len(table) == -(-(len(self.tokens[seq_id]) + len(new)) // self.bs(self.class_of[seq_id]))
+            start = len(self.tokens[seq_id])
+            self.tokens[seq_id] += list(new)
+            self.write(seq_id, table, start, new)
+            cls, bs = self.class_of[seq_id], self.bs(self.class_of[seq_id])
+            self.known.update(
+                (cls, self.model_of[seq_id], tuple(self.tokens[seq_id][:n]))
+                for n in range(bs, len(self.tokens[seq_id]) + 1, bs)
+            )
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), owner=st.sampled_from(OWNERS), n=st.integers(0, 9))
+    def extend_with_reserve(self, data, owner, n):
+        live = [s for s in self._live(owner)]
+        if not live:
+            return
+        seq = data.draw(st.sampled_from(live))
+        cls = self.class_of[seq]
+        self.m.grant_reserve(owner, cls, 3)
+        info = self.m.sequence(owner, seq)
+        bs = self.bs(cls)
+        grow = -(-(info.num_tokens + n) // bs) - len(info.block_table)
+        shared_tail = info.num_tokens % bs and n and self.m.classes[cls].is_shared(info.block_table[-1])
+        reserve = self.m.reserve(owner, cls)
+        if shared_tail:
+            return
+        toks = data.draw(st.lists(st.integers(0, 6), min_size=n, max_size=n))
+        take = min(grow, len(reserve))  # claims may cover only the first new blocks
+        res = self.guarded(lambda: self.m.extend(owner, [ExtendItem(seq, toks, claimed=reserve[:take])]))
+        if res is None:
+            return
+        event("reserve claimed" if take == grow > 0 else "partly claimed" if take else "reserve not needed")
+        self._apply(res, {seq: toks})
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def fork(self, data):
+        self._fork(data.draw(st.sampled_from(self._live())))
+
+    def _fork(self, seq):
+        owner = self.owner_of[seq]
+        info = self.m.fork(owner, seq)
+        self.tokens[info.seq_id] = list(self.tokens[seq])
+        self.owner_of[info.seq_id] = owner
+        self.class_of[info.seq_id] = self.class_of[seq]
+        self.model_of[info.seq_id] = self.model_of[seq]
+        return info.seq_id
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), new=st.lists(st.integers(0, 6), min_size=1, max_size=5), child_first=st.booleans())
+    def fork_and_append(self, data, new, child_first):
+        """Parallel sampling: two continuations of one prefix (copy-on-write when partly full)."""
+        seq = data.draw(st.sampled_from(self._live()))
+        child = self._fork(seq)
+        owner = self.owner_of[seq]
+        for s in ((child, seq) if child_first else (seq, child)):
+            res = self.guarded(lambda: self.m.extend(owner, {s: new}))
+            if res is not None:
+                self._apply(res, {s: new})
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def free(self, data):
+        seq = data.draw(st.sampled_from(self._live()))
+        self.m.free(self.owner_of[seq], [seq])
+        for d in (self.tokens, self.owner_of, self.class_of, self.model_of):
+            del d[seq]
+
+    @rule(owner=st.sampled_from(OWNERS))
+    def drop_owner(self, owner):
+        self.m.drop_owner(owner)
+        for seq in self._live(owner):
+            for d in (self.tokens, self.owner_of, self.class_of, self.model_of):
+                del d[seq]
+
+    @rule(prompt=prompts, model=st.sampled_from("ab"))
+    def lookup(self, prompt, model):
+        cls = self.cls[0]
+        r = self.m.lookup(cls, model, prompt)
+        bs = self.bs(cls)
+        for n in range(bs, r.num_cached_tokens + 1, bs):
+            assert (cls, model, tuple(prompt[:n])) in self.known
+
+    @rule(n=st.integers(0, 3))
+    def evict(self, n):
+        if self.m.evict_cached(None, n):
+            event("evicted")
+
+    # -- invariants ------------------------------------------------------------------
+    @invariant()
+    def consistent(self):
+        self.m.check_invariants()
+        assert {self.m.seqs.seq_id(i) for i in self.m.seqs.live_slots().tolist()} == set(self.tokens)
+        for seq, toks in self.tokens.items():
+            cls, bs = self.class_of[seq], self.bs(self.class_of[seq])
+            info = self.m.sequence(self.owner_of[seq], seq)
+            assert info.num_tokens == len(toks)
+            read = [self.memory[(cls, info.block_table[p // bs])][p % bs] for p in range(len(toks))]
+            assert read == toks, f"sequence {seq} reads {read}, expected {toks}"
+
+    def teardown(self):
+        if self.m is None:
+            return
+        for owner in OWNERS:
+            self.m.drop_owner(owner)
+        st_ = self.m.stats()
+        self.m.check_invariants()
+        assert st_.sequences == 0
+        assert all(c.used_blocks == 0 for c in st_.classes)  # only free or cached remain
+
+
+TestCoreMachine = CoreMachine.TestCase
+TestCoreMachine.settings = settings(
+    max_examples=300, stateful_step_count=40, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)

@@ -1,0 +1,292 @@
+"""CPU shared-memory backend: real segments, real processes, real page accounting."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvpoold.memory import ArenaDescriptor, BackendUnavailable, make_backend, open_arena
+from kvpoold.memory.cpu_shm import (
+    CpuMappedArena,
+    CpuShmBackend,
+    instance_id,
+    remove_stale_segments,
+    segment_name,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+MiB = 1 << 20
+
+pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm (Linux)")
+
+
+def _env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    return env
+
+
+def _child(code: str, *args, stdin=None, stdout=subprocess.PIPE) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code), *map(str, args)],
+        env=_env(), stdin=stdin, stdout=stdout, stderr=subprocess.PIPE, text=True,
+    )
+
+
+def _pattern(seed: int, n: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+@pytest.fixture
+def backend():
+    b = CpuShmBackend(f"t{uuid.uuid4().hex[:10]}")
+    yield b
+    b.close()
+    remove_stale_segments(b.instance)
+
+
+# The child maps the daemon's arena from a JSON descriptor given on argv.
+_MAP = """
+import json, sys, hashlib
+import numpy as np
+from kvpoold.memory import ArenaDescriptor, open_arena
+d = {k: bytes.fromhex(v[4:]) if isinstance(v, str) and v.startswith("hex:") else v
+     for k, v in json.loads(sys.argv[1]).items()}
+arena = open_arena(ArenaDescriptor(**d))
+def region(off, n):
+    return np.asarray(arena.as_tensor("uint8", (n,), offset=off))
+def sha(off, n):
+    return hashlib.sha256(region(off, n).tobytes()).hexdigest()
+def pattern(seed, n):
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+"""
+
+
+def _desc_json(arena) -> str:
+    d = arena.descriptor.to_dict()
+    return json.dumps({k: "hex:" + v.hex() if isinstance(v, bytes) else v for k, v in d.items()})
+
+
+def test_two_processes_share_bytes(backend):
+    arena = backend.create_arena("cls0", 4 * MiB)
+    # A writes 1 MiB at offset 0 and stays alive; B reads it and writes at 1 MiB; A reads B's bytes.
+    a = _child(_MAP + """
+region(0, 1 << 20)[:] = pattern(1, 1 << 20)
+print("written", flush=True)
+sys.stdin.readline()
+print(sha(1 << 20, 1 << 20), flush=True)
+""", _desc_json(arena), stdin=subprocess.PIPE)
+    assert a.stdout.readline().strip() == "written", a.stderr.read()
+    b = _child(_MAP + """
+print(sha(0, 1 << 20))
+region(1 << 20, 1 << 20)[:] = pattern(2, 1 << 20)
+""", _desc_json(arena))
+    out, err = b.communicate(timeout=60)
+    assert b.returncode == 0, err
+    assert out.strip() == hashlib.sha256(_pattern(1, MiB).tobytes()).hexdigest()
+    a.stdin.write("go\n")
+    a.stdin.flush()
+    out, err = a.communicate(timeout=60)
+    assert a.returncode == 0, err
+    assert out.strip() == hashlib.sha256(_pattern(2, MiB).tobytes()).hexdigest()
+    # and the daemon's own view holds both
+    mine = arena.as_tensor("uint8", (2 * MiB,)).numpy()
+    assert np.array_equal(mine[:MiB], _pattern(1, MiB))
+    assert np.array_equal(mine[MiB:], _pattern(2, MiB))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float8_e4m3fn", "uint8"])
+def test_client_tensor_zero_copy(backend, dtype):
+    arena = backend.create_arena("cls0", 2 * MiB)
+    client = open_arena(arena.descriptor)
+    shape = (4, 2, 2, 16, 8)  # blocks, layers, k|v, tokens, dim
+    t = client.as_tensor(dtype, shape)
+    assert t.dtype == getattr(torch, dtype) and tuple(t.shape) == shape and t.is_contiguous()
+    src = torch.randn(shape).to(getattr(torch, dtype))
+    t.copy_(src)
+    daemon_view = arena.as_tensor(dtype, shape)
+    assert torch.equal(daemon_view.view(torch.uint8), src.view(torch.uint8))
+    if dtype in ("float16", "float32", "uint8"):
+        a = np.asarray(t)
+        assert a.flags.writeable and a.dtype == np.dtype(dtype)
+        a[1] = 7
+        assert bool((daemon_view[1] == 7).all())
+    client.close()
+
+
+def test_views_bounds_and_dtype_errors(backend):
+    arena = backend.create_arena("cls0", MiB)
+    client = CpuMappedArena(arena.descriptor)
+    with pytest.raises(ValueError, match="unknown dtype"):
+        client.as_tensor("int4", (4,))
+    with pytest.raises(ValueError, match="does not fit"):
+        client.as_tensor("float32", (MiB,))
+    with pytest.raises(ValueError, match="multiple"):
+        client.as_tensor("float32", (4,), offset=2)
+    with pytest.raises(ValueError, match="not a CPU arena"):
+        CpuMappedArena(ArenaDescriptor(kind="cuda", nbytes=1, handle=b"x"))
+    with pytest.raises(ValueError, match="bad shared-memory segment path"):
+        CpuMappedArena(ArenaDescriptor(kind="cpu", nbytes=1, handle=b"/etc/passwd"))
+    with pytest.raises(ValueError, match="bad shared-memory segment path"):
+        CpuMappedArena(ArenaDescriptor(kind="cpu", nbytes=1, handle=b"kvpool-relative"))
+
+
+def test_release_frees_pages(backend):
+    arena = backend.create_arena("cls0", 16 * MiB)
+    assert arena.resident_bytes() == 0  # sparse: ftruncate commits nothing
+    arena.commit(0, 8 * MiB)
+    assert arena.resident_bytes() >= 8 * MiB
+    client = open_arena(arena.descriptor)
+    data = client.as_tensor("uint8", (16 * MiB,)).numpy()
+    data[:] = 0xAB  # a client touches every page
+    assert arena.resident_bytes() >= 16 * MiB
+    before = os.stat(arena.path).st_blocks
+    arena.release(4 * MiB, 8 * MiB)  # the core took the middle slabs back
+    after = os.stat(arena.path).st_blocks
+    assert (before - after) * 512 >= 8 * MiB
+    assert (data[4 * MiB:12 * MiB] == 0).all()  # the client sees the hole
+    assert (data[:4 * MiB] == 0xAB).all() and (data[12 * MiB:] == 0xAB).all()
+    # an unaligned range releases only whole pages inside it
+    arena.release(100, 5000)
+    assert data[100] == 0xAB
+    with pytest.raises(ValueError):
+        arena.release(15 * MiB, 2 * MiB)
+
+
+def test_stale_segments_of_a_crashed_daemon(backend):
+    other = f"x{uuid.uuid4().hex[:10]}"
+    code = """
+import os, signal, sys
+from kvpoold.memory.cpu_shm import CpuShmBackend
+b = CpuShmBackend(sys.argv[1])
+for tag in ("c0", "c1"):
+    print(b.create_arena(tag, 1 << 20).path, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+    p = _child(code, other)
+    out, _ = p.communicate(timeout=60)
+    assert p.returncode == -signal.SIGKILL
+    paths = out.split()
+    assert len(paths) == 2 and all(os.path.exists(x) for x in paths)  # a crash leaves them
+    mine = backend.create_arena("c0", MiB)  # another daemon's segment
+    removed = remove_stale_segments(other)
+    assert sorted(removed) == sorted(os.path.basename(x) for x in paths)
+    assert not any(os.path.exists(x) for x in paths)
+    assert os.path.exists(mine.path)
+    # the restarted daemon can now create its arenas under the same names
+    again = CpuShmBackend(other)
+    again.create_arena("c0", MiB)
+    again.close()
+
+
+def test_existing_segment_is_a_clear_error(backend):
+    backend.create_arena("dup", MiB)
+    with pytest.raises(FileExistsError, match="remove_stale_segments"):
+        backend.create_arena("dup", MiB)
+
+
+def test_close_is_idempotent_and_views_survive(backend):
+    arena = backend.create_arena("cls0", 2 * MiB)
+    view = arena.as_tensor("uint8", (2 * MiB,))
+    client = open_arena(arena.descriptor)
+    cview = client.as_tensor("uint8", (2 * MiB,))
+    view[:10] = 5
+    arena.close()
+    arena.close()
+    backend.close()
+    backend.close()
+    assert not os.path.exists(arena.path)  # unlinked at once
+    assert int(view[3]) == 5 and int(cview[3]) == 5  # live views still map the bytes
+    cview[4] = 9
+    assert int(view[4]) == 9  # and still share them
+    client.close()
+    client.close()
+    assert int(cview[4]) == 9
+    with pytest.raises(RuntimeError, match="closed"):
+        client.as_tensor("uint8", (1,))
+    with pytest.raises(FileNotFoundError, match="daemon exited"):
+        open_arena(arena.descriptor)
+
+
+def test_sigterm_and_exit_remove_segments():
+    inst = f"s{uuid.uuid4().hex[:10]}"
+    code = """
+import signal, sys, time
+from kvpoold.memory.cpu_shm import CpuShmBackend
+b = CpuShmBackend(sys.argv[1])
+def stop(signum, frame):
+    b.close(); b.close()
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+for tag in ("c0", "c1"):
+    print(b.create_arena(tag, 1 << 20).path, flush=True)
+print("ready", flush=True)
+time.sleep(60)
+"""
+    p = _child(code, inst)
+    paths = [p.stdout.readline().strip() for _ in range(2)]
+    assert p.stdout.readline().strip() == "ready"
+    assert all(os.path.exists(x) for x in paths)
+    p.send_signal(signal.SIGTERM)
+    p.wait(timeout=30)
+    assert p.returncode == 0, p.stderr.read()
+    assert not any(os.path.exists(x) for x in paths)
+    # a daemon that simply returns without close() still unlinks (weakref.finalize at exit)
+    p = _child("""
+import sys
+from kvpoold.memory.cpu_shm import CpuShmBackend
+arena = CpuShmBackend(sys.argv[1]).create_arena("c9", 1 << 20)
+print(arena.path)
+""", inst)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    assert not os.path.exists(out.strip())
+
+
+def test_forked_child_never_unlinks_the_parents_segment(backend):
+    arena = backend.create_arena("cls0", MiB)
+    pid = os.fork()
+    if pid == 0:  # child: close (as a GC or an atexit would) and leave
+        try:
+            arena.close()
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    assert os.path.exists(arena.path)
+
+
+def test_names_and_instances(tmp_path):
+    inst = instance_id("/run/kvpoold/kvpoold.sock")
+    assert inst == instance_id("/run/kvpoold/../kvpoold/kvpoold.sock") and len(inst) == 12
+    assert inst != instance_id(str(tmp_path / "other.sock"))
+    assert segment_name(inst, "c0:meta/llama 8b") == f"kvpool-{os.getuid()}-{inst}-c0_meta_llama_8b"
+    with pytest.raises(ValueError, match="instance"):
+        segment_name("a-b", "c0")
+    with pytest.raises(BackendUnavailable):
+        CpuShmBackend("x", shm_dir=str(tmp_path / "missing"))
+    # shm_dir is configurable (the tests use a plain directory here)
+    b = make_backend("cpu", instance="y", shm_dir=str(tmp_path))
+    a = b.create_arena("c0", 4096)
+    assert os.path.exists(tmp_path / a.name)
+    b.close()
+    assert not os.path.exists(tmp_path / a.name)
+
+
+def test_descriptor_dict_roundtrip(backend):
+    arena = backend.create_arena("cls0", MiB)
+    d = arena.descriptor.to_dict()
+    assert set(d) >= {"kind", "nbytes", "handle"}
+    assert ArenaDescriptor.from_dict({**d, "future_field": 1}) == arena.descriptor
+    client = open_arena(d)
+    assert client.as_tensor("uint8", (16,)).numel() == 16
