@@ -102,6 +102,7 @@ class ClassPool:
         self.slots: set[int] = set()
         self._unowned_slots = list(range(self.max_slabs))  # a heap: lowest slot first
         self.released: list[int] = []  # slots given back since the daemon last drained them
+        self.taken: list[int] = []  # slots taken since the daemon last drained them
         self.on_evict = on_evict
         self.evictions = 0
         budget.classes.append(self)
@@ -165,6 +166,7 @@ class ClassPool:
         while short > 0 and self.budget.free >= k and self._unowned_slots:
             slot = heapq.heappop(self._unowned_slots)
             self.slots.add(slot)
+            self.taken.append(slot)
             self.budget.free -= k
             gained.extend(range(slot * bps, (slot + 1) * bps))
             short -= bps
@@ -289,9 +291,10 @@ class ClassPool:
             self.released.append(slot)
         self.budget.free += len(chosen) * self.slab_chunks
 
-    def drain_released(self) -> list[int]:
-        """Slots given back since the last call (their memory can be released)."""
-        out, self.released = self.released, []
+    def drain_slab_changes(self) -> tuple[list[int], list[int]]:
+        """(slots taken, slots given back) since the last call, for the memory backend."""
+        out = self.taken, self.released
+        self.taken, self.released = [], []
         return out
 
     # -- invariants -----------------------------------------------------------

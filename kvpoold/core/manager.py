@@ -25,7 +25,7 @@ from typing import Iterable, Mapping
 import numpy as np
 
 from .block_pool import DEFAULT_CHUNK_BYTES, ChunkBudget, ClassPool
-from .errors import InvalidArgument, OutOfBlocks
+from .errors import InvalidArgument, OutOfBlocks, WrongState
 from .hashing import _digest, chain_hashes, pack_tokens, root_hash
 from .layout import Geometry
 from .results import (
@@ -143,12 +143,18 @@ class KVCacheManager:
         out, self._moves = self._moves, []
         return out
 
-    def drain_released_slabs(self) -> list[tuple[int, int, int]]:
-        """(class id, byte offset, bytes) of slabs whose memory can be released."""
+    def drain_slab_changes(self) -> list[tuple[str, int, int, int]]:
+        """("take" | "release", class id, byte offset, bytes) of slabs since the last call.
+
+        The daemon commits the memory of taken slabs and releases that of
+        returned ones; a slab can appear as released and taken again.
+        """
         out = []
         for pool in self.classes:
-            for slot in pool.drain_released():
-                out.append((pool.class_id, slot * pool.blocks_per_slab * pool.block_bytes, pool.slab_bytes))
+            taken, released = pool.drain_slab_changes()
+            span = pool.blocks_per_slab * pool.block_bytes
+            out.extend(("release", pool.class_id, slot * span, pool.slab_bytes) for slot in released)
+            out.extend(("take", pool.class_id, slot * span, pool.slab_bytes) for slot in taken)
         return out
 
     # -- owners and sequence lookups ----------------------------------------------
@@ -388,7 +394,7 @@ class KVCacheManager:
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
             if cow[i]:
-                raise InvalidArgument(
+                raise WrongState(
                     f"sequence {int(seq_ids[i])} shares its last block: extend it without claimed blocks"
                 )
             raise InvalidArgument(
@@ -444,13 +450,18 @@ class KVCacheManager:
         self._owners[owner].seqs.add(child_id)
         return self._info(child)
 
+    def check_free(self, owner: int, seq_ids: Iterable[int]) -> list[int]:
+        """Validate a free without doing it; returns the slots."""
+        slots = [self.seqs.slot_of(owner, i) for i in seq_ids]
+        if len(set(slots)) != len(slots):
+            raise InvalidArgument("a sequence appears twice in one free")
+        return slots
+
     def free(self, owner: int, seq_ids: Iterable[int]) -> int:
         """Free sequences (tail blocks first); returns how many blocks were released."""
         seq_ids = list(seq_ids)
         t = self.seqs
-        slots = [t.slot_of(owner, i) for i in seq_ids]
-        if len(set(slots)) != len(slots):
-            raise InvalidArgument("a sequence appears twice in one free")
+        slots = self.check_free(owner, seq_ids)
         released = 0
         for seq_id, slot in zip(seq_ids, slots):
             blocks = t.blocks[slot]
@@ -503,9 +514,9 @@ class KVCacheManager:
         self._owner(owner).reserves.setdefault(class_id, {}).update(dict.fromkeys(ids))
         return tuple(ids)
 
-    def return_reserve(self, owner: int, class_id: int, blocks: Iterable[int] | None = None) -> int:
-        """Give reserved blocks back (all of them when ``blocks`` is None)."""
-        pool = self.class_pool(class_id)
+    def check_reserve_return(self, owner: int, class_id: int, blocks: Iterable[int] | None = None) -> list[int]:
+        """Validate a reserve return without doing it; returns the blocks."""
+        self.class_pool(class_id)
         state = self._owners.get(owner)
         reserve = state.reserves.get(class_id, {}) if state else {}
         blocks = list(reserve) if blocks is None else list(blocks)
@@ -514,6 +525,13 @@ class KVCacheManager:
         for b in blocks:
             if b not in reserve:
                 raise InvalidArgument(f"block {b!r} is not in this session's reserve")
+        return blocks
+
+    def return_reserve(self, owner: int, class_id: int, blocks: Iterable[int] | None = None) -> int:
+        """Give reserved blocks back (all of them when ``blocks`` is None)."""
+        pool = self.class_pool(class_id)
+        blocks = self.check_reserve_return(owner, class_id, blocks)
+        reserve = self._owners[owner].reserves[class_id] if blocks else {}
         for b in blocks:
             del reserve[b]
         pool.release(blocks)

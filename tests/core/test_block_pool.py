@@ -99,7 +99,7 @@ def test_memory_flows_between_classes_by_slab():
     assert b.obtainable() == 8
     got = b.allocate(8)
     assert got == list(range(8)) and a.total_blocks == 4 and b.total_blocks == 8
-    assert a.drain_released() == [0] and a.drain_released() == []
+    assert a.drain_slab_changes() == ([0, 1], [0]) and a.drain_slab_changes() == ([], [])
     a.check(), b.check()
 
 

@@ -1,0 +1,465 @@
+"""A model process's handle on the pool: attach, map, and run sequences.
+
+The daemon owns the page tables; the client keeps a mirror (each sequence's
+block ids and token count) so that ``block_tables`` needs no call.  The hot
+path is ``extend``: the daemon grants a *reserve* of free blocks, and while
+the reserve lasts the client assigns blocks to its sequences itself and only
+queues the tokens.  The queue goes to the daemon, with the blocks it used, in
+the next call that needs the daemon anyway (reserve empty, a copy-on-write,
+a free) or at the latest every ``flush_every`` steps, so that a steady decode
+calls the daemon about once every ``flush_every`` steps and the prefix cache
+learns the new full blocks soon after.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Sequence as Seq
+
+import numpy as np
+
+from ._generated import kvpool_pb2 as pb
+from ._wire import I32, I64, U32, unpack
+from .connection import Connection
+from .errors import InvalidArgument, KvpoolError, NotFound
+from .layout import Layout
+
+Tokens = Seq[int] | np.ndarray
+
+
+@dataclass(frozen=True)
+class ExtendResult:
+    """What an ``extend`` did.
+
+    ``copies`` are the copy-on-write (src, dst) block copies; with
+    ``run_copies=True`` (the default) they were already run on the pool.
+    ``rpc`` says whether the daemon was called.
+    """
+
+    copies: tuple[tuple[int, int], ...]
+    rpc: bool
+
+
+class _SeqState:
+    __slots__ = ("blocks", "num_tokens", "num_cached", "shared_tail", "pending", "claims")
+
+    def __init__(self, blocks: list[int], num_tokens: int, num_cached: int) -> None:
+        self.blocks = blocks
+        self.num_tokens = num_tokens
+        self.num_cached = num_cached
+        self.shared_tail = False  # last block partly filled and maybe shared (after a fork)
+        self.pending: list[np.ndarray] = []  # tokens the daemon has not seen yet
+        self.claims: list[int] = []  # reserve blocks assigned locally, not reported yet
+
+
+class Sequence:
+    """A handle on one of this client's sequences (reads the client's mirror)."""
+
+    __slots__ = ("_client", "id")
+
+    def __init__(self, client: "Client", seq_id: int) -> None:
+        self._client = client
+        self.id = seq_id
+
+    def _state(self) -> _SeqState:
+        return self._client._state(self.id)
+
+    @property
+    def block_table(self) -> np.ndarray:
+        """Physical block ids, one per ``block_size`` tokens (a copy)."""
+        return np.asarray(self._state().blocks, np.int32)
+
+    @property
+    def num_tokens(self) -> int:
+        return self._state().num_tokens
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens that were already in the prefix cache at creation (their KV is present)."""
+        return self._state().num_cached
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and other.id == self.id and other._client is self._client
+
+    def __hash__(self) -> int:
+        return hash(self.id)
+
+    def __repr__(self) -> str:
+        return f"Sequence(id={self.id}, num_tokens={self.num_tokens})"
+
+
+def _ids(seqs) -> list[int]:
+    if isinstance(seqs, (Sequence, int)):
+        seqs = [seqs]
+    return [s.id if isinstance(s, Sequence) else int(s) for s in seqs]
+
+
+def _tokens(values, what: str = "token ids") -> np.ndarray:
+    arr = np.asarray(values)
+    if arr.ndim != 1:
+        raise InvalidArgument(f"{what} must be a flat sequence of integers")
+    if arr.size == 0:
+        return np.zeros(0, U32)
+    if arr.dtype.kind not in "iu":
+        raise InvalidArgument(f"{what} must be integers, got {arr.dtype}")
+    if arr.min() < 0 or arr.max() > 0xFFFFFFFF:
+        raise InvalidArgument(f"{what} must be in [0, 2**32)")
+    return arr.astype(U32, copy=False)
+
+
+class Client:
+    """One attached model process.  Use ``kvpool.connect`` to make one."""
+
+    def __init__(
+        self,
+        address: str | None,
+        *,
+        name: str,
+        layout: Layout,
+        timeout: float = 30.0,
+        flush_every: int = 32,
+        device: int | None = None,
+    ) -> None:
+        if not isinstance(layout, Layout):
+            raise InvalidArgument("layout must be a kvpool.Layout")
+        if flush_every < 1:
+            raise InvalidArgument("flush_every must be >= 1")
+        self.layout = layout
+        self.flush_every = flush_every
+        self._conn = Connection(address, timeout=timeout)
+        self._lock = threading.RLock()
+        self._seqs: dict[int, _SeqState] = {}
+        self._reserve: list[int] = []
+        self._steps_since_rpc = 0
+        self._arena = None
+        self._kv = None
+        self._closed = False
+        self.rpcs = 0
+        req = pb.AttachRequest(
+            name=name, pid=os.getpid(),
+            layout=pb.Layout(
+                model_id=layout.model_id, revision=layout.revision, num_layers=layout.num_layers,
+                num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim, dtype=layout.dtype,
+                block_size=layout.block_size,
+            ),
+        )
+        try:
+            r = self._conn.call("Attach", req)
+        except BaseException:
+            self._conn.close()
+            raise
+        self._token = r.session
+        self.session_id = r.session_id
+        self.class_id = r.class_id
+        self.num_blocks = r.num_blocks
+        self.block_bytes = r.block_bytes
+        self.backend = r.backend
+        self.max_reserve_blocks = r.max_reserve_blocks
+        self.grace_seconds = r.grace_seconds
+        self._descriptor = {
+            "kind": r.arena.kind, "nbytes": r.arena.nbytes, "handle": r.arena.handle,
+            "device": r.arena.device, "device_id": r.arena.device_id, "fence": r.arena.fence,
+        }
+        self._device = device
+        self._watch = self._conn._stub.Watch(pb.WatchRequest(session=self._token))
+        self.daemon_shutting_down = threading.Event()
+        first = next(self._watch)  # the stream is open once the daemon says "attached"
+        assert first.kind == "attached", first
+        threading.Thread(target=self._follow_watch, name="kvpool-watch", daemon=True).start()
+
+    # -- plumbing ----------------------------------------------------------------------
+    def _follow_watch(self) -> None:
+        try:
+            for event in self._watch:
+                if event.kind == "shutdown":
+                    self.daemon_shutting_down.set()
+        except Exception:  # noqa: BLE001 - the stream ends when either side closes
+            pass
+
+    def _call(self, method: str, request):
+        self.rpcs += 1
+        return self._conn.call(method, request)
+
+    def _state(self, seq_id: int) -> _SeqState:
+        st = self._seqs.get(seq_id)
+        if st is None:
+            raise NotFound(f"sequence {seq_id} is not one of this client's live sequences")
+        return st
+
+    def _add(self, t) -> Sequence:
+        self._seqs[t.seq_id] = _SeqState(
+            unpack(t.block_table, I32).tolist(), t.num_tokens, t.num_cached_tokens
+        )
+        return Sequence(self, t.seq_id)
+
+    # -- the pool's memory ----------------------------------------------------------------
+    def kv_cache(self):
+        """A torch tensor over the whole pool of this layout, zero-copy.
+
+        Shape ``[num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]``;
+        axis 0 is the physical block id.  On the CPU backend ``numpy.asarray``
+        of it (for numpy dtypes) is a writable view of the shared memory.
+        """
+        with self._lock:
+            if self._kv is None:
+                from kvpoold.memory import open_arena
+
+                self._arena = open_arena(self._descriptor, device=self._device)
+                self._kv = self._arena.as_tensor(self.layout.dtype, (self.num_blocks, *self.layout.block_shape))
+            return self._kv
+
+    def run_copies(self, copies: Iterable[tuple[int, int]]) -> None:
+        """Run (src, dst) block copies on the pool (copy-on-write), in this process."""
+        pairs = list(copies)
+        if not pairs:
+            return
+        import torch
+
+        from kvpool.kernels.block_copy import copy_blocks
+
+        kv = self.kv_cache()
+        copy_blocks(kv, torch.tensor(pairs, dtype=torch.int64, device=kv.device))
+
+    # -- sequences --------------------------------------------------------------------------
+    def create_sequence(self, token_ids: Tokens, *, extra_key: str = "") -> Sequence:
+        """A new sequence holding ``token_ids``, reusing cached prefix blocks.
+
+        ``num_cached_tokens`` of the result says how many leading tokens are
+        already in the pool; the caller computes KV for the rest.
+        """
+        return self.create_sequences([token_ids], extra_key=extra_key)[0]
+
+    def create_sequences(self, prompts: Iterable[Tokens], *, extra_key: str = "") -> list[Sequence]:
+        """Several sequences in one call (all or none)."""
+        req = pb.CreateRequest(
+            session=self._token,
+            prompts=[pb.Prompt(tokens=_tokens(p).tobytes(), extra_key=extra_key) for p in prompts],
+        )
+        with self._lock:
+            r = self._call("Create", req)
+            return [self._add(t) for t in r.sequences]
+
+    def extend(self, batch: Mapping[Sequence | int, Tokens], *, run_copies: bool = True) -> ExtendResult:
+        """Append tokens to many sequences: one scheduler step for the whole batch.
+
+        The block tables (``block_tables``) are up to date when this returns;
+        the KV of the new tokens is the caller's to write.
+        """
+        with self._lock:
+            items = []
+            for seq, toks in batch.items():
+                sid = seq.id if isinstance(seq, Sequence) else int(seq)
+                items.append((sid, self._state(sid), _tokens(toks)))
+            if len({sid for sid, _, _ in items}) != len(items):
+                raise InvalidArgument("a sequence appears twice in one extend")
+            bs = self.layout.block_size
+            local, remote, want = [], [], 0
+            for sid, st, toks in items:
+                if not len(toks):
+                    continue
+                grow = -(-(st.num_tokens + len(toks)) // bs) - len(st.blocks)
+                if st.shared_tail and st.num_tokens % bs:
+                    remote.append((sid, st, toks))  # copy-on-write is the daemon's call
+                else:
+                    local.append((sid, st, toks, grow))
+                    want += grow
+            self._steps_since_rpc += 1
+            if not remote and want <= len(self._reserve) and self._steps_since_rpc < self.flush_every:
+                for sid, st, toks, grow in local:
+                    self._assign_locally(st, toks, grow)
+                return ExtendResult((), False)
+            return self._step(local, remote, [], run_copies)
+
+    def _assign_locally(self, st: _SeqState, toks: np.ndarray, grow: int) -> None:
+        if grow:
+            taken = self._reserve[-grow:]
+            del self._reserve[-grow:]
+            st.blocks.extend(taken)
+            st.claims.extend(taken)
+        st.pending.append(toks)
+        st.num_tokens += len(toks)
+
+    def _reserve_target(self) -> int:
+        bs = self.layout.block_size
+        per_seq = -(-self.flush_every // bs)
+        return min(self.max_reserve_blocks, max(8, 2 * per_seq * max(1, len(self._seqs))))
+
+    def _step(self, local, remote, free_ids: list[int], run_copies: bool) -> ExtendResult:
+        """One Step call: queued tokens, this step's tokens, frees, reserve top-up."""
+        ids, counts, toks_out, claim_counts, claims = [], [], [], [], []
+        touched = set()
+        # local assignments go through the reserve first (the daemon allocates what is missing)
+        # (the table stays short by what the reserve could not cover until the reply fills it)
+        for sid, st, toks, grow in local:
+            self._assign_locally(st, toks, min(grow, len(self._reserve)))
+        for sid, st in self._seqs.items():
+            if st.pending:
+                ids.append(sid)
+                chunk = np.concatenate(st.pending) if len(st.pending) > 1 else st.pending[0]
+                counts.append(len(chunk))
+                toks_out.append(chunk)
+                claim_counts.append(len(st.claims))
+                claims.extend(st.claims)
+                touched.add(sid)
+        for sid, st, toks in remote:
+            ids.append(sid)
+            counts.append(len(toks))
+            toks_out.append(toks)
+            claim_counts.append(0)
+        req = pb.StepRequest(
+            session=self._token,
+            seq_ids=np.asarray(ids, I64).tobytes(),
+            token_counts=np.asarray(counts, I32).tobytes(),
+            tokens=(np.concatenate(toks_out) if toks_out else np.zeros(0, U32)).astype(U32).tobytes(),
+            claim_counts=np.asarray(claim_counts, I32).tobytes() if claims else b"",
+            claims=np.asarray(claims, I32).tobytes(),
+            free_seq_ids=free_ids,
+            reserve_target=self._reserve_target(),
+        )
+        try:
+            r = self._call("Step", req)
+        except KvpoolError:
+            self._rollback_unsent(local)
+            raise
+        self._steps_since_rpc = 0
+        # the daemon now knows every queued token
+        for sid in touched:
+            st = self._seqs[sid]
+            st.pending.clear()
+            st.claims.clear()
+        for sid, st, toks in remote:
+            st.num_tokens += len(toks)
+            st.shared_tail = False
+        d_ids = unpack(r.delta_seq_ids, I64)
+        d_first = unpack(r.delta_first, I32)
+        d_counts = unpack(r.delta_counts, I32)
+        d_blocks = unpack(r.delta_blocks, I32).tolist()
+        pos = 0
+        for sid, first, n in zip(d_ids.tolist(), d_first.tolist(), d_counts.tolist()):
+            st = self._seqs[sid]
+            st.blocks[first:] = d_blocks[pos:pos + n]
+            pos += n
+        for sid in free_ids:
+            self._seqs.pop(sid, None)
+        self._reserve.extend(reversed(unpack(r.reserve_added, I32).tolist()))  # handed out lowest first
+        pairs = unpack(r.copies, I32).reshape(-1, 2)
+        copies = tuple((int(a), int(b)) for a, b in pairs)
+        if copies and run_copies:
+            self.run_copies(copies)
+        return ExtendResult(copies, True)
+
+    def _rollback_unsent(self, local) -> None:
+        """Undo this step's local assignments after a failed call (queued older ones stay)."""
+        for sid, st, toks, grow in reversed(local):
+            if st.pending and st.pending[-1] is toks:
+                st.pending.pop()
+                st.num_tokens -= len(toks)
+                take = len(st.blocks) - -(-st.num_tokens // self.layout.block_size)
+                if take > 0:
+                    back = st.blocks[-take:]
+                    del st.blocks[-take:]
+                    del st.claims[-take:]
+                    self._reserve.extend(reversed(back))
+
+    def flush(self) -> None:
+        """Report every queued token to the daemon now (the prefix cache sees them)."""
+        with self._lock:
+            self._step([], [], [], True)
+
+    def fork(self, seq: Sequence | int) -> Sequence:
+        """A new sequence sharing every block of ``seq`` (two continuations of one prefix)."""
+        (sid,) = _ids(seq)
+        with self._lock:
+            parent = self._state(sid)
+            if parent.pending:
+                self._step([], [], [], True)
+            r = self._call("Fork", pb.ForkRequest(session=self._token, seq_ids=[sid]))
+            child = self._add(r.sequences[0])
+            if parent.num_tokens % self.layout.block_size:
+                parent.shared_tail = self._seqs[child.id].shared_tail = True
+            return child
+
+    def free(self, seqs: Sequence | int | Iterable[Sequence | int]) -> None:
+        """Free sequences; their full blocks stay in the prefix cache."""
+        ids = _ids(seqs)
+        with self._lock:
+            for sid in ids:
+                self._state(sid)
+            self._step([], [], ids, True)
+
+    def lookup(self, token_ids: Tokens, *, extra_key: str = "") -> int:
+        """How many leading tokens of ``token_ids`` are cached (any tier); allocates nothing."""
+        r = self._call("Lookup", pb.LookupRequest(
+            session=self._token, prompt=pb.Prompt(tokens=_tokens(token_ids).tobytes(), extra_key=extra_key)))
+        return r.num_cached_tokens
+
+    def block_tables(self, seqs: Iterable[Sequence | int], *, pad: int = 0) -> np.ndarray:
+        """A padded ``int32 [len(seqs), max blocks]`` block-table array for a batch."""
+        states = [self._state(i) for i in _ids(list(seqs))]
+        width = max((len(s.blocks) for s in states), default=0)
+        out = np.full((len(states), width), pad, np.int32)
+        for row, st in zip(out, states):
+            row[: len(st.blocks)] = st.blocks
+        return out
+
+    def seq_lens(self, seqs: Iterable[Sequence | int]) -> np.ndarray:
+        """``int32 [len(seqs)]`` token counts, matching ``block_tables``."""
+        return np.asarray([self._state(i).num_tokens for i in _ids(list(seqs))], np.int32)
+
+    def slot_mapping(self, seq: Sequence | int, start: int, count: int) -> np.ndarray:
+        """Pool slots (block * block_size + offset) of tokens ``start .. start+count-1``."""
+        st = self._state(_ids(seq)[0])
+        if start < 0 or count < 0 or start + count > st.num_tokens:
+            raise InvalidArgument(f"tokens {start}..{start + count} are outside the sequence's {st.num_tokens}")
+        bs = self.layout.block_size
+        pos = np.arange(start, start + count)
+        return np.asarray(st.blocks, np.int64)[pos // bs] * bs + pos % bs
+
+    def sequences(self) -> list[Sequence]:
+        return [Sequence(self, i) for i in self._seqs]
+
+    @property
+    def reserve_size(self) -> int:
+        return len(self._reserve)
+
+    # -- operator views through this connection ----------------------------------------------
+    def stats(self):
+        return self._conn.stats()
+
+    # -- lifetime -------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Detach: the daemon frees this client's sequences (cached blocks stay cached)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._conn.call("Detach", pb.DetachRequest(session=self._token), timeout=5.0)
+        except KvpoolError:
+            pass  # the daemon is gone or already dropped us: nothing left to free
+        finally:
+            self._watch.cancel()
+            self._kv = None
+            if self._arena is not None:
+                self._arena.close()
+            self._conn.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def connect(
+    address: str | None = None,
+    *,
+    name: str,
+    layout: Layout,
+    timeout: float = 30.0,
+    flush_every: int = 32,
+    device: int | None = None,
+) -> Client:
+    """Attach to kvpoold (``address``: a socket path, default $KVPOOL_SOCKET or /run/kvpoold/kvpoold.sock)."""
+    return Client(address, name=name, layout=layout, timeout=timeout, flush_every=flush_every, device=device)

@@ -1,0 +1,76 @@
+"""Typed errors of the client library, one per gRPC status the daemon answers with."""
+
+from __future__ import annotations
+
+import grpc
+
+
+class KvpoolError(Exception):
+    """Base of every error the client raises; ``code`` is the gRPC status name."""
+
+    code = "UNKNOWN"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidArgument(KvpoolError, ValueError):
+    code = "INVALID_ARGUMENT"
+
+
+class NotFound(KvpoolError, KeyError):
+    """Unknown or already freed sequence."""
+
+    code = "NOT_FOUND"
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class OutOfBlocks(KvpoolError, MemoryError):
+    """The pool (or a quota) cannot hold the request; nothing was changed."""
+
+    code = "RESOURCE_EXHAUSTED"
+
+
+class PermissionDenied(KvpoolError, PermissionError):
+    """The sequence belongs to another session, or the call needs more rights."""
+
+    code = "PERMISSION_DENIED"
+
+
+class FailedPrecondition(KvpoolError, RuntimeError):
+    code = "FAILED_PRECONDITION"
+
+
+class SessionExpired(KvpoolError, RuntimeError):
+    """The daemon no longer knows this session (it was dropped); attach again."""
+
+    code = "UNAUTHENTICATED"
+
+
+class Unavailable(KvpoolError, ConnectionError):
+    """The daemon is not running or not reachable on the socket."""
+
+    code = "UNAVAILABLE"
+
+
+class DaemonError(KvpoolError, RuntimeError):
+    """Anything else the daemon answered (INTERNAL, ...)."""
+
+
+_BY_CODE = {cls.code: cls for cls in (
+    InvalidArgument, NotFound, OutOfBlocks, PermissionDenied, FailedPrecondition, SessionExpired, Unavailable,
+)}
+
+
+def from_rpc_error(exc: grpc.RpcError, address: str) -> KvpoolError:
+    code = exc.code() if hasattr(exc, "code") else None
+    name = code.name if code is not None else "UNKNOWN"
+    details = exc.details() if hasattr(exc, "details") else str(exc)
+    if name == "UNAVAILABLE":
+        details = f"kvpoold is not reachable at {address} ({details})"
+    err = _BY_CODE.get(name, DaemonError)(details or name)
+    err.code = name
+    return err

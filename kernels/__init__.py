@@ -1,0 +1,22 @@
+"""kvpool.kernels: paged attention and KV writes over kvpool's block pool.
+
+Pool layout (one layout class): ``kv_cache [num_blocks, num_layers, 2,
+num_kv_heads, block_size, head_dim]``, C-contiguous, float16 / bfloat16 /
+float32; a physical block id indexes axis 0. Kernels work on one layer's
+views ``k_cache = kv_cache[:, layer, 0]`` and ``v_cache = kv_cache[:, layer,
+1]`` (axis-0 stride = one whole multi-layer block) or on any tensors with
+the same inner layout.
+
+CPU tensors run Numba kernels; CUDA tensors run CUDA kernels compiled by CuPy
+on first use (CuPy is imported only then). ``reference`` holds the float64
+definitions the kernels are tested against.
+
+* ``paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale, out)``
+* ``paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, *, scale, out)``
+* ``write_kv(key, value, k_cache, v_cache, slot_mapping)``
+"""
+
+from .attention import paged_decode_attention, paged_prefill_attention
+from .kv_write import write_kv
+
+__all__ = ["paged_decode_attention", "paged_prefill_attention", "write_kv"]

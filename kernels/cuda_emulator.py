@@ -1,0 +1,388 @@
+"""Run the CUDA kernels' own source on the CPU, one emulated lane per CUDA thread.
+
+The GPU kernels depend on index arithmetic that is easy to get subtly wrong
+(MMA fragment layouts, the dim permutation of the V operand, split-KV
+bookkeeping) and GPU time is scarce; CI has no GPU at all. This module
+compiles ``cuda_source.SOURCE`` with the host C++ compiler, replacing only
+the region between ``BEGIN PRIMITIVES`` and ``END PRIMITIVES`` (inline PTX:
+16-byte loads, float→16-bit conversions, ``mma.sync``) with host code that
+implements the PTX ISA's definitions, and runs each CTA's 128 threads as
+cooperative fibers (``ucontext``) in one OS thread. Warp shuffles, warp
+reductions, MMAs and ``__syncthreads`` are barriers between fibers, so the
+kernel code runs unchanged, lane by lane, deterministically.
+
+It checks logic, not speed or memory-model subtleties. ``EmulatorLauncher``
+plugs into the same host launch code as the real CuPy launcher, so the
+planning (grid, splits, work mapping) is exercised as well. Needs ``g++``
+with C++17; tests skip when it is missing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+
+import numpy as np
+import torch
+
+from .cuda_runtime import module_kernels
+from .cuda_source import SOURCE
+
+_PRELUDE = r"""
+#include <cstdint>
+#include <cstring>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <algorithm>
+#include <ucontext.h>
+#include <vector>
+using std::min;
+using std::max;
+
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __launch_bounds__(x)
+#define __shared__
+
+struct uint4 { unsigned x, y, z, w; };
+struct float2 { float x, y; };
+static inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return uint4{a, b, c, d}; }
+struct dim3 { unsigned x, y, z; };
+static inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
+static inline float __int_as_float(int u) { float f; std::memcpy(&f, &u, 4); return f; }
+static inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
+
+// ---- fibers: one per CUDA thread of the CTA being run ----------------------
+enum { RUNNABLE, WAITING, DONE };
+struct Barrier { int size, count; };
+struct Fiber { ucontext_t ctx; int state; Barrier* wait; unsigned tid; };
+static const int NT = 128;
+static Fiber fib[NT];
+static ucontext_t sched_ctx;
+static int cur;
+static dim3 blockIdx;
+static const dim3 blockDim = {NT, 1, 1};
+static Barrier warp_bar[NT / 32], cta_bar, named_bar[16];
+uint4 smem4[(232 * 1024) / 16];  // `extern __shared__ uint4 smem4[]` in the kernel binds here
+struct Copy { void* dst; const void* src; bool ok; };
+static std::vector<Copy> pending[NT];
+static std::vector<size_t> groups[NT];   // end index in pending[] of each committed group
+static int cp_mode_late = 0;
+extern "C" void emu_set_cp_async_late(int late) { cp_mode_late = late; }
+
+static inline dim3 cur_tid() { return dim3{fib[cur].tid, 0, 0}; }
+#define threadIdx (cur_tid())
+
+static void bar_wait(Barrier* b) {
+    if (++b->count == b->size) {
+        b->count = 0;
+        for (int i = 0; i < NT; ++i)
+            if (fib[i].state == WAITING && fib[i].wait == b) fib[i].state = RUNNABLE;
+        return;
+    }
+    fib[cur].state = WAITING;
+    fib[cur].wait = b;
+    swapcontext(&fib[cur].ctx, &sched_ctx);
+}
+
+// Per-warp exchange slots for collectives.
+static unsigned xu[NT][8];
+static float xf[NT][4];
+static inline int lane_id() { return cur & 31; }
+static inline Barrier* my_warp() { return &warp_bar[cur >> 5]; }
+
+static inline void __syncthreads() { bar_wait(&cta_bar); }
+static inline float __shfl_xor_sync(unsigned, float v, int m) {
+    xf[cur][0] = v; bar_wait(my_warp());
+    const float r = xf[(cur & ~31) | (lane_id() ^ m)][0]; bar_wait(my_warp());
+    return r;
+}
+static inline float __shfl_sync(unsigned, float v, int src) {
+    xf[cur][0] = v; bar_wait(my_warp());
+    const float r = xf[(cur & ~31) | (src & 31)][0]; bar_wait(my_warp());
+    return r;
+}
+static inline int __any_sync(unsigned, int pred) {
+    xu[cur][1] = pred != 0; bar_wait(my_warp());
+    int r = 0;
+    for (int l = 0; l < 32; ++l) r |= (int)xu[(cur & ~31) | l][1];
+    bar_wait(my_warp());
+    return r;
+}
+static inline int __reduce_max_sync(unsigned, int v) {
+    xu[cur][0] = (unsigned)v; bar_wait(my_warp());
+    int r = (int)xu[cur & ~31][0];
+    for (int l = 1; l < 32; ++l) r = max(r, (int)xu[(cur & ~31) | l][0]);
+    bar_wait(my_warp());
+    return r;
+}
+static inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+    const uint64_t v = ((uint64_t)y << 32) | x;
+    unsigned r = 0;
+    for (int n = 0; n < 4; ++n) r |= (unsigned)((v >> (8 * ((s >> (4 * n)) & 7))) & 0xff) << (8 * n);
+    return r;
+}
+
+// ---- 16-bit formats ----------------------------------------------------------
+static inline uint16_t f32_to_bf16(float f) {  // round to nearest even
+    unsigned u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+static inline uint16_t f32_to_f16(float f) { _Float16 h = (_Float16)f; uint16_t r; std::memcpy(&r, &h, 2); return r; }
+static inline float f16_to_f32(uint16_t h) { _Float16 x; std::memcpy(&x, &h, 2); return (float)x; }
+static inline float bf16_to_f32(uint16_t h) { return __uint_as_float((unsigned)h << 16); }
+"""
+
+_PRIMITIVES = r"""
+__device__ __forceinline__ uint4 ld16(const void* p) { uint4 r; std::memcpy(&r, p, 16); return r; }
+
+// cp.async: in "early" mode a copy lands when issued, in "late" mode only when
+// cp.async.wait_group retires its group. A kernel correct under both has its
+// waits and barriers in the right places (late catches reading too soon,
+// early catches overwriting a stage another warp may still read).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool ok) {
+    if (cp_mode_late) { pending[cur].push_back(Copy{dst, src, ok}); return; }
+    if (ok) std::memcpy(dst, src, 16); else std::memset(dst, 0, 16);
+}
+__device__ __forceinline__ void cp_async_commit() {
+    groups[cur].push_back(pending[cur].size());
+}
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    auto& gs = groups[cur];
+    if ((int)gs.size() <= N) return;
+    const size_t upto = gs[gs.size() - 1 - N];   // copies of all but the newest N groups
+    for (size_t i = 0; i < upto; ++i) {
+        const Copy& c = pending[cur][i];
+        if (c.ok) std::memcpy(c.dst, c.src, 16); else std::memset(c.dst, 0, 16);
+    }
+    pending[cur].erase(pending[cur].begin(), pending[cur].begin() + upto);
+    gs.erase(gs.begin(), gs.end() - N);
+    for (auto& x : gs) x -= upto;
+}
+__device__ __forceinline__ void group_sync(int id, int nthreads) {
+    if (nthreads == 32) { bar_wait(my_warp()); return; }
+    Barrier* b = &named_bar[id];
+    b->size = nthreads;
+    bar_wait(b);
+}
+
+template <int DT> __device__ __forceinline__ u32 pack2(float lo, float hi) {
+    if constexpr (DT == 1) return (u32)f32_to_f16(lo) | ((u32)f32_to_f16(hi) << 16);
+    else return (u32)f32_to_bf16(lo) | ((u32)f32_to_bf16(hi) << 16);
+}
+__device__ __forceinline__ float bf16_low(u32 x) { return __uint_as_float(x << 16); }
+__device__ __forceinline__ float bf16_high(u32 x) { return __uint_as_float(x & 0xffff0000u); }
+
+template <int DT> __device__ __forceinline__ typename Store<DT>::T from_f32(float x) {
+    if constexpr (DT == 0) return x;
+    else if constexpr (DT == 1) return f32_to_f16(x);
+    else return f32_to_bf16(x);
+}
+
+// PTX ISA "Matrix Fragments for mma.m16n8k16 with floating point type":
+// group = lane >> 2, t = lane % 4.  A (16x16): reg j holds (row g + 8*(j&1),
+// cols 2t + 8*(j>>1) + {0,1}).  B (16x8): reg j holds (rows 2t + 8j + {0,1}, col g).
+// C (16x8): c[i] = (row g + 8*(i>>1), col 2t + (i&1)).
+template <int DT> static inline float half_val(u32 reg, int hi) {
+    const uint16_t h = (uint16_t)(hi ? reg >> 16 : reg & 0xffff);
+    return DT == 1 ? f16_to_f32(h) : bf16_to_f32(h);
+}
+template <int DT>
+__device__ __forceinline__ void mma(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    const u32 mine[6] = {a0, a1, a2, a3, b0, b1};
+    for (int j = 0; j < 6; ++j) xu[cur][j] = mine[j];
+    bar_wait(my_warp());
+    const int base = cur & ~31, g = lane_id() >> 2, t = lane_id() & 3;
+    float d[4];
+    for (int i = 0; i < 4; ++i) {
+        const int row = g + 8 * (i >> 1), col = 2 * t + (i & 1);
+        double acc = 0.0;
+        for (int k = 0; k < 16; ++k) {
+            const int la = base + (row & 7) * 4 + ((k & 7) >> 1);
+            const u32 ra = xu[la][(row >> 3) + 2 * (k >> 3)];
+            const int lb = base + col * 4 + ((k & 7) >> 1);
+            const u32 rb = xu[lb][4 + (k >> 3)];
+            acc += (double)half_val<DT>(ra, k & 1) * (double)half_val<DT>(rb, k & 1);
+        }
+        d[i] = c[i] + (float)acc;
+    }
+    bar_wait(my_warp());
+    for (int i = 0; i < 4; ++i) c[i] = d[i];
+}
+"""
+
+_LAUNCH = r"""
+// ---- running one grid -------------------------------------------------------
+typedef void (*Body)(void*);
+static Body body_fn;
+static void* body_arg;
+static void fiber_main(int i) {
+    body_fn(body_arg);
+    fib[i].state = DONE;
+    swapcontext(&fib[i].ctx, &sched_ctx);
+}
+static char* stacks;
+static const size_t STACK = 256 * 1024;
+
+static int run_grid(unsigned gx, unsigned gy, unsigned gz, Body fn, void* arg) {
+    if (!stacks) stacks = (char*)std::malloc(STACK * NT);
+    body_fn = fn; body_arg = arg;
+    for (unsigned z = 0; z < gz; ++z)
+    for (unsigned y = 0; y < gy; ++y)
+    for (unsigned x = 0; x < gx; ++x) {
+        blockIdx = dim3{x, y, z};
+        for (int w = 0; w < NT / 32; ++w) warp_bar[w] = Barrier{32, 0};
+        cta_bar = Barrier{NT, 0};
+        for (int i = 0; i < 16; ++i) named_bar[i] = Barrier{0, 0};
+        for (int i = 0; i < NT; ++i) { pending[i].clear(); groups[i].clear(); }
+        for (int i = 0; i < NT; ++i) {
+            fib[i].state = RUNNABLE; fib[i].wait = nullptr; fib[i].tid = i;
+            getcontext(&fib[i].ctx);
+            fib[i].ctx.uc_stack.ss_sp = stacks + STACK * i;
+            fib[i].ctx.uc_stack.ss_size = STACK;
+            fib[i].ctx.uc_link = nullptr;
+            makecontext(&fib[i].ctx, (void (*)())fiber_main, 1, i);
+        }
+        for (;;) {
+            bool progress = false, all_done = true;
+            for (int i = 0; i < NT; ++i) {
+                if (fib[i].state == DONE) continue;
+                all_done = false;
+                if (fib[i].state != RUNNABLE) continue;
+                cur = i; progress = true;
+                swapcontext(&sched_ctx, &fib[i].ctx);
+            }
+            if (all_done) break;
+            if (!progress) return 1;  // deadlock: divergent collective or early exit
+        }
+    }
+    return 0;
+}
+"""
+
+
+def _params(kind: str, dt: int) -> list[tuple[str, str]]:
+    t = "float" if dt == 0 else "u16"
+    if kind == "attention":
+        return [
+            (f"const {t}*", "q"), ("i64", "q_stride_t"), ("i64", "q_stride_h"),
+            (f"const {t}*", "k_cache"), (f"const {t}*", "v_cache"), ("i64", "k_stride"), ("i64", "v_stride"),
+            ("int", "num_blocks"), ("int", "num_kv_heads"), ("int", "bs_log2"),
+            ("const int*", "block_tables"), ("i64", "bt_stride"), ("int", "max_blocks"),
+            ("const int*", "seq_lens"), ("const int*", "cu_seqlens"), ("const int*", "tile_cum"),
+            ("int", "num_seqs"), ("int", "group"), ("float", "scale_log2"),
+            ("int", "chunk"), ("int", "num_splits"),
+            (f"{t}*", "out"), ("float*", "part_o"), ("float*", "part_lse"),
+        ]  # fmt: skip
+    if kind == "merge":
+        return [
+            ("const float*", "part_o"), ("const float*", "part_lse"), (f"{t}*", "out"),
+            ("const int*", "seq_lens"), ("const int*", "cu_seqlens"), ("int", "num_seqs"), ("int", "num_tokens"),
+            ("int", "max_blocks"),
+            ("int", "bs_log2"), ("int", "hq"), ("int", "num_splits"), ("int", "chunk"),
+        ]  # fmt: skip
+    return [
+        ("const char*", "key"), ("i64", "key_st"), ("i64", "key_sh"),
+        ("const char*", "value"), ("i64", "val_st"), ("i64", "val_sh"),
+        ("char*", "k_cache"), ("char*", "v_cache"), ("i64", "k_stride"), ("i64", "v_stride"),
+        ("const i64*", "slots"), ("int", "num_heads"), ("int", "block_size"), ("int", "row_bytes"),
+        ("i64", "num_slots"),
+    ]  # fmt: skip
+
+
+def _emulated_source(module_key: tuple) -> tuple[str, dict[str, str]]:
+    begin, end = SOURCE.index("// BEGIN PRIMITIVES"), SOURCE.index("// END PRIMITIVES")
+    kernel_src = SOURCE[:begin] + _PRIMITIVES + SOURCE[end:]
+    parts = [_PRELUDE, kernel_src, _LAUNCH]
+    symbols = {}
+    dt = module_key[1] if module_key[0] == "attention" else 0
+    for short, expr in module_kernels(module_key).items():
+        plist = _params(short, dt)
+        params = ", ".join(f"{ty} {nm}" for ty, nm in plist)
+        call = ", ".join(nm for _, nm in plist)
+        body_call = ", ".join(f"a->{nm}" for _, nm in plist)
+        sym = "".join(ch if ch.isalnum() else "_" for ch in expr)
+        parts.append(
+            f"""
+struct Args_{sym} {{ {"; ".join(f"{ty} {nm}" for ty, nm in plist)}; }};
+static void body_{sym}(void* p) {{ Args_{sym}* a = (Args_{sym}*)p; {expr}({body_call}); }}
+extern "C" int emu_{sym}(unsigned gx, unsigned gy, unsigned gz, {params}) {{
+    Args_{sym} a = {{ {call} }};
+    return run_grid(gx, gy, gz, body_{sym}, &a);
+}}
+"""
+        )
+        symbols[short] = f"emu_{sym}"
+    return "\n".join(parts), symbols
+
+
+_CTYPE = {
+    np.uint64: ctypes.c_void_p,
+    np.int64: ctypes.c_int64,
+    np.int32: ctypes.c_int32,
+    np.float32: ctypes.c_float,
+}
+_LOCK = threading.Lock()
+
+
+def available() -> bool:
+    return shutil.which("g++") is not None
+
+
+class EmulatorLauncher:
+    """Drop-in for ``CupyLauncher`` that runs kernels on CPU tensors (slowly)."""
+
+    def __init__(self, num_sms: int = 4, cp_async: str = "late") -> None:
+        if cp_async not in ("early", "late"):
+            raise ValueError("cp_async must be 'early' or 'late'")
+        self._late = int(cp_async == "late")
+        self._sms = num_sms
+        self._libs: dict = {}
+        self._cache = os.path.join(tempfile.gettempdir(), f"kvpool-cuda-emulator-{os.getuid()}")
+
+    def num_sms(self, device: torch.device) -> int:
+        return self._sms
+
+    def _lib(self, module_key: tuple):
+        if module_key not in self._libs:
+            src, symbols = _emulated_source(module_key)
+            digest = hashlib.sha256(src.encode()).hexdigest()[:16]
+            os.makedirs(self._cache, exist_ok=True)
+            so = os.path.join(self._cache, f"{digest}.so")
+            if not os.path.exists(so):
+                cpp = os.path.join(self._cache, f"{digest}.cpp")
+                with open(cpp, "w") as f:
+                    f.write(src)
+                tmp = f"{so}.{os.getpid()}.tmp"
+                cmd = ["g++", "-std=c++17", "-O1", "-shared", "-fPIC", "-Wno-unknown-pragmas", cpp, "-o", tmp]
+                res = subprocess.run(cmd, capture_output=True, text=True)
+                if res.returncode:
+                    raise RuntimeError(f"emulator build failed:\n{res.stderr[-4000:]}")
+                os.replace(tmp, so)
+            self._libs[module_key] = (ctypes.CDLL(so), symbols)
+        return self._libs[module_key]
+
+    def launch(self, module_key: tuple, name: str, device: torch.device, grid, args, smem: int = 0) -> None:
+        if device.type != "cpu":
+            raise ValueError("the emulator runs kernels on CPU tensors")
+        if smem > 232 * 1024:
+            raise ValueError(f"emulated shared memory is 232 KiB; kernel asked for {smem} bytes")
+        lib, symbols = self._lib(module_key)
+        fn = getattr(lib, symbols[name])
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_uint] * 3 + [_CTYPE[type(a)] for a in args]
+        values = [int(a) if isinstance(a, np.uint64) else a.item() for a in args]
+        with _LOCK:  # the fiber scheduler is global state
+            lib.emu_set_cp_async_late(self._late)
+            rc = fn(*[int(g) for g in grid], *values)
+        if rc:
+            raise RuntimeError(f"emulated {name} deadlocked: a collective was reached by only part of a warp/CTA")

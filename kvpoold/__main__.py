@@ -1,0 +1,5 @@
+import sys
+
+from kvpoold.cli import main
+
+sys.exit(main())

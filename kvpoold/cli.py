@@ -1,0 +1,73 @@
+"""``kvpoold``: the daemon's command line.
+
+Flags override ``KVPOOL_*`` environment variables, which override the TOML
+file (``--config``, default /etc/kvpoold/kvpoold.toml when it exists), which
+overrides the defaults.  ``--check-config`` prints the resolved configuration
+and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from kvpoold import __version__
+from kvpoold.config import DEFAULT_CONFIG, DEFAULT_SOCKET, ConfigError, config_as_dict, load_config
+
+EPILOG = """examples:
+  kvpoold --socket /tmp/kvpool.sock --pool-bytes 2GiB        # CPU pool in shared memory
+  kvpoold --backend cuda --gpu-memory-fraction 0.8           # GPU pool, shared over CUDA IPC
+  KVPOOL_POOL_BYTES=4GiB kvpoold --config ./kvpoold.toml
+  kvpoold --check-config                                    # print the resolved settings
+
+exit codes: 0 stopped cleanly, 2 bad configuration or cannot start"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvpoold", description="KV-cache memory daemon for LLM inference.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--config", help=f"TOML config file (default {DEFAULT_CONFIG} if it exists; env KVPOOL_CONFIG)")
+    p.add_argument("--socket", help=f"Unix socket to listen on (default {DEFAULT_SOCKET}; env KVPOOL_SOCKET)")
+    p.add_argument("--socket-mode", help="file mode of the socket, octal (default 660): who may attach")
+    p.add_argument("--backend", choices=["cpu", "cuda"], help="where blocks live (default cpu)")
+    p.add_argument("--pool-bytes", help="pool size, e.g. 2GiB (default: 1GiB on cpu, a fraction of free GPU memory on cuda)")
+    p.add_argument("--gpu-memory-fraction", help="cuda: share of free GPU memory for the pool (default 0.9)")
+    p.add_argument("--devices", help="cuda: GPU ordinals, e.g. 0 or 0,1 (default 0)")
+    p.add_argument("--chunk-bytes", help="unit memory moves between layouts in (default 2MiB)")
+    p.add_argument("--grace-seconds", help="a vanished client's sequences are freed after this (default 5)")
+    p.add_argument("--max-reserve-blocks", help="blocks a session may hold to assign locally (default 1024)")
+    p.add_argument("--max-sessions", help="most sessions at once (default 1024)")
+    p.add_argument("--shm-dir", help="cpu: shared-memory directory (default /dev/shm)")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="default info")
+    p.add_argument("--check-config", action="store_true", help="print the resolved configuration as JSON and exit")
+    p.add_argument("--version", action="version", version=f"kvpoold {__version__}")
+    return p
+
+
+FLAG_KEYS = (
+    "socket", "socket_mode", "backend", "pool_bytes", "gpu_memory_fraction", "devices", "chunk_bytes",
+    "grace_seconds", "max_reserve_blocks", "max_sessions", "shm_dir", "log_level",
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    flags = {k: getattr(args, k) for k in FLAG_KEYS if getattr(args, k) is not None}
+    try:
+        config = load_config(path=args.config, flags=flags)
+    except ConfigError as exc:
+        print(f"kvpoold: bad configuration: {exc}", file=sys.stderr)
+        return 2
+    if args.check_config:
+        print(json.dumps(config_as_dict(config), indent=2))
+        return 0
+    from kvpoold.server.app import run
+
+    return run(config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,207 @@
+"""kvpoold's configuration: defaults < TOML file < KVPOOL_* environment < flags.
+
+One precedence rule, applied key by key.  Every value is validated at start;
+a bad one raises ``ConfigError`` naming the key, the value and where it came
+from, so the daemon can print one clear line and exit.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from dataclasses import dataclass, fields, replace
+from typing import Any, Mapping
+
+DEFAULT_SOCKET = "/run/kvpoold/kvpoold.sock"
+DEFAULT_CONFIG = "/etc/kvpoold/kvpoold.toml"
+ENV_PREFIX = "KVPOOL_"
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+    "ki": 1024, "kib": 1024, "mi": 1024**2, "mib": 1024**2, "gi": 1024**3, "gib": 1024**3, "ti": 1024**4, "tib": 1024**4,
+}
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot be used; the message names key, value and source."""
+
+
+def parse_bytes(value: Any) -> int:
+    """``2GiB``, ``512MiB``, ``1.5G``, ``4096`` -> bytes."""
+    if isinstance(value, bool):
+        raise ValueError("expected a size like 2GiB")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError("sizes cannot be negative")
+        return value
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError("expected a size like 2GiB, 512MiB, 1.5G or a number of bytes")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("expected true or false")
+
+
+def _devices(value: Any) -> tuple[int, ...]:
+    items = value if isinstance(value, (list, tuple)) else str(value).split(",")
+    out = tuple(int(str(v).strip()) for v in items if str(v).strip() != "")
+    if not out or any(d < 0 for d in out):
+        raise ValueError("expected GPU ordinals like 0 or 0,1")
+    return out
+
+
+def _mode(value: Any) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    return int(str(value), 8)
+
+
+@dataclass(frozen=True)
+class Config:
+    """Every setting of the daemon, with its default."""
+
+    socket: str = DEFAULT_SOCKET
+    socket_mode: int = 0o660  # who may attach: the socket's owner and group
+    backend: str = "cpu"  # cpu | cuda
+    pool_bytes: int = 0  # 0: cpu -> 1 GiB, cuda -> gpu_memory_fraction of free memory
+    gpu_memory_fraction: float = 0.9
+    devices: tuple[int, ...] = (0,)
+    chunk_bytes: int = 2 << 20  # the unit memory moves between layout classes in
+    grace_seconds: float = 5.0  # a vanished client's sequences are freed after this
+    max_reserve_blocks: int = 1024  # per session: blocks a client may assign locally
+    max_sessions: int = 1024
+    eviction_policy: str = "lru"
+    shm_dir: str = "/dev/shm"
+    log_level: str = "info"
+    host_bytes: int = 0
+    disk_dir: str = ""
+    disk_bytes: int = 0
+    metrics_port: int = 0  # 0: no Prometheus endpoint
+
+    def effective_pool_bytes(self) -> int:
+        return self.pool_bytes or (1 << 30)
+
+
+_PARSERS = {
+    "socket": str,
+    "socket_mode": _mode,
+    "backend": str,
+    "pool_bytes": parse_bytes,
+    "gpu_memory_fraction": float,
+    "devices": _devices,
+    "chunk_bytes": parse_bytes,
+    "grace_seconds": float,
+    "max_reserve_blocks": int,
+    "max_sessions": int,
+    "eviction_policy": str,
+    "shm_dir": str,
+    "log_level": str,
+    "host_bytes": parse_bytes,
+    "disk_dir": str,
+    "disk_bytes": parse_bytes,
+    "metrics_port": int,
+}
+KEYS = tuple(f.name for f in fields(Config))
+assert set(KEYS) == set(_PARSERS)
+
+
+def _validate(cfg: Config, sources: Mapping[str, str]) -> None:
+    def bad(key: str, why: str) -> ConfigError:
+        return ConfigError(f"{key} = {getattr(cfg, key)!r} ({sources.get(key, 'default')}): {why}")
+
+    if cfg.backend not in ("cpu", "cuda"):
+        raise bad("backend", "must be cpu or cuda")
+    if not cfg.socket:
+        raise bad("socket", "must be a path")
+    if not 0 < cfg.gpu_memory_fraction <= 1:
+        raise bad("gpu_memory_fraction", "must be in (0, 1]")
+    if cfg.chunk_bytes < 4096 or cfg.chunk_bytes & (cfg.chunk_bytes - 1):
+        raise bad("chunk_bytes", "must be a power of two of at least 4096")
+    if cfg.pool_bytes and cfg.pool_bytes < cfg.chunk_bytes:
+        raise bad("pool_bytes", f"must hold at least one chunk ({cfg.chunk_bytes} bytes)")
+    if cfg.grace_seconds < 0:
+        raise bad("grace_seconds", "must be >= 0")
+    if cfg.max_reserve_blocks < 0:
+        raise bad("max_reserve_blocks", "must be >= 0")
+    if cfg.max_sessions < 1:
+        raise bad("max_sessions", "must be >= 1")
+    if cfg.eviction_policy != "lru":
+        raise bad("eviction_policy", "must be lru")
+    if cfg.log_level.lower() not in ("debug", "info", "warning", "error"):
+        raise bad("log_level", "must be debug, info, warning or error")
+    if not 0 <= cfg.metrics_port <= 65535:
+        raise bad("metrics_port", "must be a TCP port (0 disables)")
+    if not 0 <= cfg.socket_mode <= 0o777:
+        raise bad("socket_mode", "must be a file mode like 660")
+
+
+def load_config(
+    path: str | None = None,
+    env: Mapping[str, str] | None = None,
+    flags: Mapping[str, Any] | None = None,
+) -> Config:
+    """Build the configuration: defaults < file < environment < flags.
+
+    ``path`` None means the default file if it exists; a path that was asked
+    for explicitly must exist.  ``flags`` holds only the flags actually given.
+    """
+    env = os.environ if env is None else env
+    flags = flags or {}
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+
+    explicit = path is not None or "config" in flags or f"{ENV_PREFIX}CONFIG" in env
+    path = flags.get("config") or path or env.get(f"{ENV_PREFIX}CONFIG") or DEFAULT_CONFIG
+    if os.path.exists(path):
+        try:
+            with open(path, "rb") as f:
+                doc = tomllib.load(f)
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"config file {path}: {exc}") from None
+        table = doc.get("kvpoold", doc)
+        for key, value in table.items():
+            if key not in _PARSERS:
+                raise ConfigError(f"config file {path}: unknown key {key!r} (known: {', '.join(KEYS)})")
+            values[key], sources[key] = value, f"from {path}"
+    elif explicit:
+        raise ConfigError(f"config file {path} does not exist")
+
+    for key in KEYS:
+        name = ENV_PREFIX + key.upper()
+        if name in env:
+            values[key], sources[key] = env[name], f"from ${name}"
+    for key, value in flags.items():
+        if key == "config" or value is None:
+            continue
+        if key not in _PARSERS:
+            raise ConfigError(f"unknown setting {key!r}")
+        values[key], sources[key] = value, f"from --{key.replace('_', '-')}"
+
+    parsed = {}
+    for key, value in values.items():
+        try:
+            parsed[key] = _PARSERS[key](value)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{key} = {value!r} ({sources[key]}): {exc}") from None
+    cfg = replace(Config(), **parsed)
+    _validate(cfg, sources)
+    return cfg
+
+
+def config_as_dict(cfg: Config) -> dict[str, Any]:
+    out = {}
+    for f in fields(cfg):
+        v = getattr(cfg, f.name)
+        out[f.name] = list(v) if isinstance(v, tuple) else (oct(v)[2:] if f.name == "socket_mode" else v)
+    return out

@@ -1,0 +1,82 @@
+"""A model process for the integration tests, run as ``python client_proc.py SOCKET ACTION JSON``.
+
+Actions (each prints one JSON line on stdout):
+  write  -- create a sequence from ``prompt``, write each token's id as its K/V values
+            into the shared pool, optionally free it; prints the block table
+  read   -- create a sequence from ``prompt``; prints what it found cached and the
+            values it reads back from the pool at the cached positions
+  peek   -- print the values stored in ``blocks`` (first element of each token slot)
+  fork   -- create from ``prompt``, write it, fork, extend the child by one token;
+            prints both tables and the copy that ran
+  hold   -- create ``n`` sequences, print "holding", then sleep until killed
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import numpy as np
+
+import kvpool
+
+LAYOUT = kvpool.Layout("test-model", num_layers=2, num_kv_heads=2, head_dim=4, dtype="float32", block_size=4)
+
+
+def write_tokens(client, seq, start, tokens):
+    kv = np.asarray(client.kv_cache())  # zero-copy view of the shared memory
+    slots = client.slot_mapping(seq, start, len(tokens))
+    bs = LAYOUT.block_size
+    for slot, tok in zip(slots.tolist(), tokens):
+        kv[slot // bs, :, :, :, slot % bs, :] = tok
+
+
+def read_tokens(client, seq, count):
+    kv = np.asarray(client.kv_cache())
+    bs = LAYOUT.block_size
+    return [float(kv[s // bs, 0, 0, 0, s % bs, 0]) for s in client.slot_mapping(seq, 0, count).tolist()]
+
+
+def main() -> None:
+    socket, action, args = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    with kvpool.connect(socket, name=f"test-{action}", layout=LAYOUT) as client:
+        if action == "write":
+            seq = client.create_sequence(args["prompt"])
+            write_tokens(client, seq, seq.num_cached_tokens, args["prompt"][seq.num_cached_tokens:])
+            out = {"table": seq.block_table.tolist()}
+            if args.get("free"):
+                client.free(seq)
+            print(json.dumps(out), flush=True)
+        elif action == "read":
+            seq = client.create_sequence(args["prompt"])
+            print(json.dumps({
+                "table": seq.block_table.tolist(),
+                "cached": seq.num_cached_tokens,
+                "values": read_tokens(client, seq, seq.num_cached_tokens),
+            }), flush=True)
+        elif action == "peek":
+            kv = np.asarray(client.kv_cache())
+            print(json.dumps({"values": [kv[b, 0, 0, 0, :, 0].tolist() for b in args["blocks"]]}), flush=True)
+        elif action == "fork":
+            seq = client.create_sequence(args["prompt"])
+            write_tokens(client, seq, 0, args["prompt"])
+            child = client.fork(seq)
+            r = client.extend({child: [args["next"]]})
+            write_tokens(client, child, len(args["prompt"]), [args["next"]])
+            print(json.dumps({
+                "parent": seq.block_table.tolist(), "child": child.block_table.tolist(),
+                "copies": [list(c) for c in r.copies],
+            }), flush=True)
+            time.sleep(args.get("linger", 0))
+        elif action == "hold":
+            seqs = [client.create_sequence(list(range(i, i + 10))) for i in range(args["n"])]
+            print(json.dumps({"holding": len(seqs), "session": client.session_id}), flush=True)
+            while True:
+                time.sleep(1)
+        else:
+            raise SystemExit(f"unknown action {action}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""The client library against a real daemon: batching, reserves, mirrors, layouts."""
+
+from __future__ import annotations
+
+import numpy as np
+
+import kvpool
+
+LAYOUT = kvpool.Layout("client-model", num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", block_size=16)
+
+
+def daemon_tables(client) -> dict[int, list[int]]:
+    return {s.seq_id: list(s.block_table) for s in client._conn.sequences_of(client.session_id)}
+
+
+def test_steady_decode_calls_the_daemon_at_most_once_every_8_steps(daemon):
+    with kvpool.connect(daemon.socket, name="decoder", layout=LAYOUT) as c:
+        seqs = c.create_sequences([[i, i + 1, i + 2] for i in range(256)])
+        start = c.rpcs
+        steps = 64
+        for step in range(steps):
+            c.extend({s: [step] for s in seqs})
+        calls = c.rpcs - start
+        assert calls * 8 <= steps, f"{calls} calls for {steps} steps"
+        c.flush()
+        # after the flush, the daemon's page tables equal the client's mirror
+        assert daemon_tables(c) == {s.id: s.block_table.tolist() for s in seqs}
+        assert all(s.num_tokens == 3 + steps for s in seqs)
+        st = c.stats().classes[0]
+        assert st.used_blocks == 256 * 5 + st.reserved_blocks
+
+
+def test_random_workload_keeps_mirror_and_daemon_equal(daemon):
+    rng = np.random.default_rng(7)
+    with kvpool.connect(daemon.socket, name="random", layout=LAYOUT, flush_every=5) as c:
+        live = c.create_sequences([rng.integers(0, 50, rng.integers(0, 40)) for _ in range(8)])
+        for _ in range(60):
+            op = rng.integers(0, 10)
+            if op < 6 and live:
+                batch = {s: rng.integers(0, 50, rng.integers(0, 20)) for s in rng.choice(live, min(4, len(live)), replace=False)}
+                c.extend(batch)
+            elif op < 7 and live:
+                live.append(c.fork(live[rng.integers(len(live))]))
+            elif op < 8 and live:
+                victim = live.pop(rng.integers(len(live)))
+                c.free(victim)
+            else:
+                live.append(c.create_sequence(rng.integers(0, 50, rng.integers(1, 40))))
+        c.flush()
+        assert daemon_tables(c) == {s.id: s.block_table.tolist() for s in live}
+        assert c._conn.check()[0]
+
+
+def test_block_tables_are_padded_int32(daemon):
+    with kvpool.connect(daemon.socket, name="tables", layout=LAYOUT) as c:
+        a = c.create_sequence(range(40))
+        b = c.create_sequence(range(5))
+        t = c.block_tables([a, b], pad=-1)
+        assert t.dtype == np.int32 and t.shape == (2, 3)
+        assert t[0].tolist() == a.block_table.tolist() and t[1, 1:].tolist() == [-1, -1]
+        assert c.seq_lens([a, b]).tolist() == [40, 5]
+
+
+def test_kv_cache_is_a_writable_zero_copy_view(daemon):
+    with kvpool.connect(daemon.socket, name="view", layout=LAYOUT) as c:
+        kv = c.kv_cache()
+        assert tuple(kv.shape) == (c.num_blocks, 2, 2, 2, 16, 8)
+        arr = np.asarray(kv)
+        arr[3, 1, 0, 1, 2, :] = 7.0
+        assert float(kv[3, 1, 0, 1, 2, 0]) == 7.0
+        assert arr.ctypes.data == kv.data_ptr()
+
+
+def test_different_layouts_share_one_pool(daemon):
+    other = kvpool.Layout("other-model", num_layers=4, num_kv_heads=1, head_dim=8, dtype="float32", block_size=8)
+    with kvpool.connect(daemon.socket, name="a", layout=LAYOUT) as a, \
+            kvpool.connect(daemon.socket, name="b", layout=other) as b:
+        assert a.class_id != b.class_id
+        a.create_sequence(range(100))
+        b.create_sequence(range(100))
+        st = a.stats()
+        assert [c.models for c in st.classes] == [("client-model",), ("other-model",)]
+        assert st.classes[0].used_blocks == 7 and st.classes[1].used_blocks == 13
+        assert st.free_bytes < st.pool_bytes
+
+
+def test_same_model_shares_blocks_across_clients(daemon):
+    with kvpool.connect(daemon.socket, name="a", layout=LAYOUT) as a, \
+            kvpool.connect(daemon.socket, name="b", layout=LAYOUT) as b:
+        sa = a.create_sequence(range(64))
+        sb = b.create_sequence(range(70))
+        assert sb.num_cached_tokens == 64
+        assert sb.block_table[:4].tolist() == sa.block_table.tolist()
+        assert a.lookup(range(80)) == 64
+        st = a.stats().classes[0]
+        # two creates and one lookup were queries; the second create and the lookup hit 64 tokens each
+        assert (st.prefix_queries, st.prefix_hits, st.prefix_hit_tokens) == (3, 2, 128)
