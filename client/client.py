@@ -50,7 +50,7 @@ class _SeqState:
         self.num_tokens = num_tokens
         self.num_cached = num_cached
         self.shared_tail = False  # last block partly filled and maybe shared (after a fork)
-        self.pending: list[np.ndarray] = []  # tokens the daemon has not seen yet
+        self.pending: list[int] = []  # tokens the daemon has not seen yet
         self.claims: list[int] = []  # reserve blocks assigned locally, not reported yet
 
 
@@ -107,6 +107,20 @@ def _tokens(values, what: str = "token ids") -> np.ndarray:
     if arr.min() < 0 or arr.max() > 0xFFFFFFFF:
         raise InvalidArgument(f"{what} must be in [0, 2**32)")
     return arr.astype(U32, copy=False)
+
+
+_MAX_TOKEN = 0xFFFFFFFF
+
+
+def _token_list(values) -> list[int]:
+    """Token ids as a list of Python ints, checked; cheap for the short lists of a decode step."""
+    if type(values) is list:
+        for t in values:
+            if type(t) is not int or not 0 <= t <= _MAX_TOKEN:
+                break
+        else:
+            return values
+    return _tokens(values).tolist()
 
 
 class Client:
@@ -248,23 +262,26 @@ class Client:
         the KV of the new tokens is the caller's to write.
         """
         with self._lock:
-            items = []
-            for seq, toks in batch.items():
-                sid = seq.id if isinstance(seq, Sequence) else int(seq)
-                items.append((sid, self._state(sid), _tokens(toks)))
-            if len({sid for sid, _, _ in items}) != len(items):
-                raise InvalidArgument("a sequence appears twice in one extend")
             bs = self.layout.block_size
+            seqs = self._seqs
             local, remote, want = [], [], 0
-            for sid, st, toks in items:
-                if not len(toks):
+            for seq, toks in batch.items():
+                sid = seq.id if type(seq) is Sequence else int(seq)
+                st = seqs.get(sid)
+                if st is None:
+                    raise NotFound(f"sequence {sid} is not one of this client's live sequences")
+                toks = _token_list(toks)
+                if not toks:
                     continue
-                grow = -(-(st.num_tokens + len(toks)) // bs) - len(st.blocks)
-                if st.shared_tail and st.num_tokens % bs:
+                nt = st.num_tokens
+                if st.shared_tail and nt % bs:
                     remote.append((sid, st, toks))  # copy-on-write is the daemon's call
                 else:
+                    grow = (nt + len(toks) + bs - 1) // bs - len(st.blocks)
                     local.append((sid, st, toks, grow))
                     want += grow
+            if len(local) + len(remote) > 1 and len({x[0] for x in local} | {x[0] for x in remote}) != len(local) + len(remote):
+                raise InvalidArgument("a sequence appears twice in one extend")
             self._steps_since_rpc += 1
             if not remote and want <= len(self._reserve) and self._steps_since_rpc < self.flush_every:
                 for sid, st, toks, grow in local:
@@ -272,13 +289,14 @@ class Client:
                 return ExtendResult((), False)
             return self._step(local, remote, [], run_copies)
 
-    def _assign_locally(self, st: _SeqState, toks: np.ndarray, grow: int) -> None:
+    def _assign_locally(self, st: _SeqState, toks: list[int], grow: int) -> None:
         if grow:
-            taken = self._reserve[-grow:]
-            del self._reserve[-grow:]
+            reserve = self._reserve
+            taken = reserve[-grow:]
+            del reserve[-grow:]
             st.blocks.extend(taken)
             st.claims.extend(taken)
-        st.pending.append(toks)
+        st.pending.extend(toks)
         st.num_tokens += len(toks)
 
     def _reserve_target(self) -> int:
@@ -289,30 +307,31 @@ class Client:
     def _step(self, local, remote, free_ids: list[int], run_copies: bool) -> ExtendResult:
         """One Step call: queued tokens, this step's tokens, frees, reserve top-up."""
         ids, counts, toks_out, claim_counts, claims = [], [], [], [], []
-        touched = set()
+        touched = []
         # local assignments go through the reserve first (the daemon allocates what is missing)
         # (the table stays short by what the reserve could not cover until the reply fills it)
+        sent_now = {}
         for sid, st, toks, grow in local:
-            self._assign_locally(st, toks, min(grow, len(self._reserve)))
+            sent_now[sid] = (len(toks), min(grow, len(self._reserve)))
+            self._assign_locally(st, toks, sent_now[sid][1])
         for sid, st in self._seqs.items():
             if st.pending:
                 ids.append(sid)
-                chunk = np.concatenate(st.pending) if len(st.pending) > 1 else st.pending[0]
-                counts.append(len(chunk))
-                toks_out.append(chunk)
+                counts.append(len(st.pending))
+                toks_out.extend(st.pending)
                 claim_counts.append(len(st.claims))
                 claims.extend(st.claims)
-                touched.add(sid)
+                touched.append(st)
         for sid, st, toks in remote:
             ids.append(sid)
             counts.append(len(toks))
-            toks_out.append(toks)
+            toks_out.extend(toks)
             claim_counts.append(0)
         req = pb.StepRequest(
             session=self._token,
             seq_ids=np.asarray(ids, I64).tobytes(),
             token_counts=np.asarray(counts, I32).tobytes(),
-            tokens=(np.concatenate(toks_out) if toks_out else np.zeros(0, U32)).astype(U32).tobytes(),
+            tokens=np.array(toks_out, U32).tobytes(),
             claim_counts=np.asarray(claim_counts, I32).tobytes() if claims else b"",
             claims=np.asarray(claims, I32).tobytes(),
             free_seq_ids=free_ids,
@@ -321,12 +340,11 @@ class Client:
         try:
             r = self._call("Step", req)
         except KvpoolError:
-            self._rollback_unsent(local)
+            self._rollback_unsent(local, sent_now)
             raise
         self._steps_since_rpc = 0
         # the daemon now knows every queued token
-        for sid in touched:
-            st = self._seqs[sid]
+        for st in touched:
             st.pending.clear()
             st.claims.clear()
         for sid, st, toks in remote:
@@ -350,18 +368,17 @@ class Client:
             self.run_copies(copies)
         return ExtendResult(copies, True)
 
-    def _rollback_unsent(self, local) -> None:
-        """Undo this step's local assignments after a failed call (queued older ones stay)."""
+    def _rollback_unsent(self, local, sent_now: dict) -> None:
+        """Undo this step's local assignments after a failed call (older queued ones stay)."""
         for sid, st, toks, grow in reversed(local):
-            if st.pending and st.pending[-1] is toks:
-                st.pending.pop()
-                st.num_tokens -= len(toks)
-                take = len(st.blocks) - -(-st.num_tokens // self.layout.block_size)
-                if take > 0:
-                    back = st.blocks[-take:]
-                    del st.blocks[-take:]
-                    del st.claims[-take:]
-                    self._reserve.extend(reversed(back))
+            n, taken = sent_now[sid]
+            del st.pending[len(st.pending) - n:]
+            st.num_tokens -= n
+            if taken:
+                back = st.blocks[-taken:]
+                del st.blocks[-taken:]
+                del st.claims[-taken:]
+                self._reserve.extend(back)
 
     def flush(self) -> None:
         """Report every queued token to the daemon now (the prefix cache sees them)."""

@@ -11,9 +11,14 @@ CPU tensors run Numba kernels; CUDA tensors run CUDA kernels compiled by CuPy
 on first use (CuPy is imported only then). ``reference`` holds the float64
 definitions the kernels are tested against.
 
-* ``paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale, out)``
-* ``paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, *, scale, out)``
+* ``paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale, out, max_seq_len)``
+* ``paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, *, scale, out, max_seq_len)``
 * ``write_kv(key, value, k_cache, v_cache, slot_mapping)``
+
+GPU calls never synchronize the host and can be captured in a CUDA graph
+(after one warm-up call outside capture, which compiles the kernel).
+``max_seq_len`` is an optional upper bound on ``seq_lens`` that the GPU path
+uses to size split-KV; the CPU path ignores it.
 """
 
 from .attention import paged_decode_attention, paged_prefill_attention

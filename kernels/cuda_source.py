@@ -3,22 +3,26 @@
 Kept as a Python string so that it ships inside the package with no
 package-data configuration. Three kernels:
 
-``paged_attention_kernel<DT, D>``
+``paged_attention_kernel<DT, D, WKV>``
     Decode and prefill in one kernel, on tensor cores (``mma.sync.m16n8k16``,
     fp32 accumulation). A CTA of 4 warps owns one (sequence, query tile, KV
     head, KV split) work item. The query tile's rows are (token, query head)
     pairs of one GQA group, so every KV block is read once per KV head for
-    all query heads that share it. ``warps_kv`` says how the 4 warps divide
-    the item: 4 (decode) = all warps share the same 16 rows and split the KV
+    all query heads that share it. ``WKV`` says how the 4 warps divide the
+    item: 4 (decode) = all warps share the same 16 rows and split the KV
     range between them; 1 (prefill) = each warp owns 16 rows and walks the
-    whole (causal) KV range. Warps meet once, at the end, in shared memory.
+    whole (causal) KV range; 2 = in between (decode when shared memory is
+    short: float32, head_dim 256). Warps meet once, at the end, in shared
+    memory.
 
     Memory pipeline: K and V tiles (16 keys) stream into shared memory with
     ``cp.async`` through a ring of ``NS`` stages per group of warps that
     share a key range (one ring per warp in decode, one ring for the CTA in
     prefill), so ``NS - 1`` tiles are always in flight and loads cost no
     registers. Each 16-byte chunk is stored at a swizzled position so that
-    the fragment reads below are free of shared-memory bank conflicts.
+    the fragment reads below are free of shared-memory bank conflicts
+    (checked by arithmetic for head_dim 64/128/256; see NOTES-kernels.md
+    for what was measured).
 
     MMA mapping (lane = 4 * g + t; S = scores, P = probabilities):
       S[16 rows x 8 tokens] += Q[16 rows x 16 dims] * K^T[16 dims x 8 tokens]
@@ -52,7 +56,7 @@ typedef long long i64;
 
 #define NEG_INF (__int_as_float(0xff800000))
 #define FULL_MASK 0xffffffffu
-#define NS 3
+#define NS @NUM_STAGES@
 
 // DT: 0 = float32, 1 = float16, 2 = bfloat16 (16-bit types travel as raw bits).
 template <int DT> struct Store { typedef u16 T; };
@@ -200,8 +204,6 @@ __global__ void __launch_bounds__(128) paged_attention_kernel(
     constexpr int NQ = D / 32;                 // Q/K 8-element chunks per lane (two k-steps each)
     constexpr int NV = D / 64;                 // 64-dim V chunks (eight n-tiles each)
     constexpr int SROW = D + 1;                // padded epilogue row
-    constexpr int RPI = GT / CPR;              // rows one pass of the ring's threads covers
-    static_assert(GT % CPR == 0 && RPI <= 16, "the ring's threads must tile a stage by whole rows");
     extern __shared__ uint4 smem4[];
     unsigned char* smem = reinterpret_cast<unsigned char*>(smem4);
 
@@ -253,39 +255,47 @@ __global__ void __launch_bounds__(128) paged_attention_kernel(
     const int step = 16 * warps_kv;
     const int first = kv_begin + 16 * wk;
     const int ntiles = kv_end > first ? (kv_end - first + step - 1) / step : 0;
-    const int gtid = 32 * wr + lane;
-    const int jc = gtid % CPR, r0 = gtid / CPR;              // this thread's chunk column, first row
     unsigned char* ring = smem + wk * (NS * SB);
 
+    // Ring filling. A stage holds 32 rows (K tokens 0-15, then V tokens 0-15) of CPR
+    // 16-byte chunks. TPR threads share a row per pass (at least 2, so a warp reads
+    // whole 32-byte sectors), a pass covers RPP rows, and each thread keeps the same
+    // rows and chunk column for every tile: its chunk addresses are constant offsets
+    // from one row pointer per row group, its swizzle one XOR.
+    constexpr int TPR = GT >= 64 ? GT / 32 : 2;
+    constexpr int RPP = GT / TPR;              // rows per pass: 16 or 32
+    constexpr int RG = 32 / RPP;               // passes over rows
+    constexpr int CG = CPR / TPR;              // chunks per row and thread
+    static_assert(CPR % TPR == 0 && RPP % 16 == 0, "the ring's threads must tile a stage");
+    const int gtid = 32 * wr + lane;
+    const int trow = gtid / TPR, tcol = gtid % TPR;
+    int rr_of[RG], xr_of[RG];
+#pragma unroll
+    for (int a = 0; a < RG; ++a) {
+        rr_of[a] = a * RPP + trow;                           // stage row: < 16 K, else V
+        xr_of[a] = tcol ^ swz(rr_of[a] & 15);
+    }
+
     // Stream tile k (K and V, 16 keys each) into its stage; zeros past the sequence
-    // or for a block id outside the pool. Thread gtid copies chunk jc of rows
-    // r0, r0 + RPI, ... (K rows 0-15, then V rows 16-31); 8 consecutive rows of a
-    // tile lie in one block, so each row is a constant offset from its half's base.
+    // or for a block id outside the pool.
     auto issue = [&](int k) {
         const int base = first + step * k;
-        const T* kp[2];
-        const T* vp[2];
-        int lim_h[2];                                        // valid rows in each half
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int p = base + 8 * h;
-            int id = -1;
-            if (p < kv_len) id = bt[p >> bs_log2];
-            const bool ok = (unsigned)id < (unsigned)num_blocks;
-            lim_h[h] = ok ? min(8, kv_len - p) : 0;
-            const i64 row = (i64)(head_row + (p & bs_mask)) * D + jc * (16 / ES);
-            kp[h] = k_cache + (ok ? (i64)id * k_stride + row : 0);
-            vp[h] = v_cache + (ok ? (i64)id * v_stride + row : 0);
-        }
         unsigned char* st = ring + (k % NS) * SB;
 #pragma unroll
-        for (int m = 0; m < 32 / RPI; ++m) {
-            const int rr = r0 + RPI * m;                     // < 32; K if < 16
-            const int r = rr & 15, h = (rr >> 3) & 1, ri = rr & 7;
-            const bool is_v = RPI * m >= 16;                 // RPI divides 16: no row straddles
-            const T* src = (is_v ? (h ? vp[1] : vp[0]) : (h ? kp[1] : kp[0])) + ri * D;
-            const bool ok = ri < (h ? lim_h[1] : lim_h[0]);
-            cp_async16(st + rr * RB + ((jc ^ swz(r)) << 4), ok ? (const void*)src : (const void*)k_cache, ok);
+        for (int a = 0; a < RG; ++a) {
+            const int rr = rr_of[a], r = rr & 15;
+            const int pos = base + r;
+            int id = -1;
+            if (pos < kv_len) id = bt[pos >> bs_log2];
+            const bool ok = pos < kv_len && (unsigned)id < (unsigned)num_blocks;
+            const T* cache = rr < 16 ? k_cache : v_cache;
+            const i64 stride = rr < 16 ? k_stride : v_stride;
+            const unsigned char* src = reinterpret_cast<const unsigned char*>(
+                cache + (ok ? (i64)id * stride + (i64)(head_row + (pos & bs_mask)) * D : 0)) + 16 * tcol;
+            unsigned char* dst = st + rr * RB;
+#pragma unroll
+            for (int c = 0; c < CG; ++c)
+                cp_async16(dst + (((c * TPR) ^ xr_of[a]) << 4), src + 16 * TPR * c, ok);
         }
     };
 
@@ -545,4 +555,4 @@ __global__ void __launch_bounds__(128) write_kv_kernel(
         reinterpret_cast<uint4*>(dst)[v] = reinterpret_cast<const uint4*>(src)[v];
     }
 }
-"""
+""".replace("@NUM_STAGES@", str(NUM_STAGES))

@@ -42,7 +42,7 @@ from .results import (
 from .seq_table import SeqTable
 from .tiers import Move, TierPlacement
 
-_EMPTY_I64 = np.zeros(0, np.int64)
+_NO_CHANGE = ExtendResult()  # immutable, so one instance serves every unchanged step
 
 
 @dataclass
@@ -287,7 +287,7 @@ class KVCacheManager:
         if n == 0:
             if len(tokens):
                 raise InvalidArgument(f"no sequences but {len(tokens)} tokens were sent")
-            return ExtendResult(())
+            return ExtendResult()
         t = self.seqs
         slots = t.slots_of(owner, seq_ids)
         c0 = int(t.cls[slots[0]])
@@ -345,11 +345,11 @@ class KVCacheManager:
                 blocks.extend(mine)
                 g -= len(mine)
             blocks.extend(next(fresh) for _ in range(g))
-            deltas.append(SeqDelta(int(seq_ids[i]), first, tuple(blocks[first:]), int(new_nt[i])))
+            deltas.append(SeqDelta(int(seq_ids[i]), first, tuple(blocks[first:])))
         t.maybe_shared[slots[(grow > 0) | cow]] = False
         self._append_general(pool, slots, nt, counts, tokens)
         t.ntok[slots] = new_nt
-        return ExtendResult(tuple(deltas), tuple(copies))
+        return ExtendResult.from_deltas(deltas, copies)
 
     def _extend_one_each(self, pool: ClassPool, slots, seq_ids, nt, tokens) -> ExtendResult:
         """Steady decode: one token for each sequence, none of them sharing its last block."""
@@ -361,26 +361,33 @@ class KVCacheManager:
             avail = pool.obtainable(len(starts))
             if avail < len(starts):
                 raise OutOfBlocks(len(starts), avail)
-        deltas = []
+        fresh: list[int] = []
         if len(starts):
+            fresh = pool.allocate(len(starts))
             all_blocks = t.blocks
-            for i, b, slot, seq_id, ntok in zip(
-                starts.tolist(), pool.allocate(len(starts)), slots[starts].tolist(),
-                seq_ids[starts].tolist(), nt[starts].tolist(),
-            ):
-                blocks = all_blocks[slot]
-                blocks.append(b)
-                deltas.append(SeqDelta(seq_id, len(blocks) - 1, (b,), ntok + 1))
+            for slot, b in zip(slots[starts].tolist(), fresh):
+                all_blocks[slot].append(b)
         t.tail[slots, pos] = tokens
-        filled = np.flatnonzero(pos == bs - 1)
+        filled = slots[pos == bs - 1]
         if len(filled):
-            tail, last_hash, all_blocks = t.tail, t.last_hash, t.blocks
-            for slot in slots[filled].tolist():
-                h = _digest(last_hash[slot] + tail[slot, :bs].tobytes())
-                pool.register(all_blocks[slot][-1], h)
+            raw = t.tail[filled, :bs].tobytes()  # the full blocks' tokens, one gather
+            step = 4 * bs
+            last_hash, all_blocks, by_hash, hash_of = t.last_hash, t.blocks, pool.by_hash, pool.hash_of
+            for i, slot in enumerate(filled.tolist()):
+                h = _digest(last_hash[slot] + raw[i * step:(i + 1) * step])
+                if h not in by_hash:  # ClassPool.register, inlined for the hot path
+                    b = all_blocks[slot][-1]
+                    by_hash[h] = b
+                    hash_of[b] = h
                 last_hash[slot] = h
         t.ntok[slots] = nt + 1
-        return ExtendResult(tuple(deltas))
+        if not len(starts):
+            return _NO_CHANGE
+        # each delta is one new block at the old end (old length is a multiple of bs)
+        return ExtendResult._adopt(
+            seq_ids[starts], (nt[starts] // bs).astype(np.int32), np.ones(len(starts), np.int32),
+            np.array(fresh, np.int32),
+        )
 
     def _check_claims(self, owner, c0, seq_ids, counts, grow, cow, claim_counts, claims):
         """Validate reserve claims; returns (has-claims mask, claims, offsets)."""

@@ -22,7 +22,7 @@ class SequenceInfo:
 
 @dataclass(frozen=True)
 class SeqDelta:
-    """What one extend changed: ``block_table[first:first+len(blocks)] = blocks``.
+    """What one extend changed: ``block_table[first:] = blocks``.
 
     ``first`` is before the old end when copy-on-write replaced the shared
     last block by a private copy.
@@ -31,7 +31,6 @@ class SeqDelta:
     seq_id: int
     first: int
     blocks: tuple[int, ...]
-    num_tokens: int
 
 
 @dataclass(frozen=True)
@@ -43,10 +42,61 @@ class BlockCopy:
     dst: int
 
 
-@dataclass(frozen=True)
 class ExtendResult:
-    deltas: tuple[SeqDelta, ...]
-    copies: tuple[BlockCopy, ...] = ()
+    """What an extend changed, as columns (the wire's form) with a per-sequence view.
+
+    Sequence ``delta_seq_ids[i]`` has ``block_table[delta_first[i]:]`` replaced
+    by its ``delta_counts[i]`` ids in ``delta_blocks``; only sequences whose
+    table changed appear.  ``copies`` must run before the new tokens' KV is
+    written.  Immutable: the arrays are read-only.
+    """
+
+    __slots__ = ("delta_seq_ids", "delta_first", "delta_counts", "delta_blocks", "copies")
+
+    def __init__(self, seq_ids=(), first=(), counts=(), blocks=(), copies: tuple[BlockCopy, ...] = ()) -> None:
+        import numpy as np
+
+        for name, values, dtype in (("delta_seq_ids", seq_ids, np.int64), ("delta_first", first, np.int32),
+                                    ("delta_counts", counts, np.int32), ("delta_blocks", blocks, np.int32)):
+            arr = np.array(values, dtype)  # a private copy
+            arr.flags.writeable = False
+            object.__setattr__(self, name, arr)
+        object.__setattr__(self, "copies", tuple(copies))
+
+    def __setattr__(self, name, value):
+        raise AttributeError("ExtendResult is immutable")
+
+    @classmethod
+    def _adopt(cls, seq_ids, first, counts, blocks) -> "ExtendResult":
+        """Wrap arrays the caller made for this result alone (no copies: the hot path)."""
+        self = object.__new__(cls)
+        for name, arr in (("delta_seq_ids", seq_ids), ("delta_first", first),
+                          ("delta_counts", counts), ("delta_blocks", blocks)):
+            arr.flags.writeable = False
+            object.__setattr__(self, name, arr)
+        object.__setattr__(self, "copies", ())
+        return self
+
+    @classmethod
+    def from_deltas(cls, deltas, copies=()) -> "ExtendResult":
+        return cls([d.seq_id for d in deltas], [d.first for d in deltas], [len(d.blocks) for d in deltas],
+                   [b for d in deltas for b in d.blocks], copies)
+
+    @property
+    def deltas(self) -> tuple[SeqDelta, ...]:
+        """Per-sequence view (builds objects: for tests and tools, not the hot path)."""
+        out, pos = [], 0
+        blocks = self.delta_blocks.tolist()
+        for sid, first, n in zip(self.delta_seq_ids.tolist(), self.delta_first.tolist(), self.delta_counts.tolist()):
+            out.append(SeqDelta(sid, first, tuple(blocks[pos:pos + n])))
+            pos += n
+        return tuple(out)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ExtendResult) and self.deltas == other.deltas and self.copies == other.copies
+
+    def __repr__(self) -> str:
+        return f"ExtendResult(deltas={self.deltas!r}, copies={self.copies!r})"
 
 
 @dataclass(frozen=True)

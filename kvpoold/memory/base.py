@@ -125,6 +125,8 @@ class Backend(ABC):
     """Creates arenas for the daemon."""
 
     name: str
+    #: whether several layout classes may each map the whole pool's size (sparse memory)
+    supports_many_classes: bool = True
 
     @abstractmethod
     def create_arena(self, tag: str, nbytes: int) -> Arena:

@@ -347,6 +347,8 @@ class CudaBackend(Backend):
     """Arenas on one GPU; also owns the daemon's fence for that GPU."""
 
     name = "cuda"
+    #: legacy IPC maps one allocation per class, so classes cannot share memory (VMM would)
+    supports_many_classes = False
 
     def __init__(self, device: int = 0):
         reason = probe_cuda(device)

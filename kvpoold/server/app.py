@@ -102,8 +102,25 @@ def check_cpu_room(config: Config, pool_bytes: int) -> None:
         )
 
 
+def check_gpu_room(config: Config, pool_bytes: int) -> None:
+    """Refuse a GPU pool larger than the device's free memory, before any client attaches."""
+    from kvpoold.memory.cuda_ipc import device_memory
+
+    free, total = device_memory(config.devices[0])
+    if pool_bytes > free:
+        raise StartupError(
+            f"a pool of {pool_bytes} bytes does not fit on GPU {config.devices[0]} ({free} of {total} bytes free); "
+            "use a smaller --pool-bytes or --gpu-memory-fraction"
+        )
+
+
 async def serve(config: Config, ready=None) -> int:
     """Run until SIGTERM/SIGINT; returns the exit code."""
+    if len(config.devices) > 1:
+        raise StartupError(
+            f"one kvpoold serves one GPU; run one daemon per GPU (devices {list(config.devices)}), "
+            "each with its own --socket (e.g. the kvpoold@N systemd template)"
+        )
     lock = SocketLock(config.socket)
     lock.acquire()
     service = None
@@ -124,6 +141,8 @@ async def serve(config: Config, ready=None) -> int:
         pool_bytes = pool_bytes_for(config, backend)
         if config.backend == "cpu":
             check_cpu_room(config, pool_bytes)
+        else:
+            check_gpu_room(config, pool_bytes)
         service = PoolService(config, backend, pool_bytes)
 
         shutdown = asyncio.Event()

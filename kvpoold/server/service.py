@@ -82,7 +82,7 @@ class PoolService:
         revision = layout.get("revision", "")
         model_key = f"{model_id}@{revision}" if revision else model_id
         known = geometry in self.manager._class_ids
-        if not known and self.arenas and not getattr(self.backend, "supports_many_classes", True):
+        if not known and self.arenas and not self.backend.supports_many_classes:
             raise InvalidArgument(
                 f"the {self.backend.name} backend serves one layout class; this daemon already serves "
                 f"{self.manager.classes[0].geometry.describe()}"

@@ -124,14 +124,13 @@ class KVPoolServicer(pb_grpc.KVPoolServicer):
             request.reserve_target,
             unpack(request.reserve_return, I32, "reserve_return").tolist(),
         )
-        deltas = r.extend.deltas
-        flat = [b for d in deltas for b in d.blocks]
-        pairs = [x for c in r.extend.copies for x in (c.src, c.dst)]
+        e = r.extend
+        pairs = [x for c in e.copies for x in (c.src, c.dst)]
         return pb.StepReply(
-            delta_seq_ids=np.fromiter((d.seq_id for d in deltas), I64, len(deltas)).tobytes(),
-            delta_first=np.fromiter((d.first for d in deltas), I32, len(deltas)).tobytes(),
-            delta_counts=np.fromiter((len(d.blocks) for d in deltas), I32, len(deltas)).tobytes(),
-            delta_blocks=np.asarray(flat, I32).tobytes(),
+            delta_seq_ids=e.delta_seq_ids.astype(I64).tobytes(),
+            delta_first=e.delta_first.astype(I32).tobytes(),
+            delta_counts=e.delta_counts.astype(I32).tobytes(),
+            delta_blocks=e.delta_blocks.astype(I32).tobytes(),
             copies=np.asarray(pairs, I32).tobytes(),
             reserve_added=np.asarray(r.reserve_added, I32).tobytes(),
             blocks_released=r.blocks_released,

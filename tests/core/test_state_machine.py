@@ -134,7 +134,7 @@ class CoreMachine(RuleBasedStateMachine):
             d = changed.get(seq_id)
             if d is not None:
                 assert table[d.first:] == d.blocks
-                assert d.num_tokens == len(self.tokens[seq_id]) + len(new)
+                assert len(d.blocks) + d.first == len(table)
             else:  # unchanged table: the new tokens fit in the old last block
                 assert len(table) == -(-(len(self.tokens[seq_id]) + len(new)) // self.bs(self.class_of[seq_id]))
             start = len(self.tokens[seq_id])

@@ -17,23 +17,26 @@ import json
 import sys
 import time
 
-import numpy as np
-
 import kvpool
 
 LAYOUT = kvpool.Layout("test-model", num_layers=2, num_kv_heads=2, head_dim=4, dtype="float32", block_size=4)
 
 
 def write_tokens(client, seq, start, tokens):
-    kv = np.asarray(client.kv_cache())  # zero-copy view of the shared memory
+    """Write each token's id as its K and V values, through the zero-copy pool tensor."""
+    import torch
+
+    kv = client.kv_cache()  # CPU: shared memory; CUDA: the daemon's device memory over IPC
     slots = client.slot_mapping(seq, start, len(tokens))
     bs = LAYOUT.block_size
     for slot, tok in zip(slots.tolist(), tokens):
-        kv[slot // bs, :, :, :, slot % bs, :] = tok
+        kv[slot // bs, :, :, :, slot % bs, :] = float(tok)
+    if kv.is_cuda:
+        torch.cuda.synchronize()  # the writes are done before anyone is told about them
 
 
 def read_tokens(client, seq, count):
-    kv = np.asarray(client.kv_cache())
+    kv = client.kv_cache()
     bs = LAYOUT.block_size
     return [float(kv[s // bs, 0, 0, 0, s % bs, 0]) for s in client.slot_mapping(seq, 0, count).tolist()]
 
@@ -56,8 +59,9 @@ def main() -> None:
                 "values": read_tokens(client, seq, seq.num_cached_tokens),
             }), flush=True)
         elif action == "peek":
-            kv = np.asarray(client.kv_cache())
-            print(json.dumps({"values": [kv[b, 0, 0, 0, :, 0].tolist() for b in args["blocks"]]}), flush=True)
+            kv = client.kv_cache()
+            print(json.dumps({"values": [kv[b, 0, 0, 0, :, 0].tolist() for b in args["blocks"]],
+                              "device": str(kv.device)}), flush=True)
         elif action == "fork":
             seq = client.create_sequence(args["prompt"])
             write_tokens(client, seq, 0, args["prompt"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 import kvpool
 
@@ -95,3 +96,18 @@ def test_same_model_shares_blocks_across_clients(daemon):
         st = a.stats().classes[0]
         # two creates and one lookup were queries; the second create and the lookup hit 64 tokens each
         assert (st.prefix_queries, st.prefix_hits, st.prefix_hit_tokens) == (3, 2, 128)
+
+
+def test_failed_step_leaves_the_mirror_as_it_was(daemon_factory):
+    d = daemon_factory("--pool-bytes", "1MiB", "--chunk-bytes", "64KiB")  # 512 blocks of 2 KiB
+    with kvpool.connect(d.socket, name="oom", layout=LAYOUT, flush_every=1000) as c:
+        a = c.create_sequence(range(20))
+        c.flush()
+        c.extend({a: [1, 2, 3]})  # queued locally from the reserve
+        before = (a.block_table.tolist(), a.num_tokens, c.reserve_size)
+        with pytest.raises(kvpool.OutOfBlocks):
+            c.extend({a: list(range(16 * 600))})  # needs more blocks than the pool has
+        assert (a.block_table.tolist(), a.num_tokens, c.reserve_size) == before
+        c.flush()
+        assert daemon_tables(c) == {a.id: a.block_table.tolist()}
+        assert a.num_tokens == 23

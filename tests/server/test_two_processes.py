@@ -8,22 +8,12 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 import kvpool
 
-SCRIPT = str(Path(__file__).with_name("client_proc.py"))
-
-
-def run_client(socket: str, action: str, **args) -> dict:
-    out = subprocess.run(
-        [sys.executable, SCRIPT, socket, action, json.dumps(args)],
-        capture_output=True, text=True, timeout=120,
-    )
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout.strip().splitlines()[-1])
+from procs import SCRIPT, run_client, wait_for
 
 
 def test_second_process_reads_first_process_blocks(daemon):
@@ -43,15 +33,6 @@ def test_fork_and_copy_on_write_seen_from_another_process(daemon):
     peek = run_client(daemon.socket, "peek", blocks=[src, dst])
     assert peek["values"][0][:2] == [9.0, 10.0]  # the parent's half block
     assert peek["values"][1][:3] == [9.0, 10.0, 99.0]  # the copy, then the child's own token
-
-
-def wait_for(predicate, timeout=15.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.1)
-    return False
 
 
 def test_killed_client_loses_its_blocks_within_grace(daemon):

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The main job on any machine: kvpoold on the embedded CPU backend, two model
+# processes sharing a prompt prefix through it, then `kvpoolctl stats`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+dir=$(mktemp -d)
+sock="$dir/kvpoold.sock"
+python3 -m kvpoold --socket "$sock" --pool-bytes 256MiB --log-level warning &
+daemon=$!
+trap 'kill "$daemon" 2>/dev/null; wait "$daemon" 2>/dev/null; rm -rf "$dir"' EXIT
+for _ in $(seq 100); do
+    kvpoolctl --socket "$sock" --timeout 1 check >/dev/null 2>&1 && break
+    sleep 0.2
+done
+python3 examples/shared_prefix_demo.py --socket "$sock"
+kvpoolctl --socket "$sock" stats

@@ -1,0 +1,41 @@
+"""Packaging and layering rules that keep the project's shape."""
+
+import ast
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_every_package_folder_is_listed_in_pyproject():
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    mapping = {"kvpoold": "kvpoold", "client": "kvpool", "kernels": "kvpool.kernels"}
+    found = set()
+    for top, name in mapping.items():
+        for init in (ROOT / top).rglob("__init__.py"):
+            rel = init.parent.relative_to(ROOT / top)
+            found.add(".".join([name, *rel.parts]) if rel.parts else name)
+    assert found == listed
+
+
+def test_core_imports_nothing_heavy():
+    banned = {"torch", "cupy", "numba", "grpc", "os", "io", "socket", "pathlib", "mmap"}
+    for path in (ROOT / "kvpoold" / "core").glob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name.split(".")[0] for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [(node.module or "").split(".")[0]]
+            assert not banned & set(names), f"{path.name} imports {banned & set(names)}"
+
+
+def test_cpu_path_never_imports_cupy():
+    code = (
+        "import sys, kvpool, kvpoold.server.app, kvpool.kernels, kvpoold.memory.cpu_shm;"
+        "assert 'cupy' not in sys.modules, 'cupy imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
