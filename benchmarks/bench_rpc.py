@@ -47,7 +47,6 @@ def worker(socket: str, iters: int, decode_steps: int, barrier, out_q) -> None:
     with kvpool.connect(socket, name=f"bench-{os.getpid()}", layout=layout) as c:
         seqs = c.create_sequences([[i, i + 1, i + 2, os.getpid() % 1000] for i in range(BATCH)])
         ids = np.array([s.id for s in seqs], "<i8").tobytes()
-        counts = np.ones(BATCH, "<i4").tobytes()
         ping = pb.PingRequest()
         stub = c._conn._stub
         barrier.wait()
@@ -56,7 +55,8 @@ def worker(socket: str, iters: int, decode_steps: int, barrier, out_q) -> None:
             t0 = time.perf_counter_ns()
             stub.Ping(ping)
             t1 = time.perf_counter_ns()
-            stub.Step(pb.StepRequest(session=c._token, seq_ids=ids, token_counts=counts,
+            # no token_counts: one token each, the decode step's wire form
+            stub.Step(pb.StepRequest(session=c._token, seq_ids=ids,
                                      tokens=np.full(BATCH, i % 30000, "<u4").tobytes()))
             t2 = time.perf_counter_ns()
             if i >= iters // 10:  # warm-up excluded

@@ -330,7 +330,7 @@ class Client:
         req = pb.StepRequest(
             session=self._token,
             seq_ids=np.asarray(ids, I64).tobytes(),
-            token_counts=np.asarray(counts, I32).tobytes(),
+            token_counts=b"" if len(toks_out) == len(ids) else np.asarray(counts, I32).tobytes(),
             tokens=np.array(toks_out, U32).tobytes(),
             claim_counts=np.asarray(claim_counts, I32).tobytes() if claims else b"",
             claims=np.asarray(claims, I32).tobytes(),

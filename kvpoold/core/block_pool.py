@@ -75,6 +75,8 @@ class ChunkBudget:
 class ClassPool:
     """Block ids, ref counts and the device-tier prefix index of one layout class."""
 
+    SLABS_AHEAD = 8  # slabs taken at once from unassigned memory when the class grows
+
     def __init__(
         self,
         class_id: int,
@@ -100,7 +102,9 @@ class ClassPool:
         self.hash_of: dict[int, bytes] = {}
         self.by_hash: dict[bytes, int] = {}
         self.slots: set[int] = set()
-        self._unowned_slots = list(range(self.max_slabs))  # a heap: lowest slot first
+        # slots not owned: the given-back ones (a heap, lowest first), then [fresh, max_slabs)
+        self._returned: list[int] = []
+        self._fresh = 0
         self.released: list[int] = []  # slots given back since the daemon last drained them
         self.taken: list[int] = []  # slots taken since the daemon last drained them
         self.on_evict = on_evict
@@ -146,7 +150,10 @@ class ClassPool:
         """Add at least ``short`` blocks under the free stack, cheapest source first."""
         bps, k, budget = self.blocks_per_slab, self.slab_chunks, self.budget
         gained: list[int] = []
-        short = self._take_slabs(short, gained)
+        # from unassigned memory, take a few slabs ahead: big blocks (one per slab) would
+        # otherwise cost a slab operation per block; other classes can take them back
+        ahead = max(short, self.SLABS_AHEAD * bps)
+        short -= ahead - self._take_slabs(ahead, gained)
         if short > 0:  # other classes' empty slabs cost nothing to take
             budget.reclaim(self, -(-short // bps) * k, evict=False)
             short = self._take_slabs(short, gained)
@@ -162,14 +169,25 @@ class ClassPool:
             raise OutOfBlocks(short, 0)
 
     def _take_slabs(self, short: int, gained: list[int]) -> int:
-        bps, k = self.blocks_per_slab, self.slab_chunks
-        while short > 0 and self.budget.free >= k and self._unowned_slots:
-            slot = heapq.heappop(self._unowned_slots)
+        """Take slabs (given-back ones first, then never-used ones in bulk) until ``short`` is covered."""
+        bps, k, budget = self.blocks_per_slab, self.slab_chunks, self.budget
+        while short > 0 and budget.free >= k and self._returned:
+            slot = heapq.heappop(self._returned)
             self.slots.add(slot)
             self.taken.append(slot)
-            self.budget.free -= k
+            budget.free -= k
             gained.extend(range(slot * bps, (slot + 1) * bps))
             short -= bps
+        if short > 0:
+            m = min(-(-short // bps), budget.free // k, self.max_slabs - self._fresh)
+            if m > 0:
+                new = range(self._fresh, self._fresh + m)
+                self._fresh += m
+                self.slots.update(new)
+                self.taken.extend(new)
+                budget.free -= m * k
+                gained.extend(range(new.start * bps, new.stop * bps))
+                short -= m * bps
         return short
 
     def _evict_one(self) -> int:
@@ -287,7 +305,7 @@ class ClassPool:
         self.free.sort(reverse=True)  # compact: later allocations take low slots first
         for slot in chosen:
             self.slots.remove(slot)
-            heapq.heappush(self._unowned_slots, slot)
+            heapq.heappush(self._returned, slot)
             self.released.append(slot)
         self.budget.free += len(chosen) * self.slab_chunks
 
@@ -314,6 +332,9 @@ class ClassPool:
         assert not (free & set(self.hash_of)), "a free block with a hash"
         assert {self.by_hash[h] for h in self.by_hash} == set(self.hash_of)
         assert all(self.hash_of[b] == h for h, b in self.by_hash.items())
-        assert not (self.slots & set(self._unowned_slots))
-        assert len(self.slots) + len(self._unowned_slots) == self.max_slabs
+        unowned = set(self._returned) | set(range(self._fresh, self.max_slabs))
+        assert all(s < self._fresh for s in self._returned), "a returned slot beyond the fresh range"
+        assert not (self.slots & unowned), "a slot both owned and unowned"
+        assert len(self.slots) + len(unowned) == self.max_slabs, "slots lost"
+        assert len(set(self._returned)) == len(self._returned)
         return {b: 1 + self.extra.get(b, 0) for b in held}

@@ -273,17 +273,26 @@ class KVCacheManager:
     ) -> ExtendResult:
         """``extend`` for a batch given as flat arrays (the wire format).
 
-        ``tokens`` holds ``counts[i]`` tokens for ``seq_ids[i]``, in order;
-        ``claims`` holds ``claim_counts[i]`` reserved blocks for it.  All the
-        sequences must be of one layout class (a session has one layout).
+        ``tokens`` holds ``counts[i]`` tokens for ``seq_ids[i]``, in order
+        (``counts=None``: exactly one token each, the decode step); ``claims``
+        holds ``claim_counts[i]`` reserved blocks for it.  All the sequences
+        must be of one layout class (a session has one layout).
         """
         self._check_owner(owner)
         seq_ids = _as_array(seq_ids, np.int64, "sequence ids")
-        counts = _as_array(counts, np.int64, "token counts")
         tokens = _as_array(tokens, np.uint32, "token ids")
         n = len(seq_ids)
-        if len(counts) != n:
-            raise InvalidArgument(f"{n} sequence ids but {len(counts)} token counts")
+        if counts is None:
+            if len(tokens) != n:
+                raise InvalidArgument(
+                    f"without token counts each sequence takes one token: {n} sequences, {len(tokens)} tokens"
+                )
+            one_each = True
+        else:
+            counts = _as_array(counts, np.int64, "token counts")
+            if len(counts) != n:
+                raise InvalidArgument(f"{n} sequence ids but {len(counts)} token counts")
+            one_each = len(tokens) == n and bool((counts == 1).all())
         if n == 0:
             if len(tokens):
                 raise InvalidArgument(f"no sequences but {len(tokens)} tokens were sent")
@@ -297,9 +306,11 @@ class KVCacheManager:
         pool = self.classes[c0]
         bs = pool.block_size
         nt = t.ntok[slots]
-        if claim_counts is None and claims is None and len(tokens) == n and (counts == 1).all() \
-                and not t.maybe_shared[slots].any():
+        if one_each and claim_counts is None and claims is None \
+                and not (t.flagged and t.maybe_shared[slots].any()):
             return self._extend_one_each(pool, slots, seq_ids, nt, tokens)
+        if counts is None:
+            counts = np.ones(n, np.int64)
         if counts.min() < 0:
             raise InvalidArgument("token counts must be >= 0")
         if int(counts.sum()) != len(tokens):
@@ -346,7 +357,7 @@ class KVCacheManager:
                 g -= len(mine)
             blocks.extend(next(fresh) for _ in range(g))
             deltas.append(SeqDelta(int(seq_ids[i]), first, tuple(blocks[first:])))
-        t.maybe_shared[slots[(grow > 0) | cow]] = False
+        t.unflag_shared(slots[(grow > 0) | cow])
         self._append_general(pool, slots, nt, counts, tokens)
         t.ntok[slots] = new_nt
         return ExtendResult.from_deltas(deltas, copies)
@@ -356,7 +367,7 @@ class KVCacheManager:
         t = self.seqs
         bs = pool.block_size
         pos = nt % bs
-        starts = np.flatnonzero(pos == 0)  # these need a new block
+        starts = (pos == 0).nonzero()[0]  # these need a new block
         if len(starts):
             avail = pool.obtainable(len(starts))
             if avail < len(starts):
@@ -453,7 +464,8 @@ class KVCacheManager:
         child = child_id & 0xFFFFFFFF
         t.tail[child] = t.tail[slot]
         if ntok % pool.block_size:
-            t.maybe_shared[slot] = t.maybe_shared[child] = True
+            t.flag_shared(slot)
+            t.flag_shared(child)
         self._owners[owner].seqs.add(child_id)
         return self._info(child)
 
@@ -634,6 +646,8 @@ class KVCacheManager:
                 for b in reserve:
                     holders[c][b] = holders[c].get(b, 0) + 1
         assert sum(len(s.seqs) for s in self._owners.values()) == t.live
+        assert t.flagged == int(np.count_nonzero(t.maybe_shared[live])), "shared-tail flag count is off"
+        assert not t.maybe_shared[t.owner == -1].any(), "a free slot is flagged"
         used_chunks = 0
         for pool in self.classes:
             refs = pool.check()

@@ -39,6 +39,7 @@ class SeqTable:
         self.ntok = np.zeros(capacity, np.int64)
         #: the partly filled last block may be shared (set by fork; cleared lazily)
         self.maybe_shared = np.zeros(capacity, np.bool_)
+        self.flagged = 0  # how many slots have maybe_shared set: 0 lets a batch skip the check
         #: tokens of the partly filled last block, little-endian uint32
         self.tail = np.zeros((capacity, tail_width), "<u4")
         self.num_cached = np.zeros(capacity, np.int64)
@@ -98,7 +99,18 @@ class SeqTable:
         self.current[slot] = seq_id
         return seq_id
 
+    def flag_shared(self, slot: int) -> None:
+        if not self.maybe_shared[slot]:
+            self.maybe_shared[slot] = True
+            self.flagged += 1
+
+    def unflag_shared(self, slots: np.ndarray) -> None:
+        if self.flagged:
+            self.flagged -= int(np.count_nonzero(self.maybe_shared[slots]))
+            self.maybe_shared[slots] = False
+
     def remove(self, slot: int) -> None:
+        self.unflag_shared(np.array([slot]))
         self.owner[slot] = NO_OWNER
         self.current[slot] = -1
         self.gen[slot] += 1

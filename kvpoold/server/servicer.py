@@ -116,7 +116,7 @@ class KVPoolServicer(pb_grpc.KVPoolServicer):
         r = self.service.step(
             session,
             unpack(request.seq_ids, I64, "seq_ids"),
-            unpack(request.token_counts, I32, "token_counts").astype(np.int64),
+            unpack(request.token_counts, I32, "token_counts").astype(np.int64) if request.token_counts else None,
             _tokens(request.tokens),
             unpack(request.claim_counts, I32, "claim_counts").astype(np.int64) if claims_given else None,
             unpack(request.claims, I32, "claims").astype(np.int64) if claims_given else None,

@@ -18,7 +18,7 @@ def snapshot(m: KVCacheManager):
     pools = [
         (
             tuple(p.free), tuple(p.cached), dict(p.extra), dict(p.hash_of), dict(p.by_hash),
-            frozenset(p.slots), tuple(sorted(p._unowned_slots)), p.evictions,
+            frozenset(p.slots), tuple(sorted(p._returned)), p._fresh, p.evictions,
         )
         for p in m.classes
     ]

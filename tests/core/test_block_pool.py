@@ -27,17 +27,28 @@ def test_allocate_takes_lowest_ids_and_slabs_on_demand():
     assert pool.blocks_per_slab == 4 and pool.slab_chunks == 1 and pool.num_block_ids == 16
     assert pool.total_blocks == 0
     assert pool.allocate(3) == [0, 1, 2]
-    assert budget.free == 3 and pool.total_blocks == 4
-    assert pool.allocate(3) == [3, 4, 5]  # crosses into a second slab
-    assert budget.free == 2
+    # slabs are taken a few at a time (SLABS_AHEAD), lowest slots first
+    assert budget.free == 0 and pool.total_blocks == 16
+    assert pool.allocate(3) == [3, 4, 5]  # crosses into the second slab
     pool.check()
+
+
+def test_slabs_ahead_are_bounded_and_given_back_to_other_classes():
+    budget = ChunkBudget(32, 1024)
+    a = ClassPool(0, G, budget)
+    a.allocate(1)
+    assert len(a.slots) == ClassPool.SLABS_AHEAD and budget.free == 32 - ClassPool.SLABS_AHEAD
+    b = ClassPool(1, G, budget)
+    b.allocate(4 * 32 - 4)  # everything but one slab: a gives back its empty ones
+    assert len(a.slots) == 1 and budget.free == 0
+    a.check(), b.check()
 
 
 def test_release_pushes_back_and_reuses_lifo():
     _, pool, _ = make()
     ids = pool.allocate(4)
     pool.release(ids[::-1])
-    assert pool.held_blocks == 0 and len(pool.free) == 4
+    assert pool.held_blocks == 0 and len(pool.free) == pool.total_blocks
     assert pool.allocate(1) == [0]  # released tail first, so the head comes back first
     pool.check()
 
