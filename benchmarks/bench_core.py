@@ -15,7 +15,6 @@ import hashlib
 import statistics
 import sys
 import time
-from array import array
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

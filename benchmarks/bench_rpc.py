@@ -17,12 +17,10 @@ as p99 <= 3x Ping p50; at least 8 decode steps per RPC.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 

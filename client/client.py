@@ -23,7 +23,7 @@ import numpy as np
 from ._generated import kvpool_pb2 as pb
 from ._wire import I32, I64, U32, unpack
 from .connection import Connection
-from .errors import InvalidArgument, KvpoolError, NotFound
+from .errors import FailedPrecondition, InvalidArgument, KvpoolError, NotFound
 from .layout import Layout
 
 Tokens = Seq[int] | np.ndarray
@@ -223,6 +223,24 @@ class Client:
                 self._arena = open_arena(self._descriptor, device=self._device)
                 self._kv = self._arena.as_tensor(self.layout.dtype, (self.num_blocks, *self.layout.block_shape))
             return self._kv
+
+    def kv_cache_cupy(self):
+        """The same pool as ``kv_cache()``, as a CuPy array (CUDA backend only).
+
+        CuPy has no bfloat16 or float8: such pools come as their raw bits
+        (``uint16`` / ``uint8``) with the same shape.
+        """
+        if self.backend != "cuda":
+            raise FailedPrecondition(
+                "CuPy views exist on the CUDA backend; on the CPU use numpy.asarray(client.kv_cache())"
+            )
+        self.kv_cache()  # maps the arena
+        shape = (self.num_blocks, *self.layout.block_shape)
+        if self.layout.dtype in ("float16", "float32"):
+            return self._arena.as_cupy(self.layout.dtype, shape)
+        raw = {"bfloat16": np.uint16, "float8_e4m3fn": np.uint8}[self.layout.dtype]
+        flat = self._arena.as_cupy("uint8", (self.num_blocks * self.block_bytes,))
+        return flat.view(raw).reshape(shape)
 
     def run_copies(self, copies: Iterable[tuple[int, int]]) -> None:
         """Run (src, dst) block copies on the pool (copy-on-write), in this process."""

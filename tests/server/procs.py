@@ -27,3 +27,49 @@ def wait_for(predicate, timeout: float = 15.0) -> bool:
             return True
         time.sleep(0.1)
     return False
+
+
+# -- scenarios shared by the CPU and the GPU daemon tests -------------------------------
+
+
+def check_second_process_reads_first_process_blocks(socket: str) -> None:
+    prompt = list(range(100, 114))  # 3 full blocks of 4 and 2 tokens more
+    a = run_client(socket, "write", prompt=prompt, free=True)
+    b = run_client(socket, "read", prompt=prompt[:12] + [7, 7, 7])
+    assert b["cached"] == 12
+    assert b["table"][:3] == a["table"][:3]  # the same physical blocks
+    assert b["values"] == [float(t) for t in prompt[:12]]  # A's bytes, read by B
+
+
+def check_fork_copy_on_write_seen_from_another_process(socket: str) -> None:
+    f = run_client(socket, "fork", prompt=[5, 6, 7, 8, 9, 10], next=99)  # one full block, one half
+    (src, dst), = f["copies"]
+    assert f["parent"][1] == src and f["child"][1] == dst and f["child"][0] == f["parent"][0]
+    peek = run_client(socket, "peek", blocks=[src, dst])
+    assert peek["values"][0][:2] == [9.0, 10.0]  # the parent's half block
+    assert peek["values"][1][:3] == [9.0, 10.0, 99.0]  # the copy, then the child's own token
+
+
+def check_killed_client_is_reaped(socket: str, grace_seconds: float, n: int = 5) -> None:
+    """A SIGKILLed client's sequences go within the grace period; full blocks stay cached."""
+    import signal
+
+    import kvpool
+
+    proc = subprocess.Popen([sys.executable, SCRIPT, socket, "hold", json.dumps({"n": n})],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert json.loads(proc.stdout.readline())["holding"] == n
+        with kvpool.Connection(socket) as conn:
+            assert conn.stats().classes[0].used_blocks == 3 * n  # 10 tokens in blocks of 4
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            killed_at = time.monotonic()
+            assert wait_for(lambda: conn.stats().sequences == 0)
+            assert time.monotonic() - killed_at < grace_seconds + 5.0
+            st = conn.stats()
+            assert st.clients == 0 and st.classes[0].used_blocks == 0
+            assert st.classes[0].cached_blocks == 2 * n  # full blocks stay in the prefix cache
+            assert conn.check()[0]
+    finally:
+        proc.kill()

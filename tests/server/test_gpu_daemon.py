@@ -5,16 +5,19 @@ Run on a machine with an NVIDIA GPU:  python3 -m pytest -m gpu -q
 
 from __future__ import annotations
 
-import json
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 import kvpool
-from procs import SCRIPT, run_client, wait_for
+from procs import (
+    check_fork_copy_on_write_seen_from_another_process,
+    check_killed_client_is_reaped,
+    check_second_process_reads_first_process_blocks,
+    run_client,
+    wait_for,
+)
 
 torch = pytest.importorskip("torch")
 pytestmark = [
@@ -31,35 +34,16 @@ def gpu_daemon(daemon_factory):
 
 
 def test_writes_of_one_process_are_read_by_another(gpu_daemon):
-    prompt = list(range(100, 114))
-    a = run_client(gpu_daemon.socket, "write", prompt=prompt, free=True)
-    b = run_client(gpu_daemon.socket, "read", prompt=prompt[:12] + [7])
-    assert b["cached"] == 12 and b["table"][:3] == a["table"][:3]
-    assert b["values"] == [float(t) for t in prompt[:12]]
+    check_second_process_reads_first_process_blocks(gpu_daemon.socket)
     assert run_client(gpu_daemon.socket, "peek", blocks=[0])["device"].startswith("cuda")
 
 
 def test_copy_on_write_runs_on_the_gpu(gpu_daemon):
-    f = run_client(gpu_daemon.socket, "fork", prompt=[5, 6, 7, 8, 9, 10], next=99)
-    (src, dst), = f["copies"]
-    peek = run_client(gpu_daemon.socket, "peek", blocks=[src, dst])
-    assert peek["values"][0][:2] == [9.0, 10.0]
-    assert peek["values"][1][:3] == [9.0, 10.0, 99.0]
+    check_fork_copy_on_write_seen_from_another_process(gpu_daemon.socket)
 
 
 def test_killed_client_gives_its_blocks_back(gpu_daemon):
-    proc = subprocess.Popen([sys.executable, SCRIPT, gpu_daemon.socket, "hold", json.dumps({"n": 4})],
-                            stdout=subprocess.PIPE, text=True)
-    try:
-        assert json.loads(proc.stdout.readline())["holding"] == 4
-        with kvpool.Connection(gpu_daemon.socket) as conn:
-            assert conn.stats().classes[0].used_blocks == 12
-            proc.send_signal(signal.SIGKILL)
-            proc.wait()
-            assert wait_for(lambda: conn.stats().sequences == 0)
-            assert conn.check()[0]
-    finally:
-        proc.kill()
+    check_killed_client_is_reaped(gpu_daemon.socket, grace_seconds=1.0, n=4)
 
 
 def test_daemon_exit_frees_its_device_memory(daemon_factory):
@@ -85,3 +69,22 @@ def test_second_layout_on_the_cuda_backend_is_a_clear_error(gpu_daemon):
     with kvpool.connect(gpu_daemon.socket, name="a", layout=a):
         with pytest.raises(kvpool.InvalidArgument, match="serves one layout class"):
             kvpool.connect(gpu_daemon.socket, name="b", layout=b)
+
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_torch_and_cupy_views_share_the_pool(daemon_factory, dtype):
+    pytest.importorskip("cupy")
+    d = daemon_factory("--backend", "cuda", "--pool-bytes", "256MiB", "--chunk-bytes", "2MiB")
+    layout = kvpool.Layout("views", num_layers=1, num_kv_heads=1, head_dim=8, dtype=dtype)
+    with kvpool.connect(d.socket, name="views", layout=layout) as c:
+        kv, cp = c.kv_cache(), c.kv_cache_cupy()
+        assert tuple(cp.shape) == tuple(kv.shape) and kv.device.type == "cuda"
+        assert cp.data.ptr == kv.data_ptr()
+        kv[5, 0, 1, 0, 3, 2] = 1.5
+        torch.cuda.synchronize()
+        if dtype == "bfloat16":  # CuPy sees the raw bits
+            expect = torch.tensor(1.5, dtype=torch.bfloat16).view(torch.int16).item() & 0xFFFF
+            assert int(cp[5, 0, 1, 0, 3, 2].get()) == expect
+        else:
+            assert float(cp[5, 0, 1, 0, 3, 2].get()) == 1.5
