@@ -43,7 +43,7 @@ class ExtendResult:
 
 
 class _SeqState:
-    __slots__ = ("blocks", "num_tokens", "num_cached", "shared_tail", "pending", "claims")
+    __slots__ = ("blocks", "num_tokens", "num_cached", "shared_tail", "pending", "claims", "arriving")
 
     def __init__(self, blocks: list[int], num_tokens: int, num_cached: int) -> None:
         self.blocks = blocks
@@ -52,6 +52,7 @@ class _SeqState:
         self.shared_tail = False  # last block partly filled and maybe shared (after a fork)
         self.pending: list[int] = []  # tokens the daemon has not seen yet
         self.claims: list[int] = []  # reserve blocks assigned locally, not reported yet
+        self.arriving: list[int] = []  # positions whose bytes are still arriving (wait=False); see Client.wait
 
 
 class Sequence:
@@ -77,8 +78,22 @@ class Sequence:
 
     @property
     def num_cached_tokens(self) -> int:
-        """Prompt tokens that were already in the prefix cache at creation (their KV is present)."""
+        """Prompt tokens that were already in the prefix cache at creation (their KV is present).
+
+        After ``swap_in``: the tokens whose KV came back (all of them, unless
+        bytes were lost, e.g. a bad checksum on disk: recompute from there).
+        """
         return self._state().num_cached
+
+    @property
+    def swapped(self) -> bool:
+        """Swapped out (``Client.swap_out``): no block table until ``Client.swap_in``."""
+        return self.id in self._client._swapped
+
+    @property
+    def arriving(self) -> list[int]:
+        """Block-table positions whose bytes are still on their way (``wait=False``); ``Client.wait`` them."""
+        return list(self._state().arriving)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Sequence) and other.id == self.id and other._client is self._client
@@ -145,6 +160,7 @@ class Client:
         self._conn = Connection(address, timeout=timeout)
         self._lock = threading.RLock()
         self._seqs: dict[int, _SeqState] = {}
+        self._swapped: dict[int, _SeqState] = {}  # swapped-out sequences (tiers): no blocks until swap_in
         self._reserve: list[int] = []
         self._steps_since_rpc = 0
         self._arena = None
@@ -199,13 +215,17 @@ class Client:
     def _state(self, seq_id: int) -> _SeqState:
         st = self._seqs.get(seq_id)
         if st is None:
-            raise NotFound(f"sequence {seq_id} is not one of this client's live sequences")
+            st = self._swapped.get(seq_id)
+            if st is None:
+                raise NotFound(f"sequence {seq_id} is not one of this client's live sequences")
         return st
 
     def _add(self, t) -> Sequence:
-        self._seqs[t.seq_id] = _SeqState(
+        st = self._seqs[t.seq_id] = _SeqState(
             unpack(t.block_table, I32).tolist(), t.num_tokens, t.num_cached_tokens
         )
+        if t.arriving:
+            st.arriving = unpack(t.arriving, I32).tolist()
         return Sequence(self, t.seq_id)
 
     # -- the pool's memory ----------------------------------------------------------------
@@ -255,19 +275,25 @@ class Client:
         copy_blocks(kv, torch.tensor(pairs, dtype=torch.int64, device=kv.device))
 
     # -- sequences --------------------------------------------------------------------------
-    def create_sequence(self, token_ids: Tokens, *, extra_key: str = "") -> Sequence:
+    def create_sequence(self, token_ids: Tokens, *, extra_key: str = "", wait: bool = True) -> Sequence:
         """A new sequence holding ``token_ids``, reusing cached prefix blocks.
 
         ``num_cached_tokens`` of the result says how many leading tokens are
-        already in the pool; the caller computes KV for the rest.
+        already in the pool; the caller computes KV for the rest.  Cached
+        blocks found in the host or disk tier are copied back first: with
+        ``wait=True`` the call returns once they are there; with
+        ``wait=False`` it returns at once and ``Sequence.arriving`` lists the
+        positions still on their way (compute the uncached part meanwhile,
+        then ``wait`` before reading them).
         """
-        return self.create_sequences([token_ids], extra_key=extra_key)[0]
+        return self.create_sequences([token_ids], extra_key=extra_key, wait=wait)[0]
 
-    def create_sequences(self, prompts: Iterable[Tokens], *, extra_key: str = "") -> list[Sequence]:
+    def create_sequences(self, prompts: Iterable[Tokens], *, extra_key: str = "", wait: bool = True) -> list[Sequence]:
         """Several sequences in one call (all or none)."""
         req = pb.CreateRequest(
             session=self._token,
             prompts=[pb.Prompt(tokens=_tokens(p).tobytes(), extra_key=extra_key) for p in prompts],
+            no_wait=not wait,
         )
         with self._lock:
             r = self._call("Create", req)
@@ -287,6 +313,8 @@ class Client:
                 sid = seq.id if type(seq) is Sequence else int(seq)
                 st = seqs.get(sid)
                 if st is None:
+                    if sid in self._swapped:
+                        raise FailedPrecondition(f"sequence {sid} is swapped out: swap it in before extending it")
                     raise NotFound(f"sequence {sid} is not one of this client's live sequences")
                 toks = _token_list(toks)
                 if not toks:
@@ -379,6 +407,7 @@ class Client:
             pos += n
         for sid in free_ids:
             self._seqs.pop(sid, None)
+            self._swapped.pop(sid, None)
         self._reserve.extend(reversed(unpack(r.reserve_added, I32).tolist()))  # handed out lowest first
         pairs = unpack(r.copies, I32).reshape(-1, 2)
         copies = tuple((int(a), int(b)) for a, b in pairs)
@@ -423,6 +452,83 @@ class Client:
             for sid in ids:
                 self._state(sid)
             self._step([], [], ids, True)
+
+    # -- tiers (issue 6) -----------------------------------------------------------------------
+    def swap_out(self, seqs: Sequence | int | Iterable[Sequence | int]) -> int:
+        """Preempt sequences: the daemon copies their blocks to the host (or disk) tier and
+        frees their device blocks.  Returns how many blocks were given back.
+
+        Their KV must be written (on a GPU, this synchronizes the device first).
+        Until ``swap_in`` they have no block table and cannot be extended
+        (``FailedPrecondition``); ``free`` still works.
+        """
+        ids = _ids(seqs)
+        with self._lock:
+            for sid in ids:
+                if sid in self._swapped:
+                    raise FailedPrecondition(f"sequence {sid} is already swapped out")
+                self._state(sid)
+            if any(self._seqs[sid].pending for sid in ids):
+                self._step([], [], [], True)  # the daemon knows every token before it copies the blocks
+            self._sync_device()
+            r = self._call("SwapOut", pb.SwapRequest(session=self._token, seq_ids=ids))
+            for sid in ids:
+                st = self._seqs.pop(sid)
+                st.blocks, st.arriving, st.shared_tail = [], [], False
+                self._swapped[sid] = st
+            return r.blocks
+
+    def swap_in(self, seqs: Sequence | int | Iterable[Sequence | int], *, wait: bool = True) -> list[np.ndarray]:
+        """Bring swapped-out sequences back (possibly into other blocks); returns their new
+        block tables (int32), in order, and updates the mirror.
+
+        ``wait=False``: return before the bytes are there (``Sequence.arriving``;
+        ``wait`` before reading them).
+        """
+        ids = _ids(seqs)
+        with self._lock:
+            for sid in ids:
+                if sid not in self._swapped:
+                    self._state(sid)
+                    raise FailedPrecondition(f"sequence {sid} is not swapped out")
+            r = self._call("SwapIn", pb.SwapRequest(session=self._token, seq_ids=ids, no_wait=not wait))
+            out = []
+            for t in r.sequences:
+                st = self._swapped.pop(t.seq_id)
+                st.blocks = unpack(t.block_table, I32).tolist()
+                st.num_cached = t.num_cached_tokens
+                st.arriving = unpack(t.arriving, I32).tolist() if t.arriving else []
+                self._seqs[t.seq_id] = st
+                out.append(np.asarray(st.blocks, np.int32))
+            return out
+
+    def wait(self, seqs: Sequence | int | Iterable[Sequence | int] | None = None) -> dict[int, int]:
+        """Until the bytes still arriving for these sequences (default: all) are in the pool.
+
+        Returns {sequence id: tokens whose KV is there}: less than
+        ``num_cached_tokens`` promised only if bytes were lost (a bad checksum
+        on disk); the caller recomputes from there.
+        """
+        with self._lock:
+            ids = [sid for sid, st in self._seqs.items() if st.arriving] if seqs is None else _ids(seqs)
+            if not ids:
+                return {}
+            r = self._call("Wait", pb.WaitRequest(session=self._token, seq_ids=ids))
+            out = {}
+            for t in r.sequences:
+                st = self._seqs.get(t.seq_id)
+                if st is not None:
+                    st.num_cached = min(st.num_cached, t.num_cached_tokens)
+                    st.arriving = []
+                    out[t.seq_id] = st.num_cached
+            return out
+
+    def _sync_device(self) -> None:
+        """Make this process's pool writes visible to the daemon's copies (GPU: synchronize)."""
+        if self._kv is not None and getattr(self._kv, "is_cuda", False):
+            import torch
+
+            torch.cuda.synchronize(self._kv.device)
 
     def lookup(self, token_ids: Tokens, *, extra_key: str = "") -> int:
         """How many leading tokens of ``token_ids`` are cached (any tier); allocates nothing."""

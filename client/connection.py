@@ -68,10 +68,20 @@ class Connection:
                     cow_copies=c.cow_copies, evictions=c.evictions, prefix_queries=c.prefix_queries,
                     prefix_hits=c.prefix_hits, prefix_query_tokens=c.prefix_query_tokens,
                     prefix_hit_tokens=c.prefix_hit_tokens,
+                    promoted_blocks=c.promoted_blocks, demoted_blocks=c.demoted_blocks,  # tiers (issue 6)
+                    swapped_out_blocks=c.swapped_out_blocks, swapped_in_blocks=c.swapped_in_blocks,
+                    swapped_sequences=c.swapped_sequences, lost_blocks=c.lost_blocks,
                 )
                 for c in r.classes
             ),
-            tiers=tuple(TierStats(t.tier, t.capacity_bytes, t.used_bytes, t.blocks) for t in r.tiers),
+            tiers=tuple(
+                TierStats(t.tier, t.capacity_bytes, t.used_bytes, t.blocks, pinned_bytes=t.pinned_bytes,
+                          blocks_in=t.blocks_in, blocks_out=t.blocks_out, dropped_blocks=t.dropped_blocks,
+                          corrupt_blocks=t.corrupt_blocks, bytes_written=t.bytes_written,
+                          write_seconds=t.write_seconds, bytes_read=t.bytes_read, read_seconds=t.read_seconds)
+                for t in r.tiers
+            ),
+            draining=r.draining,
         )
 
     def clients(self) -> list[ClientInfo]:
@@ -82,8 +92,9 @@ class Connection:
             for c in r.clients
         ]
 
-    def sequences_of(self, session_id: int) -> list[SequenceInfo]:
-        r = self.call("Sequences", pb.SequencesRequest(session_id=session_id))
+    def sequences_of(self, session_id: int, session: bytes = b"") -> list[SequenceInfo]:
+        """Another session's sequences (admin socket), or one's own when ``session`` is its token."""
+        r = self.call("Sequences", pb.SequencesRequest(session_id=session_id, session=session))
         return [_seq_info(t) for t in r.sequences]
 
     def evict(self, class_id: int | None = None, max_blocks: int | None = None) -> int:
@@ -94,6 +105,19 @@ class Connection:
     def check(self) -> tuple[bool, str]:
         r = self.call("Check", pb.CheckRequest())
         return r.ok, r.detail
+
+    # -- operations (issue 8) ----------------------------------------------------------
+    def drain(self, resume: bool = False) -> dict:
+        """Admin socket only: stop (``resume``: restart) taking new attaches and sequences."""
+        r = self.call("Drain", pb.DrainRequest(resume=resume))
+        return {"draining": r.draining, "sessions": r.sessions, "sequences": r.sequences}
+
+    def config(self) -> dict:
+        """The daemon's running configuration; ``live_keys`` are those SIGHUP can change."""
+        import json
+
+        r = self.call("GetConfig", pb.GetConfigRequest())
+        return {"config": json.loads(r.config_json), "live_keys": list(r.live_keys), "admin_socket": r.admin_socket}
 
 
 def _seq_info(t) -> SequenceInfo:

@@ -23,6 +23,13 @@ class ClassStats:
     prefix_hits: int
     prefix_query_tokens: int
     prefix_hit_tokens: int
+    # tiers (issue 6), in blocks
+    promoted_blocks: int = 0
+    demoted_blocks: int = 0
+    swapped_out_blocks: int = 0
+    swapped_in_blocks: int = 0
+    swapped_sequences: int = 0
+    lost_blocks: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -36,6 +43,25 @@ class TierStats:
     capacity_bytes: int
     used_bytes: int
     blocks: int
+    # tiers (issue 6)
+    pinned_bytes: int = 0  # held for swapped-out sequences
+    blocks_in: int = 0  # demoted, pushed down or swapped out into this tier
+    blocks_out: int = 0  # promoted or swapped in from this tier
+    dropped_blocks: int = 0
+    corrupt_blocks: int = 0  # failed their checksum: dropped, never served
+    bytes_written: int = 0
+    write_seconds: float = 0.0
+    bytes_read: int = 0
+    read_seconds: float = 0.0
+
+    @property
+    def write_gbps(self) -> float:
+        """GB/s of the copies into this tier while they ran."""
+        return self.bytes_written / self.write_seconds / 1e9 if self.write_seconds > 0 else 0.0
+
+    @property
+    def read_gbps(self) -> float:
+        return self.bytes_read / self.read_seconds / 1e9 if self.read_seconds > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -51,11 +77,14 @@ class PoolStats:
     rpcs: int
     classes: tuple[ClassStats, ...]
     tiers: tuple[TierStats, ...]
+    draining: bool = False  # no new attaches or sequences (kvpoolctl drain)
 
     def to_dict(self) -> dict:
         d = asdict(self)
         for c, cs in zip(d["classes"], self.classes):
             c["hit_rate"] = cs.hit_rate
+        for t, ts in zip(d["tiers"], self.tiers):
+            t["write_gbps"], t["read_gbps"] = ts.write_gbps, ts.read_gbps
         return d
 
 

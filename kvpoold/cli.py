@@ -20,6 +20,13 @@ EPILOG = """examples:
   kvpoold --backend cuda --gpu-memory-fraction 0.8           # GPU pool, shared over CUDA IPC
   KVPOOL_POOL_BYTES=4GiB kvpoold --config ./kvpoold.toml
   kvpoold --check-config                                    # print the resolved settings
+  kvpoold --metrics-port 9464 --max-blocks-per-session 4096  # Prometheus endpoint, a quota per client
+
+precedence: defaults < TOML file < KVPOOL_<KEY> environment variables < flags.
+signals: SIGHUP reloads the settings that can change live (log_level, grace_seconds,
+  max_reserve_blocks, max_sessions, max_blocks_per_session, shutdown_timeout,
+  admin_socket_mode) and logs the others as needing a restart; SIGTERM/SIGINT stop
+  gracefully (clients are told and get shutdown_timeout seconds to detach).
 
 exit codes: 0 stopped cleanly, 2 bad configuration or cannot start"""
 
@@ -42,6 +49,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-sessions", help="most sessions at once (default 1024)")
     p.add_argument("--shm-dir", help="cpu: shared-memory directory (default /dev/shm)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="default info")
+    p.add_argument("--socket-group", help="group given the socket (and CPU shared memory): its members may attach")
+    p.add_argument("--admin-socket",
+                   help="socket for admin calls (evict, drain, other sessions' sequences); default 'auto': "
+                        "<socket>-admin.sock beside the socket; 'none': no admin socket")
+    p.add_argument("--admin-socket-mode", help="file mode of the admin socket, octal (default 600)")
+    p.add_argument("--max-blocks-per-session", help="quota: device blocks one session's sequences may hold (0: none)")
+    p.add_argument("--shutdown-timeout", help="on SIGTERM, seconds to wait for clients to detach (default 30)")
+    p.add_argument("--metrics-port", help="serve Prometheus metrics on this TCP port (default 0: off)")
+    p.add_argument("--metrics-address", help="address of the metrics endpoint (default 127.0.0.1)")
+    # tiers (issue 6)
+    p.add_argument("--host-bytes", help="tier 1: host memory (pinned on a GPU) for blocks evicted from the pool, "
+                                        "e.g. 64GiB (default 0: none)")
+    p.add_argument("--disk-dir", help="tier 2: directory of the disk tier (default: the systemd state directory "
+                                      "/var/lib/kvpoold when it exists)")
+    p.add_argument("--disk-bytes", help="tier 2: disk space for blocks, e.g. 500GiB (default 0: no disk tier)")
     p.add_argument("--check-config", action="store_true", help="print the resolved configuration as JSON and exit")
     p.add_argument("--version", action="version", version=f"kvpoold {__version__}")
     return p
@@ -50,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
 FLAG_KEYS = (
     "socket", "socket_mode", "backend", "pool_bytes", "gpu_memory_fraction", "devices", "chunk_bytes",
     "grace_seconds", "max_reserve_blocks", "max_sessions", "shm_dir", "log_level",
+    "socket_group", "admin_socket", "admin_socket_mode", "max_blocks_per_session", "shutdown_timeout",
+    "metrics_port", "metrics_address",
+    "host_bytes", "disk_dir", "disk_bytes",  # tiers (issue 6)
 )
 
 
@@ -66,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from kvpoold.server.app import run
 
-    return run(config)
+    return run(config, reload=lambda: load_config(path=args.config, flags=flags))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ from, so the daemon can print one clear line and exit.
 
 from __future__ import annotations
 
+import grp
 import os
 import re
 import tomllib
@@ -88,9 +89,48 @@ class Config:
     disk_dir: str = ""
     disk_bytes: int = 0
     metrics_port: int = 0  # 0: no Prometheus endpoint
+    # -- operations (issue 8) --
+    metrics_address: str = "127.0.0.1"  # where the Prometheus endpoint listens
+    socket_group: str = ""  # chgrp the socket (and CPU shared memory) to this group: its members may attach
+    admin_socket: str = "auto"  # admin calls (evict, drain, other sessions' sequences); auto: beside the socket
+    admin_socket_mode: int = 0o600
+    max_blocks_per_session: int = 0  # device blocks one session's sequences may hold; 0: no quota
+    shutdown_timeout: float = 30.0  # SIGTERM: how long to wait for clients to detach
 
     def effective_pool_bytes(self) -> int:
         return self.pool_bytes or (1 << 30)
+
+    def admin_socket_path(self) -> str:
+        """The admin socket's path; '' when there is none."""
+        return admin_socket_for(self.socket, self.admin_socket)
+
+    def socket_gid(self) -> int | None:
+        """The gid ``socket_group`` names, None when unset."""
+        return _gid(self.socket_group) if self.socket_group else None
+
+
+def admin_socket_for(socket: str, admin_socket: str = "auto") -> str:
+    """``auto``: ``kvpoold.sock`` -> ``kvpoold-admin.sock`` beside it; ``""``/``none``: no admin socket."""
+    if admin_socket.lower() in ("", "none", "off"):
+        return ""
+    if admin_socket.lower() != "auto":
+        return admin_socket
+    base = socket[:-5] if socket.endswith(".sock") else socket
+    return base + "-admin.sock"
+
+
+def _gid(group: str) -> int:
+    if group.isdigit():
+        return int(group)
+    return grp.getgrnam(group).gr_gid
+
+
+# Settings SIGHUP changes in a running daemon; every other one needs a restart.
+# (socket_mode and socket_group also apply to the shared memory made at start, so they need a restart.)
+LIVE_KEYS = frozenset({
+    "log_level", "grace_seconds", "max_reserve_blocks", "max_sessions", "max_blocks_per_session",
+    "shutdown_timeout", "admin_socket_mode",
+})
 
 
 _PARSERS = {
@@ -111,6 +151,12 @@ _PARSERS = {
     "disk_dir": str,
     "disk_bytes": parse_bytes,
     "metrics_port": int,
+    "metrics_address": str,
+    "socket_group": str,
+    "admin_socket": str,
+    "admin_socket_mode": _mode,
+    "max_blocks_per_session": int,
+    "shutdown_timeout": float,
 }
 KEYS = tuple(f.name for f in fields(Config))
 assert set(KEYS) == set(_PARSERS)
@@ -144,6 +190,22 @@ def _validate(cfg: Config, sources: Mapping[str, str]) -> None:
         raise bad("metrics_port", "must be a TCP port (0 disables)")
     if not 0 <= cfg.socket_mode <= 0o777:
         raise bad("socket_mode", "must be a file mode like 660")
+    if not 0 <= cfg.admin_socket_mode <= 0o777:
+        raise bad("admin_socket_mode", "must be a file mode like 600")
+    if cfg.max_blocks_per_session < 0:
+        raise bad("max_blocks_per_session", "must be >= 0 (0: no quota)")
+    if cfg.shutdown_timeout < 0:
+        raise bad("shutdown_timeout", "must be >= 0 seconds")
+    if not cfg.metrics_address:
+        raise bad("metrics_address", "must be an address to listen on, like 127.0.0.1 or 0.0.0.0")
+    if cfg.socket_group:
+        try:
+            _gid(cfg.socket_group)
+        except KeyError:
+            raise bad("socket_group", "no such group") from None
+    admin = cfg.admin_socket_path()
+    if admin and os.path.abspath(admin) == os.path.abspath(cfg.socket):
+        raise bad("admin_socket", "must differ from socket")
 
 
 def load_config(
@@ -203,5 +265,10 @@ def config_as_dict(cfg: Config) -> dict[str, Any]:
     out = {}
     for f in fields(cfg):
         v = getattr(cfg, f.name)
-        out[f.name] = list(v) if isinstance(v, tuple) else (oct(v)[2:] if f.name == "socket_mode" else v)
+        out[f.name] = list(v) if isinstance(v, tuple) else (oct(v)[2:] if f.name.endswith("socket_mode") else v)
     return out
+
+
+def changed_keys(old: Config, new: Config) -> list[str]:
+    """The settings whose value differs between two configurations."""
+    return [f.name for f in fields(old) if getattr(old, f.name) != getattr(new, f.name)]

@@ -1,14 +1,25 @@
 """``kvpoolctl``: look at and steer a running kvpoold.
 
 Uses only the client library (``kvpool.Connection``), never daemon internals.
+Read-only commands (stats, clients, config, check) go to the normal socket;
+admin commands (sequences, evict, drain) go to the admin socket, which is
+mode 0600 by default: run them as root or as the daemon's user.
+
+Sockets: ``--socket`` > ``$KVPOOL_SOCKET`` > ``socket`` in the daemon's config
+file (``--config``, default /etc/kvpoold/kvpoold.toml when readable) >
+/run/kvpoold/kvpoold.sock.  The admin socket: ``--admin-socket`` >
+``$KVPOOL_ADMIN_SOCKET`` > the config file's ``admin_socket`` > beside the
+socket (``kvpoold.sock`` -> ``kvpoold-admin.sock``).
 
 Exit codes: 0 success; 1 the daemon answered with an error; 2 bad usage;
-3 the daemon is not reachable; 4 ``check`` found a broken invariant.
+3 the daemon is not running or not reachable; 4 ``check`` found a broken
+invariant; 5 permission denied (socket file mode, or an admin call refused).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -16,9 +27,16 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from kvpool import Connection, KvpoolError, Unavailable
+from kvpool import Connection, KvpoolError, PermissionDenied, Unavailable
+from kvpoold.config import DEFAULT_CONFIG, DEFAULT_SOCKET, ConfigError, admin_socket_for, load_config
 
-EXIT_ERROR, EXIT_UNREACHABLE, EXIT_CHECK_FAILED = 1, 3, 4
+EXIT_ERROR, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_CHECK_FAILED, EXIT_DENIED = 1, 2, 3, 4, 5
+
+EXIT_CODES = (
+    "Exit codes: 0 ok, 1 the daemon answered with an error, 2 bad usage, 3 kvpoold not running or not "
+    "reachable, 4 check found a broken invariant, 5 permission denied (socket mode, or an admin call on "
+    "the normal socket)."
+)
 
 
 def human_bytes(n: float) -> str:
@@ -34,42 +52,86 @@ def _fail(message: str, code: int) -> None:
     sys.exit(code)
 
 
+def _echo_json(value) -> None:
+    click.echo(json.dumps(value, indent=2))
+
+
 class _Ctx:
-    def __init__(self, socket: str | None, timeout: float) -> None:
-        self.socket = socket
+    def __init__(self, socket: str | None, admin_socket: str | None, config: str | None, timeout: float) -> None:
         self.timeout = timeout
+        cfg = None
+        if config is not None or os.access(DEFAULT_CONFIG, os.R_OK):
+            try:
+                cfg = load_config(path=config or DEFAULT_CONFIG, env={}, flags={})
+            except ConfigError as exc:
+                if config is not None:
+                    _fail(f"cannot read the daemon's configuration: {exc}", EXIT_USAGE)
+        self.socket = socket or (cfg.socket if cfg else DEFAULT_SOCKET)
+        self.admin_socket = admin_socket or admin_socket_for(self.socket, cfg.admin_socket if cfg else "auto")
 
-    def connect(self) -> Connection:
-        return Connection(self.socket, timeout=self.timeout)
-
-    def run(self, fn):
+    def run(self, fn, admin: bool = False):
         """Call ``fn(connection)`` and turn daemon errors into one line and an exit code."""
-        conn = self.connect()
+        path = self.socket
+        if admin:
+            if not self.admin_socket:
+                _fail("this command needs the admin socket, and none is configured (admin_socket)", EXIT_USAGE)
+            path = self.admin_socket
+        if os.path.exists(path) and not os.access(path, os.R_OK | os.W_OK):
+            who = "run it as root or as the daemon's user" if admin else "join the socket's group (socket_group)"
+            _fail(f"permission denied on {path}: {who}", EXIT_DENIED)
+        conn = Connection(path, timeout=self.timeout)
         try:
             return fn(conn)
         except Unavailable as exc:
-            _fail(str(exc), EXIT_UNREACHABLE)
+            _fail(_unreachable(path, exc, admin), EXIT_UNREACHABLE)
+        except PermissionDenied as exc:
+            _fail(f"{exc.code}: {exc}", EXIT_DENIED)
         except KvpoolError as exc:
             _fail(f"{exc.code}: {exc}", EXIT_ERROR)
         finally:
             conn.close()
 
 
-@click.group(epilog="Exit codes: 0 ok, 1 daemon error, 2 usage, 3 daemon not reachable, 4 check failed.")
-@click.option("--socket", envvar="KVPOOL_SOCKET", help="kvpoold's socket (default /run/kvpoold/kvpoold.sock; env KVPOOL_SOCKET).")
+def _unreachable(path: str, exc: Exception, admin: bool = False) -> str:
+    if admin and not os.path.exists(path):
+        return (f"kvpoold is not running, or has no admin socket: nothing at {path} "
+                "(see `kvpoolctl config`, or pass --admin-socket)")
+    if not os.path.exists(path):
+        return (f"kvpoold is not running: no socket at {path} "
+                "(start it with `systemctl start kvpoold`, or pass --socket)")
+    if "refused" in str(exc).lower():
+        return f"kvpoold is not running: nothing listens on {path} (a stale socket?)"
+    return str(exc)
+
+
+@click.group(epilog=EXIT_CODES)
+@click.option("--socket", envvar="KVPOOL_SOCKET", metavar="PATH",
+              help=f"kvpoold's socket (default: the config file's, else {DEFAULT_SOCKET}; env KVPOOL_SOCKET).")
+@click.option("--admin-socket", envvar="KVPOOL_ADMIN_SOCKET", metavar="PATH",
+              help="kvpoold's admin socket for sequences/evict/drain (default: the config file's, else "
+                   "<socket>-admin.sock; env KVPOOL_ADMIN_SOCKET).")
+@click.option("--config", envvar="KVPOOL_CONFIG", metavar="FILE",
+              help=f"read the socket paths from this kvpoold config (default {DEFAULT_CONFIG} if readable).")
 @click.option("--timeout", default=10.0, show_default=True, help="Seconds to wait for the daemon.")
 @click.version_option(package_name="kvpool", prog_name="kvpoolctl")
 @click.pass_context
-def cli(ctx: click.Context, socket: str | None, timeout: float) -> None:
-    """Inspect and operate a running kvpoold."""
-    ctx.obj = _Ctx(socket, timeout)
+def cli(ctx: click.Context, socket: str | None, admin_socket: str | None, config: str | None, timeout: float) -> None:
+    """Inspect and operate a running kvpoold.
+
+    \b
+    Examples:
+      kvpoolctl stats --watch 1
+      kvpoolctl --socket /tmp/kvpool.sock clients --json
+      sudo kvpoolctl drain --wait
+    """
+    ctx.obj = _Ctx(socket, admin_socket, config, timeout)
 
 
 def stats_table(st) -> Table:
     """One column per layout class (device tier) and per lower tier; one row per figure."""
     table = Table(
         title=f"kvpoold {st.version} · {st.backend} backend · pool {human_bytes(st.pool_bytes)} · "
-              f"up {st.uptime_seconds:.0f}s",
+              f"up {st.uptime_seconds:.0f}s" + (" · DRAINING" if getattr(st, "draining", False) else ""),
         caption=f"{st.clients} clients · {st.sequences} sequences · {st.rpcs} calls · "
                 f"{human_bytes(st.free_bytes)} not assigned to a layout",
     )
@@ -101,12 +163,23 @@ def stats_table(st) -> Table:
     row("hit rate (tokens)", lambda c: f"{100 * c.hit_rate:.1f}% of {c.prefix_query_tokens}")
     row("copy-on-write copies", lambda c: str(c.cow_copies))
     row("evictions", lambda c: str(c.evictions))
+    # tiers (issue 6): blocks moved, and the rate of the copies while they ran
+    row("promoted (blocks)", lambda c: str(c.promoted_blocks), lambda t: str(t.blocks_out))
+    row("demoted (blocks)", lambda c: str(c.demoted_blocks), lambda t: str(t.blocks_in))
+    row("swapped out / in (blocks)", lambda c: f"{c.swapped_out_blocks} / {c.swapped_in_blocks}",
+        lambda t: f"{human_bytes(t.pinned_bytes)} held")
+    row("swapped-out sequences", lambda c: str(c.swapped_sequences))
+    row("written to tier", lambda c: "", lambda t: f"{human_bytes(t.bytes_written)} · {t.write_gbps:.2f} GB/s")
+    row("read from tier", lambda c: "", lambda t: f"{human_bytes(t.bytes_read)} · {t.read_gbps:.2f} GB/s")
+    row("dropped / corrupt (blocks)", lambda c: f"{c.lost_blocks} lost",
+        lambda t: f"{t.dropped_blocks} / {t.corrupt_blocks}")
     return table
 
 
-@cli.command()
-@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-@click.option("--watch", type=float, default=None, metavar="SECONDS", help="Refresh in place every SECONDS.")
+@cli.command(epilog=EXIT_CODES)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table (with --watch: one line each time).")
+@click.option("--watch", type=click.FloatRange(min=0.05), default=None, metavar="SECONDS",
+              help="Refresh in place every SECONDS until Ctrl-C.")
 @click.pass_obj
 def stats(obj: _Ctx, as_json: bool, watch: float | None) -> None:
     """Pool usage per layout class and tier, clients, prefix-cache hits.
@@ -120,32 +193,39 @@ def stats(obj: _Ctx, as_json: bool, watch: float | None) -> None:
     if watch is None:
         st = obj.run(lambda c: c.stats())
         if as_json:
-            click.echo(json.dumps(st.to_dict(), indent=2))
+            _echo_json(st.to_dict())
         else:
             Console().print(stats_table(st))
         return
-    from rich.live import Live
+    try:
+        if as_json:
+            while True:
+                click.echo(json.dumps(obj.run(lambda c: c.stats()).to_dict()))
+                time.sleep(watch)
+        from rich.live import Live
 
-    with Live(console=Console(), auto_refresh=False) as live:
-        while True:
-            st = obj.run(lambda c: c.stats())
-            live.update(stats_table(st), refresh=True)
-            time.sleep(watch)
+        with Live(console=Console(), auto_refresh=False) as live:
+            while True:
+                live.update(stats_table(obj.run(lambda c: c.stats())), refresh=True)
+                time.sleep(watch)
+    except KeyboardInterrupt:
+        pass
 
 
-@cli.command()
+@cli.command(epilog=EXIT_CODES)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @click.pass_obj
 def clients(obj: _Ctx, as_json: bool) -> None:
     """Attached model processes and what they hold.
 
     \b
-    Example:
+    Examples:
       kvpoolctl clients
+      kvpoolctl clients --json | jq '.[].pid'
     """
     rows = obj.run(lambda c: c.clients())
     if as_json:
-        click.echo(json.dumps([vars(r) for r in rows], indent=2))
+        _echo_json([vars(r) for r in rows])
         return
     table = Table(title="clients")
     for col in ("session", "name", "pid", "model", "class", "sequences", "reserved", "connected", "attached"):
@@ -156,20 +236,21 @@ def clients(obj: _Ctx, as_json: bool) -> None:
     Console().print(table)
 
 
-@cli.command()
-@click.argument("session_id", type=int)
+@cli.command(epilog=EXIT_CODES)
+@click.argument("session_id", type=click.IntRange(min=1))
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @click.pass_obj
 def sequences(obj: _Ctx, session_id: int, as_json: bool) -> None:
-    """The sequences of one session (see `kvpoolctl clients` for ids).
+    """The sequences of one session (see `kvpoolctl clients` for ids). Admin socket.
 
     \b
-    Example:
-      kvpoolctl sequences 3
+    Examples:
+      sudo kvpoolctl sequences 3
+      sudo kvpoolctl sequences 3 --json
     """
-    rows = obj.run(lambda c: c.sequences_of(session_id))
+    rows = obj.run(lambda c: c.sequences_of(session_id), admin=True)
     if as_json:
-        click.echo(json.dumps([vars(r) for r in rows], indent=2))
+        _echo_json([vars(r) for r in rows])
         return
     table = Table(title=f"sequences of session {session_id}")
     for col in ("sequence", "tokens", "cached at start", "blocks"):
@@ -180,32 +261,95 @@ def sequences(obj: _Ctx, session_id: int, as_json: bool) -> None:
     Console().print(table)
 
 
-@cli.command()
-@click.option("--class", "class_id", type=int, default=None, help="Only this layout class.")
+@cli.command(epilog=EXIT_CODES)
+@click.option("--class", "class_id", type=click.IntRange(min=0), default=None, help="Only this layout class.")
 @click.option("--max-blocks", type=click.IntRange(min=1), default=None, help="At most this many blocks.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.pass_obj
 def evict(obj: _Ctx, class_id: int | None, max_blocks: int | None, as_json: bool) -> None:
-    """Drop cached (unused) blocks from the prefix cache, oldest first.
+    """Drop cached (unused) blocks from the prefix cache, oldest first. Admin socket.
 
     \b
     Examples:
-      kvpoolctl evict                  # every cached block
-      kvpoolctl evict --class 0 --max-blocks 100
+      sudo kvpoolctl evict                  # every cached block
+      sudo kvpoolctl evict --class 0 --max-blocks 100 --json
     """
-    n = obj.run(lambda c: c.evict(class_id, max_blocks))
+    n = obj.run(lambda c: c.evict(class_id, max_blocks), admin=True)
     click.echo(json.dumps({"evicted": n}) if as_json else f"evicted {n} cached blocks")
 
 
-@cli.command()
+@cli.command(epilog=EXIT_CODES)
+@click.option("--off", "resume", is_flag=True, help="End the drain: take new attaches and sequences again.")
+@click.option("--wait", is_flag=True, help="Then wait until no sequence is left (exit 1 if --wait-timeout passes).")
+@click.option("--wait-timeout", type=click.FloatRange(min=0), default=None, metavar="SECONDS",
+              help="With --wait: give up after SECONDS (default: wait forever).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_obj
+def drain(obj: _Ctx, resume: bool, wait: bool, wait_timeout: float | None, as_json: bool) -> None:
+    """Stop taking new attaches and new sequences; running sequences go on. Admin socket.
+
+    Use before a restart: drain, wait for the sequences to finish, then
+    `systemctl restart kvpoold`.
+
+    \b
+    Examples:
+      sudo kvpoolctl drain
+      sudo kvpoolctl drain --wait --wait-timeout 600 && sudo systemctl restart kvpoold
+      sudo kvpoolctl drain --off
+    """
+    r = obj.run(lambda c: c.drain(resume=resume), admin=True)
+    deadline = None if wait_timeout is None else time.monotonic() + wait_timeout
+    while wait and not resume and r["sequences"]:
+        if deadline is not None and time.monotonic() >= deadline:
+            if as_json:
+                click.echo(json.dumps({**r, "finished": False}))
+            _fail(f"still {r['sequences']} sequences after {wait_timeout:g}s", EXIT_ERROR)
+        time.sleep(0.2)
+        r = obj.run(lambda c: c.drain(resume=False), admin=True)
+    if as_json:
+        click.echo(json.dumps({**r, "finished": r["sequences"] == 0}))
+    elif r["draining"]:
+        click.echo(f"draining: {r['sessions']} sessions, {r['sequences']} sequences left")
+    else:
+        click.echo(f"not draining: taking new attaches and sequences ({r['sessions']} sessions)")
+
+
+@cli.command(epilog=EXIT_CODES)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_obj
+def config(obj: _Ctx, as_json: bool) -> None:
+    """The daemon's running configuration (after its file, environment, flags and reloads).
+
+    Settings marked live change with `systemctl reload kvpoold` (SIGHUP); the
+    others need a restart.
+
+    \b
+    Examples:
+      kvpoolctl config
+      kvpoolctl config --json | jq .config.max_blocks_per_session
+    """
+    r = obj.run(lambda c: c.config())
+    if as_json:
+        _echo_json(r)
+        return
+    table = Table(title="kvpoold configuration", caption=f"admin socket: {r['admin_socket'] or 'none'}")
+    for col in ("setting", "value", "reload"):
+        table.add_column(col)
+    for key, value in r["config"].items():
+        table.add_row(key, json.dumps(value), "live" if key in r["live_keys"] else "restart")
+    Console().print(table)
+
+
+@cli.command(epilog=EXIT_CODES)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.pass_obj
 def check(obj: _Ctx, as_json: bool) -> None:
     """Verify the daemon's invariants (every block accounted for once, ref counts, sessions).
 
     \b
-    Example:
+    Examples:
       kvpoolctl check && echo healthy
+      kvpoolctl check --json
     """
     ok, detail = obj.run(lambda c: c.check())
     click.echo(json.dumps({"ok": ok, "detail": detail}) if as_json else ("ok: " if ok else "FAILED: ") + detail)

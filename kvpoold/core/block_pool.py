@@ -238,6 +238,10 @@ class ClassPool:
             return 0
         return 1 + self.extra.get(block, 0)
 
+    def owns(self, block: int) -> bool:
+        """Whether ``block`` lies in a slab this class owns now."""
+        return type(block) is int and block >= 0 and block // self.blocks_per_slab in self.slots
+
     def is_shared(self, block: int) -> bool:
         return block in self.extra
 

@@ -40,7 +40,7 @@ from .results import (
     TierStats,
 )
 from .seq_table import SeqTable
-from .tiers import Move, TierPlacement
+from .tiers import Key, Move, Tier, TierPlacement
 
 _NO_CHANGE = ExtendResult()  # immutable, so one instance serves every unchanged step
 
@@ -52,6 +52,11 @@ class _Counters:
     prefix_hits: int = 0
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
+    promoted_blocks: int = 0
+    demoted_blocks: int = 0
+    swapped_out_blocks: int = 0
+    swapped_in_blocks: int = 0
+    lost_blocks: int = 0
 
 
 class _Owner:
@@ -92,6 +97,7 @@ class KVCacheManager:
         disk_bytes: int = 0,
         policy: str = "lru",
         max_reserve_blocks: int = 1024,
+        tier_align: int = 1,
     ) -> None:
         for name, value in (("pool_bytes", pool_bytes), ("chunk_bytes", chunk_bytes)):
             if type(value) is not int or value <= 0:
@@ -101,7 +107,7 @@ class KVCacheManager:
         if type(max_reserve_blocks) is not int or max_reserve_blocks < 0:
             raise InvalidArgument(f"max_reserve_blocks must be >= 0, got {max_reserve_blocks!r}")
         self.budget = ChunkBudget(pool_bytes // chunk_bytes, chunk_bytes)
-        self.placement = TierPlacement(host_bytes, disk_bytes, policy)
+        self.placement = TierPlacement(host_bytes, disk_bytes, policy, tier_align)
         self._track_moves = host_bytes > 0 or disk_bytes > 0
         self.policy = policy
         self.max_reserve_blocks = max_reserve_blocks
@@ -112,6 +118,11 @@ class KVCacheManager:
         self.seqs = SeqTable()
         self._owners: dict[int, _Owner] = {}
         self._moves: list[Move] = []
+        #: swapped-out sequences: slot -> [(tier key, block hash or None)] per logical block
+        self._swapped: dict[int, list[tuple[Key, bytes | None]]] = {}
+        self._next_swap = 0
+        #: per class, block -> holds taken by the daemon while bytes are in flight into the block
+        self._holds: list[dict[int, int]] = []
 
     # -- classes ----------------------------------------------------------------
     def register_class(self, geometry: Geometry) -> int:
@@ -124,6 +135,7 @@ class KVCacheManager:
             pool = ClassPool(cid, geometry, self.budget, self.policy, self._on_evict)
             self.classes.append(pool)
             self._counters.append(_Counters())
+            self._holds.append({})
             self._class_ids[geometry] = cid
             self._block_size = np.append(self._block_size, geometry.block_size)
             self.seqs.ensure_tail_width(geometry.block_size)
@@ -136,7 +148,10 @@ class KVCacheManager:
 
     def _on_evict(self, class_id: int, block: int, digest: bytes) -> None:
         if self._track_moves:
-            self._moves.extend(self.placement.demote((class_id, digest), self.classes[class_id].block_bytes))
+            moves = self.placement.demote((class_id, digest), self.classes[class_id].block_bytes, block)
+            if moves and moves[-1].dst is not None:
+                self._counters[class_id].demoted_blocks += 1
+            self._moves.extend(moves)
 
     def drain_moves(self) -> list[Move]:
         """Tier moves planned since the last call (for the transfer engine)."""
@@ -173,7 +188,8 @@ class KVCacheManager:
     def _info(self, slot: int) -> SequenceInfo:
         t = self.seqs
         return SequenceInfo(
-            t.seq_id(slot), int(t.cls[slot]), tuple(t.blocks[slot]), int(t.ntok[slot]), int(t.num_cached[slot])
+            t.seq_id(slot), int(t.cls[slot]), tuple(t.blocks[slot]), int(t.ntok[slot]), int(t.num_cached[slot]),
+            bool(t.swapped[slot]),
         )
 
     def sequence(self, owner: int, seq_id: int) -> SequenceInfo:
@@ -204,21 +220,39 @@ class KVCacheManager:
         self._check_owner(owner)
         bs = pool.block_size
         hashes = chain_hashes(root, packed, bs)
+        # the longest cached prefix over every tier: a device block, or -1 for a lower-tier hit
         matched: list[int] = []
+        lower: list[bytes] = []
+        placement = self.placement if self._track_moves else None
         for h in hashes:
             b = pool.by_hash.get(h)
             if b is None:
-                break
+                if placement is None or placement.locate((class_id, h)) is None:
+                    break
+                b = -1
+                lower.append(h)
             matched.append(b)
-        need = -(-len(packed) // bs) - len(matched)
-        revived = sum(1 for b in matched if b in pool.cached)
+        on_device = [b for b in matched if b >= 0]
+        need = -(-len(packed) // bs) - len(on_device)
+        revived = sum(1 for b in on_device if b in pool.cached)
         avail = pool.obtainable(need + revived) - revived
         if avail < need:
             raise OutOfBlocks(need, avail)
         # -- apply --
-        for b in matched:
+        for b in on_device:
             pool.acquire_cached(b)
+        for h in lower:  # no victim of the demotions that the allocation below may cause
+            placement.pin((class_id, h))
         fresh = pool.allocate(need)
+        if lower:
+            take = iter(fresh[:len(lower)])
+            for i, h in enumerate(hashes[:len(matched)]):
+                if matched[i] < 0:
+                    b = next(take)
+                    self._moves.append(placement.take((class_id, h), b))
+                    pool.register(b, h)
+                    matched[i] = b
+            fresh = fresh[len(lower):]
         for h, b in zip(hashes[len(matched):], fresh):
             pool.register(b, h)
         c = self._counters[class_id]
@@ -226,6 +260,7 @@ class KVCacheManager:
         c.prefix_hits += bool(matched)
         c.prefix_query_tokens += len(packed)
         c.prefix_hit_tokens += len(matched) * bs
+        c.promoted_blocks += len(lower)
         state = self._owner(owner)
         t = self.seqs
         seq_id = t.add(owner, class_id, matched + fresh, len(packed),
@@ -299,6 +334,8 @@ class KVCacheManager:
             return ExtendResult()
         t = self.seqs
         slots = t.slots_of(owner, seq_ids)
+        if t.nswapped and t.swapped[slots].any():
+            self._refuse_swapped(seq_ids[np.flatnonzero(t.swapped[slots])[0]], "extended")
         c0 = int(t.cls[slots[0]])
         if len(self.classes) > 1 and not (t.cls[slots] == c0).all():
             # one layout class per call keeps the capacity check exact (a session has one layout)
@@ -456,6 +493,8 @@ class KVCacheManager:
         """A new sequence sharing every block of ``seq_id`` (copy-on-write later)."""
         t = self.seqs
         slot = t.slot_of(owner, seq_id)
+        if t.swapped[slot]:
+            self._refuse_swapped(seq_id, "forked")
         c = int(t.cls[slot])
         pool = self.classes[c]
         pool.share(t.blocks[slot])
@@ -486,9 +525,206 @@ class KVCacheManager:
             blocks = t.blocks[slot]
             self.classes[int(t.cls[slot])].release(blocks[::-1])
             released += len(blocks)
+            for key, _ in self._swapped.pop(slot, ()):  # a swapped-out sequence: its copies go
+                self._moves.append(self.placement.drop(key))
             t.remove(slot)
             self._owners[owner].seqs.discard(int(seq_id))
         return released
+
+    # -- swapping whole sequences (tiers) ---------------------------------------------
+    @staticmethod
+    def _refuse_swapped(seq_id, what: str) -> None:
+        raise WrongState(f"sequence {int(seq_id)} is swapped out: it cannot be {what} until it is swapped in")
+
+    def swap_out(self, owner: int, seq_ids: Iterable[int]) -> tuple[int, int]:
+        """Copy the sequences' blocks into the lower tiers and give their device blocks back.
+
+        The copies are pinned (never evicted) until ``swap_in`` or ``free``;
+        the page tables are empty meanwhile and the sequences refuse
+        ``extend`` and ``fork`` (``WrongState``).  Hashed blocks that nobody
+        else holds stay in the device's prefix cache, so a swap-in soon after
+        may find them there and copy nothing.  Returns (blocks copied to the
+        host tier, blocks copied to disk); the planned copies read each device
+        block before it can be handed out again (``drain_moves``).
+        """
+        seq_ids = list(seq_ids)
+        t = self.seqs
+        slots = self.check_free(owner, seq_ids)
+        for seq_id, slot in zip(seq_ids, slots):
+            if t.swapped[slot]:
+                raise WrongState(f"sequence {int(seq_id)} is already swapped out")
+        if not self.placement.enabled:
+            raise WrongState("no host or disk tier to swap to: start kvpoold with --host-bytes or --disk-bytes")
+        sizes = [self.classes[int(t.cls[s])].block_bytes for s in slots for _ in t.blocks[s]]
+        if not self.placement.can_pin(sizes):
+            raise OutOfBlocks(self.placement.charge_pinned(sizes), self.placement.pinned_room(),
+                              "lower-tier bytes to swap to")
+        # -- apply --
+        per_tier = [0, 0]
+        for slot in slots:
+            c = int(t.cls[slot])
+            pool = self.classes[c]
+            blocks = t.blocks[slot]
+            entries = []
+            for b in blocks:
+                key = (c, self._next_swap)
+                self._next_swap += 1
+                moves = self.placement.place_pinned(key, pool.block_bytes, b)
+                per_tier[moves[-1].dst - 1] += 1
+                self._moves.extend(moves)
+                entries.append((key, pool.hash_of.get(b)))
+            pool.release(blocks[::-1])
+            self._swapped[slot] = entries
+            t.blocks[slot] = []
+            t.unflag_shared(np.array([slot]))
+            t.set_swapped(slot, True)
+            self._counters[c].swapped_out_blocks += len(blocks)
+        return per_tier[0], per_tier[1]
+
+    def swap_in(self, owner: int, seq_ids: Iterable[int]) -> list[SequenceInfo]:
+        """Bring swapped-out sequences back onto the device, possibly into other blocks.
+
+        A block whose hash is on the device already (cached or held) is
+        shared instead of copied; the others get fresh blocks that the planned
+        moves fill.  All or nothing; one layout class per call.
+        """
+        seq_ids = list(seq_ids)
+        t = self.seqs
+        slots = self.check_free(owner, seq_ids)
+        for seq_id, slot in zip(seq_ids, slots):
+            if not t.swapped[slot]:
+                raise WrongState(f"sequence {int(seq_id)} is not swapped out")
+        if not slots:
+            return []
+        classes = {int(t.cls[s]) for s in slots}
+        if len(classes) > 1:
+            raise InvalidArgument("one swap-in call takes sequences of one layout class only")
+        c = classes.pop()
+        pool = self.classes[c]
+        plan: list[list[int]] = []
+        revive: set[int] = set()
+        for slot in slots:
+            row = []
+            for _, h in self._swapped[slot]:
+                b = pool.by_hash.get(h, -1) if h is not None else -1
+                if b >= 0 and b in pool.cached:
+                    revive.add(b)
+                row.append(b)
+            plan.append(row)
+        need = sum(1 for row in plan for b in row if b < 0)
+        avail = pool.obtainable(need + len(revive)) - len(revive)
+        if avail < need:
+            raise OutOfBlocks(need, avail)
+        # -- apply --
+        for row in plan:
+            for b in row:
+                if b >= 0:
+                    pool.acquire_cached(b)
+        fresh = iter(pool.allocate(need))  # the swap copies are pinned: no victim of its demotions
+        out = []
+        for slot, row in zip(slots, plan):
+            blocks = []
+            for (key, h), b in zip(self._swapped.pop(slot), row):
+                if b >= 0:
+                    self._moves.append(self.placement.drop(key))
+                else:
+                    b = next(fresh)
+                    self._moves.append(self.placement.take(key, b))
+                    if h is not None:
+                        pool.register(b, h)
+                blocks.append(b)
+            t.blocks[slot] = blocks
+            t.set_swapped(slot, False)
+            self._counters[c].swapped_in_blocks += len(blocks)
+            out.append(self._info(slot))
+        return out
+
+    # -- the daemon's side of transfers ------------------------------------------------
+    def hold_blocks(self, class_id: int, blocks: Iterable[int]) -> None:
+        """One more holder on each (held) block while bytes are copied into it.
+
+        A block with a hold is never freed, evicted or handed out again, even
+        if its sequence is freed meanwhile; ``release_holds`` ends the hold.
+        """
+        pool = self.class_pool(class_id)
+        blocks = list(blocks)
+        for b in blocks:
+            if b in pool.cached or not pool.owns(b):
+                raise InvalidArgument(f"block {b} is not held: only held blocks take a transfer hold")
+        holds = self._holds[class_id]
+        pool.share(blocks)
+        for b in blocks:
+            holds[b] = holds.get(b, 0) + 1
+
+    def release_holds(self, class_id: int, blocks: Iterable[int]) -> None:
+        pool = self.class_pool(class_id)
+        blocks = list(blocks)
+        holds = self._holds[class_id]
+        count: dict[int, int] = {}
+        for b in blocks:
+            count[b] = count.get(b, 0) + 1
+            if count[b] > holds.get(b, 0):
+                raise InvalidArgument(f"block {b} has no transfer hold to release")
+        for b in blocks:
+            if holds[b] == 1:
+                del holds[b]
+            else:
+                holds[b] -= 1
+        pool.release(blocks)
+
+    def invalidate_block(self, class_id: int, block: int) -> bytes | None:
+        """The bytes meant for ``block`` never arrived (bad checksum, I/O error).
+
+        Its hash is forgotten so that no prefix hit finds it; the block stays
+        with its holders, whose owners rewrite it (``register_block`` gives
+        the hash back once an owner was told to).  Returns the forgotten hash.
+        """
+        pool = self.class_pool(class_id)
+        self._counters[class_id].lost_blocks += 1
+        digest = pool.hash_of.pop(block, None)
+        if digest is None:
+            return None
+        del pool.by_hash[digest]
+        if block in pool.cached:  # nobody holds it: it is free now
+            pool.cached.remove(block)
+            pool.free.append(block)
+        return digest
+
+    def register_block(self, owner: int, seq_id: int, block: int, digest: bytes) -> bool:
+        """Give a block of ``seq_id`` its hash back: its owner was told to rewrite it.
+
+        Like a fresh block at ``create``, it is in the prefix index from the
+        moment its owner is to write it.  False (nothing changes) if the
+        sequence does not hold it or another block has that hash.
+        """
+        info = self.sequence(owner, seq_id)
+        pool = self.classes[info.class_id]
+        if block not in info.block_table or block in pool.hash_of:
+            return False
+        return pool.register(block, digest)
+
+    def forget_lower(self, key: Key) -> bool:
+        """A lower-tier copy was lost (its write failed): forget it unless it is pinned.
+
+        A swapped-out sequence's copy stays recorded: its swap-in reports the loss.
+        """
+        tier = self.placement.locate(key)
+        if tier is None or self.placement.index(tier).is_pinned(key):
+            return False
+        self.placement.drop(key)
+        self.placement.index(tier).dropped += 1
+        return True
+
+    def load_lower(self, tier: Tier, class_id: int, digest: bytes, nbytes: int) -> bool:
+        """Record a prefix block found in a lower tier at start (a restart); False if it has no room."""
+        self.class_pool(class_id)
+        index = self.placement.index(tier)
+        key = (class_id, digest)
+        if key in index or index.used + index.charge(nbytes) > index.capacity:
+            return False
+        index.add(key, nbytes)
+        index.blocks_in -= 1  # found, not placed
+        return True
 
     def lookup(self, class_id: int, model_id: str, tokens, extra_key: str = "") -> LookupResult:
         """Longest cached prefix of ``tokens`` over every tier; allocates nothing."""
@@ -580,6 +816,9 @@ class KVCacheManager:
 
     def stats(self) -> PoolStats:
         reserved = [0] * len(self.classes)
+        swapped = [0] * len(self.classes)
+        for slot in self._swapped:
+            swapped[int(self.seqs.cls[slot])] += 1
         for state in self._owners.values():
             for cls, r in state.reserves.items():
                 reserved[cls] += len(r)
@@ -602,10 +841,18 @@ class KVCacheManager:
                     prefix_hits=c.prefix_hits,
                     prefix_query_tokens=c.prefix_query_tokens,
                     prefix_hit_tokens=c.prefix_hit_tokens,
+                    promoted_blocks=c.promoted_blocks,
+                    demoted_blocks=c.demoted_blocks,
+                    swapped_out_blocks=c.swapped_out_blocks,
+                    swapped_in_blocks=c.swapped_in_blocks,
+                    swapped_sequences=swapped[pool.class_id],
+                    lost_blocks=c.lost_blocks,
                 )
             )
         tiers = tuple(
-            TierStats(t.tier.name.lower(), t.capacity, t.used, len(t)) for t in self.placement.lower
+            TierStats(t.tier.name.lower(), t.capacity, t.used, len(t), pinned_bytes=t.pinned,
+                      blocks_in=t.blocks_in, blocks_out=t.blocks_out, dropped_blocks=t.dropped)
+            for t in self.placement.lower
         )
         return PoolStats(
             pool_bytes=self.budget.total * self.budget.chunk_bytes,
@@ -629,13 +876,23 @@ class KVCacheManager:
             bs, ntok = pool.block_size, int(t.ntok[slot])
             blocks = t.blocks[slot]
             seq_id = t.seq_id(slot)
-            assert len(blocks) == -(-ntok // bs), f"sequence {seq_id}: blocks vs tokens"
+            if t.swapped[slot]:
+                assert not blocks, f"sequence {seq_id}: swapped out but holds device blocks"
+                entries = self._swapped.get(slot)
+                assert entries is not None and len(entries) == -(-ntok // bs), f"sequence {seq_id}: swap copies"
+                for key, _ in entries:
+                    tier = self.placement.locate(key)
+                    assert tier is not None and self.placement.index(tier).is_pinned(key), (
+                        f"sequence {seq_id}: swap copy {key} is not pinned in a lower tier")
+            else:
+                assert slot not in self._swapped, f"sequence {seq_id}: a swap record but not swapped"
+            assert len(blocks) == -(-ntok // bs) or t.swapped[slot], f"sequence {seq_id}: blocks vs tokens"
             owner = int(t.owner[slot])
             assert seq_id in self._owners[owner].seqs, f"sequence {seq_id} missing from its owner"
             if ntok % bs and len(blocks) and pool.is_shared(blocks[-1]) and not t.maybe_shared[slot]:
                 # a shared partial block must be flagged, or an append would skip copy-on-write
                 sharers = sum(1 for s in live.tolist() if t.blocks[s] and t.blocks[s][-1] == blocks[-1]
-                              and int(t.ntok[s]) % bs)
+                              and int(t.ntok[s]) % bs and int(t.cls[s]) == c)
                 assert sharers <= 1, f"sequence {seq_id}: shared partial block not flagged"
             for b in blocks:
                 holders[c][b] = holders[c].get(b, 0) + 1
@@ -645,6 +902,14 @@ class KVCacheManager:
             for c, reserve in state.reserves.items():
                 for b in reserve:
                     holders[c][b] = holders[c].get(b, 0) + 1
+        for c, holds in enumerate(self._holds):
+            for b, n in holds.items():
+                holders[c][b] = holders[c].get(b, 0) + n
+        assert set(self._swapped) <= set(live.tolist()), "a swap record of a freed sequence"
+        assert t.nswapped == len(self._swapped) == int(np.count_nonzero(t.swapped[live])), "swapped count is off"
+        swap_keys = {k for entries in self._swapped.values() for k, _ in entries}
+        pinned = set().union(*(index.pinned_keys() for index in self.placement.lower))
+        assert pinned == swap_keys, "pinned lower-tier entries differ from the swapped sequences' copies"
         assert sum(len(s.seqs) for s in self._owners.values()) == t.live
         assert t.flagged == int(np.count_nonzero(t.maybe_shared[live])), "shared-tail flag count is off"
         assert not t.maybe_shared[t.owner == -1].any(), "a free slot is flagged"

@@ -18,6 +18,7 @@ class SequenceInfo:
     block_table: tuple[int, ...]
     num_tokens: int
     num_cached_tokens: int = 0
+    swapped: bool = False  # swapped out: the table is empty until swap-in
 
 
 @dataclass(frozen=True)
@@ -140,6 +141,13 @@ class ClassStats:
     prefix_hits: int
     prefix_query_tokens: int
     prefix_hit_tokens: int
+    # tiers (issue 6), in blocks
+    promoted_blocks: int = 0  # prefix hits brought back from a lower tier
+    demoted_blocks: int = 0  # cached blocks the device evicted into a lower tier
+    swapped_out_blocks: int = 0
+    swapped_in_blocks: int = 0
+    swapped_sequences: int = 0  # now
+    lost_blocks: int = 0  # promoted or swapped-in blocks whose bytes did not arrive (bad checksum, I/O error)
 
 
 @dataclass(frozen=True)
@@ -148,6 +156,16 @@ class TierStats:
     capacity_bytes: int
     used_bytes: int
     blocks: int
+    # tiers (issue 6)
+    pinned_bytes: int = 0  # held for swapped-out sequences (never evicted)
+    blocks_in: int = 0  # placed here: demoted, pushed down from the tier above, swapped out
+    blocks_out: int = 0  # taken back to the device: promoted or swapped in
+    dropped_blocks: int = 0  # evicted with nowhere lower to go
+    corrupt_blocks: int = 0  # failed their checksum on read (disk); dropped, never served
+    bytes_written: int = 0  # by the transfer engine, with the seconds its copies took
+    write_seconds: float = 0.0
+    bytes_read: int = 0
+    read_seconds: float = 0.0
 
 
 @dataclass(frozen=True)

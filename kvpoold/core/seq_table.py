@@ -43,6 +43,9 @@ class SeqTable:
         #: tokens of the partly filled last block, little-endian uint32
         self.tail = np.zeros((capacity, tail_width), "<u4")
         self.num_cached = np.zeros(capacity, np.int64)
+        #: swapped out (tiers): the page table is empty, the blocks live in a lower tier
+        self.swapped = np.zeros(capacity, np.bool_)
+        self.nswapped = 0  # how many slots are swapped out: 0 lets a batch skip the check
         self.blocks: list[list[int] | None] = [None] * capacity
         self.last_hash: list[bytes | None] = [None] * capacity
         self._free = list(range(capacity - 1, -1, -1))
@@ -76,6 +79,7 @@ class SeqTable:
         self.maybe_shared = widen(self.maybe_shared, False)
         self.tail = widen(self.tail, 0)
         self.num_cached = widen(self.num_cached, 0)
+        self.swapped = widen(self.swapped, False)
         self._mark = widen(self._mark, -1)
         self.blocks.extend([None] * old)
         self.last_hash.extend([None] * old)
@@ -109,8 +113,14 @@ class SeqTable:
             self.flagged -= int(np.count_nonzero(self.maybe_shared[slots]))
             self.maybe_shared[slots] = False
 
+    def set_swapped(self, slot: int, swapped: bool) -> None:
+        if bool(self.swapped[slot]) != swapped:
+            self.swapped[slot] = swapped
+            self.nswapped += 1 if swapped else -1
+
     def remove(self, slot: int) -> None:
         self.unflag_shared(np.array([slot]))
+        self.set_swapped(slot, False)
         self.owner[slot] = NO_OWNER
         self.current[slot] = -1
         self.gen[slot] += 1

@@ -149,7 +149,7 @@ def _close_segment(state: dict) -> None:
 class CpuShmArena(Arena):
     """Daemon side: creates, maps, commits/releases and finally unlinks a segment."""
 
-    def __init__(self, name: str, nbytes: int, shm_dir: str = SHM_DIR, mode: int = 0o600):
+    def __init__(self, name: str, nbytes: int, shm_dir: str = SHM_DIR, mode: int = 0o600, group: int = -1):
         if nbytes <= 0:
             raise ValueError(f"arena size must be positive, got {nbytes}")
         path = os.path.join(shm_dir, name)
@@ -163,6 +163,8 @@ class CpuShmArena(Arena):
         self._state = {"pid": os.getpid(), "path": path, "fd": fd}
         self._finalizer = weakref.finalize(self, _close_segment, self._state)
         try:
+            if group >= 0:
+                os.fchown(fd, -1, group)  # socket_group: the group that may attach may map it too
             os.fchmod(fd, mode)  # umask must not narrow what the operator asked for
             os.ftruncate(fd, nbytes)
             mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -230,17 +232,18 @@ class CpuShmBackend(Backend):
 
     name = "cpu"
 
-    def __init__(self, instance: str, shm_dir: str = SHM_DIR, mode: int = 0o600):
+    def __init__(self, instance: str, shm_dir: str = SHM_DIR, mode: int = 0o600, group: int = -1):
         _prefix(instance)  # validate early
         if not os.path.isdir(shm_dir) or not os.access(shm_dir, os.W_OK | os.X_OK):
             raise BackendUnavailable(f"{shm_dir} is missing or not writable: the CPU backend needs a tmpfs there")
         self.instance = instance
         self.shm_dir = shm_dir
         self.mode = mode
+        self.group = group
         self._arenas: list[CpuShmArena] = []
 
     def create_arena(self, tag: str, nbytes: int) -> CpuShmArena:
-        arena = CpuShmArena(segment_name(self.instance, tag), nbytes, self.shm_dir, self.mode)
+        arena = CpuShmArena(segment_name(self.instance, tag), nbytes, self.shm_dir, self.mode, self.group)
         self._arenas.append(arena)
         return arena
 

@@ -1,11 +1,21 @@
-"""Start, run and stop the daemon: socket ownership, backend, gRPC server, reaper.
+"""Start, run and stop the daemon: sockets, backend, gRPC servers, reaper, systemd.
 
-Start-up order: take the socket's lock file (a second daemon on the same
+Start-up order: take the sockets' lock files (a second daemon on the same
 socket stops here with a clear message), remove what a crashed predecessor
-left (stale socket, shared-memory segments), create the backend, bind the
-socket with the configured mode, then print one ``ready`` line.  SIGTERM and
-SIGINT stop accepting calls, tell connected clients, close the arenas (which
-unlinks shared memory) and remove the socket.
+left (stale sockets, shared-memory segments), create the backend, bind the
+normal socket (``socket_mode``, ``socket_group``: who may attach) and the admin
+socket (``admin_socket_mode``: who may evict, drain, look at other sessions),
+each served by its own gRPC server over the same ``PoolService`` and with the
+gRPC health and reflection services; start the Prometheus endpoint
+(``metrics_port``); then print one ``ready`` line and tell systemd READY=1
+(the sockets accept attaches from then on) and start pinging its watchdog.
+
+SIGHUP reloads the settings that can change live (``LIVE_KEYS``) and logs
+those that need a restart.  SIGTERM/SIGINT: refuse new attaches, health
+NOT_SERVING, tell the clients through their ``Watch`` streams, wait up to
+``shutdown_timeout`` for them to detach (a second signal stops waiting),
+drop the rest, flush the tiers (``PoolService.close``), remove the sockets,
+exit 0.
 """
 
 from __future__ import annotations
@@ -16,21 +26,30 @@ import logging
 import os
 import signal
 import sys
+from dataclasses import replace
+from typing import Callable
 
 import grpc
+from grpc_health.v1 import _async as health_aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 
+from kvpool._generated import kvpool_pb2 as pb
 from kvpool._generated import kvpool_pb2_grpc as pb_grpc
-from kvpoold.config import Config
+from kvpoold.config import LIVE_KEYS, Config, ConfigError, changed_keys
 from kvpoold.memory import make_backend
 from kvpoold.memory.base import Backend
 
+from .sd import Notifier
 from .service import PoolService
+from .tiers import DiskTierError
 from .servicer import KVPoolServicer
 
 log = logging.getLogger("kvpoold")
 
 MAX_MESSAGE_BYTES = 256 << 20
 REAP_INTERVAL_S = 0.25
+SHUTDOWN_POLL_S = 0.05
 
 
 class StartupError(RuntimeError):
@@ -114,22 +133,81 @@ def check_gpu_room(config: Config, pool_bytes: int) -> None:
         )
 
 
-async def serve(config: Config, ready=None) -> int:
-    """Run until SIGTERM/SIGINT; returns the exit code."""
+class _Listener:
+    """One gRPC server on one Unix socket: the normal socket, or the admin socket."""
+
+    def __init__(self, path: str, mode: int, admin: bool, service: PoolService, shutdown: asyncio.Event,
+                 health, interceptors) -> None:
+        self.path, self.mode, self.admin = path, mode, admin
+        self.server = grpc.aio.server(interceptors=interceptors, options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ])
+        pb_grpc.add_KVPoolServicer_to_server(KVPoolServicer(service, shutdown, admin=admin), self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(health, self.server)
+        reflection.enable_server_reflection(REFLECTED_SERVICES, self.server)
+
+    async def start(self, gid: int | None) -> None:
+        if os.path.exists(self.path):
+            os.unlink(self.path)  # stale: we hold the lock, so nobody serves it
+        address = "unix://" + self.path
+        old = os.umask(0o077)  # nobody can connect in the moment between bind and chmod
+        try:
+            if self.server.add_insecure_port(address) == 0:
+                raise StartupError(f"cannot listen on {address}")
+            await self.server.start()
+        finally:
+            os.umask(old)
+        if gid is not None:
+            try:
+                os.chown(self.path, -1, gid)
+            except OSError as exc:
+                raise StartupError(f"cannot give {self.path} to group {gid} (socket_group): {exc}") from None
+        os.chmod(self.path, self.mode)
+
+    def remove(self) -> None:
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+REFLECTED_SERVICES = (
+    pb.DESCRIPTOR.services_by_name["KVPool"].full_name,
+    health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+    reflection.SERVICE_NAME,
+)
+
+
+async def serve(config: Config, ready=None, reload: Callable[[], Config] | None = None) -> int:
+    """Run until SIGTERM/SIGINT; returns the exit code.
+
+    ``reload`` gives the configuration anew (file, environment, flags) on
+    SIGHUP; the settings in ``LIVE_KEYS`` change at once, the others are
+    logged as needing a restart.
+    """
     if len(config.devices) > 1:
         raise StartupError(
             f"one kvpoold serves one GPU; run one daemon per GPU (devices {list(config.devices)}), "
             "each with its own --socket (e.g. the kvpoold@N systemd template)"
         )
-    lock = SocketLock(config.socket)
-    lock.acquire()
+    admin_path = config.admin_socket_path()
+    locks = [SocketLock(config.socket)] + ([SocketLock(admin_path)] if admin_path else [])
     service = None
+    listeners: list[_Listener] = []
+    metrics = None
+    listeners_stopped = False
+    notifier = Notifier()
     try:
-        if os.path.exists(config.socket):
-            os.unlink(config.socket)  # stale: we hold the lock, so nobody serves it
+        for lock in locks:
+            lock.acquire()
+        gid = config.socket_gid()
         instance = _instance(config.socket)
-        kwargs = {"shm_dir": config.shm_dir, "mode": config.socket_mode & 0o666} if config.backend == "cpu" else {}
+        kwargs = {}
         if config.backend == "cpu":
+            kwargs = {"shm_dir": config.shm_dir, "mode": config.socket_mode & 0o666}
+            if gid is not None:
+                kwargs["group"] = gid
             from kvpoold.memory.cpu_shm import remove_stale_segments
 
             for name in remove_stale_segments(instance, config.shm_dir):
@@ -143,46 +221,139 @@ async def serve(config: Config, ready=None) -> int:
             check_cpu_room(config, pool_bytes)
         else:
             check_gpu_room(config, pool_bytes)
-        service = PoolService(config, backend, pool_bytes)
-
-        shutdown = asyncio.Event()
-        server = grpc.aio.server(options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-        ])
-        pb_grpc.add_KVPoolServicer_to_server(KVPoolServicer(service, shutdown), server)
-        address = "unix://" + config.socket
-        if server.add_insecure_port(address) == 0:
-            raise StartupError(f"cannot listen on {address}")
-        await server.start()
-        os.chmod(config.socket, config.socket_mode)
-
-        stop = asyncio.Event()
+        try:
+            service = PoolService(config, backend, pool_bytes)
+        except DiskTierError as exc:  # tiers (issue 6): a disk directory that cannot be used
+            backend.close()
+            raise StartupError(str(exc)) from None
         loop = asyncio.get_running_loop()
+
+        if config.metrics_port:
+            from .metrics import Metrics
+
+            metrics = Metrics()
+        shutdown = asyncio.Event()
+        health = health_aio.HealthServicer()
+        for path, mode, admin in ((config.socket, config.socket_mode, False),
+                                  (admin_path, config.admin_socket_mode, True)):
+            if path:  # each server its own interceptor: handlers must never cross between the two
+                interceptors = [metrics.rpc.interceptor()] if metrics is not None else None
+                listeners.append(_Listener(path, mode, admin, service, shutdown, health, interceptors))
+        for listener in listeners:
+            await listener.start(gid if not listener.admin else None)
+        if metrics is not None:
+            try:
+                metrics.serve(service, loop, config.metrics_address, config.metrics_port)
+            except OSError as exc:
+                raise StartupError(
+                    f"cannot serve metrics on {config.metrics_address}:{config.metrics_port}: {exc}"
+                ) from None
+        for name in ("", REFLECTED_SERVICES[0]):
+            await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+        stop, force = asyncio.Event(), asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        reaper = asyncio.create_task(_reap_forever(service))
-        log.info("kvpoold %s ready: socket=%s backend=%s pool=%d bytes", service.version, config.socket,
-                 config.backend, pool_bytes)
-        print(f"kvpoold ready socket={config.socket} backend={config.backend} pool_bytes={pool_bytes}", flush=True)
+            loop.add_signal_handler(sig, lambda: (force if stop.is_set() else stop).set())
+        if reload is not None:
+            loop.add_signal_handler(signal.SIGHUP, lambda: _reload(service, listeners, reload, notifier))
+        tasks = [asyncio.create_task(_reap_forever(service))]
+        if notifier.watchdog_interval:
+            tasks.append(asyncio.create_task(_watchdog(notifier)))
+        extra = (f" admin_socket={admin_path}" if admin_path else "") + \
+                (f" metrics=http://{config.metrics_address}:{metrics.port}/metrics" if metrics else "")
+        log.info("kvpoold %s ready: socket=%s backend=%s pool=%d bytes%s", service.version, config.socket,
+                 config.backend, pool_bytes, extra)
+        print(f"kvpoold ready socket={config.socket} backend={config.backend} pool_bytes={pool_bytes}{extra}",
+              flush=True)
+        notifier.ready(f"serving {config.backend} pool of {pool_bytes} bytes on {config.socket}")
         if ready is not None:
             ready()
         await stop.wait()
-        log.info("stopping: telling %d clients", len(service.sessions))
+
+        # -- graceful shutdown: no new attaches, tell the clients, give them time to detach --
         service.closing = True
+        await health.enter_graceful_shutdown()
+        waiting = len(service.sessions)
+        timeout = service.config.shutdown_timeout
+        log.info("stopping: telling %d clients, waiting up to %gs for them to detach", waiting, timeout)
+        notifier.stopping(f"stopping: waiting for {waiting} clients to detach")
         shutdown.set()
-        await asyncio.sleep(0.05)  # let the Watch streams deliver the shutdown event
-        reaper.cancel()
-        await server.stop(grace=2.0)
+        deadline = loop.time() + timeout
+        while len(service.sessions) and loop.time() < deadline and not force.is_set():
+            await asyncio.sleep(SHUTDOWN_POLL_S)
+        left = list(service.sessions)
+        if left:
+            why = "a second signal" if force.is_set() else f"{timeout:g}s"
+            log.warning("stopping after %s with %d sessions still attached: %s", why, len(left),
+                        ", ".join(f"{s.id} ({s.name}, pid {s.pid})" for s in left))
+            for s in left:
+                service.drop(s, "the daemon stopped")
+        elif waiting:
+            log.info("all clients detached")
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*(listener.server.stop(grace=0.5) for listener in listeners))
+        listeners_stopped = True
+        log.info("stopped")
         return 0
     finally:
+        if not listeners_stopped:  # a start-up failure after some server started
+            await asyncio.gather(*(listener.server.stop(None) for listener in listeners))
+        if metrics is not None:
+            metrics.close()
         if service is not None:
-            service.close()
+            service.close()  # flushes the tiers (flush_tiers), then releases the arenas
+        for listener in listeners:
+            listener.remove()
+        for lock in reversed(locks):
+            lock.release()
+
+
+def _reload(service: PoolService, listeners: list[_Listener], reload: Callable[[], Config],
+            notifier: Notifier) -> None:
+    """SIGHUP: apply the settings that can change live; say which ones need a restart."""
+    notifier.reloading()
+    try:
         try:
-            os.unlink(config.socket)
-        except FileNotFoundError:
-            pass
-        lock.release()
+            new = reload()
+        except ConfigError as exc:
+            log.error("reload failed, keeping the running configuration: %s", exc)
+            return
+        old = service.config
+        changed = changed_keys(old, new)
+        live = [k for k in changed if k in LIVE_KEYS]
+        fixed = [k for k in changed if k not in LIVE_KEYS]
+        for key in fixed:
+            log.warning("reload: %s cannot change while kvpoold runs (running %r, configured %r); "
+                        "restart kvpoold to apply it", key, getattr(old, key), getattr(new, key))
+        applied = replace(new, **{k: getattr(old, k) for k in fixed})
+        if "log_level" in live:
+            logging.getLogger().setLevel(getattr(logging, new.log_level.upper()))
+        if "max_reserve_blocks" in live:
+            service.manager.max_reserve_blocks = new.max_reserve_blocks
+        if "max_sessions" in live:
+            service.sessions.max_sessions = new.max_sessions
+        if "admin_socket_mode" in live:
+            for listener in listeners:
+                if listener.admin:
+                    os.chmod(listener.path, new.admin_socket_mode)
+        service.config = applied
+        if live:
+            log.warning("reload: changed %s", ", ".join(f"{k} {getattr(old, k)!r} -> {getattr(new, k)!r}"
+                                                       for k in live))
+        else:
+            log.warning("reload: no setting changed that can change live")
+    except Exception:  # noqa: BLE001 - a reload must never stop the daemon
+        log.exception("reload failed")
+    finally:
+        notifier.ready("reloaded")
+
+
+async def _watchdog(notifier: Notifier) -> None:
+    """Pinged from the event loop itself: a stuck loop misses pings and systemd restarts us."""
+    while True:
+        notifier.watchdog()
+        await asyncio.sleep(notifier.watchdog_interval)
 
 
 async def _reap_forever(service: PoolService) -> None:
@@ -200,14 +371,42 @@ def _instance(socket_path: str) -> str:
     return instance_id(os.path.abspath(socket_path))
 
 
-def run(config: Config) -> int:
-    logging.basicConfig(
-        level=getattr(logging, config.log_level.upper()),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stdout,
-    )
+class _JournalFormatter(logging.Formatter):
+    """Under systemd: a ``<priority>`` prefix journald reads as the level, no timestamp (journald adds one)."""
+
+    PRIORITY = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3, logging.CRITICAL: 2}
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record).replace("\n", "\n ")
+        return f"<{self.PRIORITY.get(record.levelno, 6)}>{text}"
+
+
+def _stdout_is_journal() -> bool:
+    """True when stdout is the journal stream systemd gave us ($JOURNAL_STREAM is dev:inode)."""
+    want = os.environ.get("JOURNAL_STREAM", "")
     try:
-        return asyncio.run(serve(config))
+        st = os.fstat(sys.stdout.fileno())
+    except (OSError, ValueError):
+        return False
+    return want == f"{st.st_dev}:{st.st_ino}"
+
+
+def setup_logging(level: str) -> None:
+    handler = logging.StreamHandler(sys.stdout)
+    if _stdout_is_journal():
+        handler.setFormatter(_JournalFormatter("%(name)s: %(message)s"))
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(getattr(logging, level.upper()))
+
+
+def run(config: Config, reload: Callable[[], Config] | None = None) -> int:
+    setup_logging(config.log_level)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a reload before the handler is installed must not kill us
+    try:
+        return asyncio.run(serve(config, reload=reload))
     except StartupError as exc:
         print(f"kvpoold: {exc}", file=sys.stderr)
         return 2

@@ -19,7 +19,9 @@ from kvpoold.core import Geometry, InvalidArgument, KVCacheManager, WrongState
 from kvpoold.core.results import ExtendResult, LookupResult, PoolStats, SequenceInfo
 from kvpoold.memory.base import Arena, ArenaDescriptor, Backend
 
+from .access import Draining, Quotas
 from .sessions import Session, SessionRegistry
+from .tiers import TIER_ALIGN, Tiers
 
 log = logging.getLogger("kvpoold")
 
@@ -50,28 +52,43 @@ class PoolService:
             disk_bytes=config.disk_bytes,
             policy=config.eviction_policy,
             max_reserve_blocks=config.max_reserve_blocks,
+            tier_align=TIER_ALIGN,
         )
+        self.tiers = Tiers(config, self.manager, backend.name)  # issue 6: host and disk tiers, transfers
         self.sessions = SessionRegistry(config.max_sessions)
         self.arenas: dict[int, Arena] = {}
         self.models: dict[int, set[str]] = {}
         self.started = time.time()
         self.rpcs = 0
         self.closing = False
+        self.draining = False  # kvpoolctl drain: no new attaches or sequences; running ones go on
+        self.quotas = Quotas(self)  # per-session limits (access.py), checked before the core allocates
 
     # -- memory -----------------------------------------------------------------
-    def _sync_memory(self) -> None:
-        """Commit taken slabs and release returned ones (after every state change)."""
-        for kind, cls, offset, nbytes in self.manager.drain_slab_changes():
-            arena = self.arenas[cls]
-            if kind == "take":
-                arena.commit(offset, nbytes)
-            else:
-                arena.release(offset, nbytes)
+    def _sync_memory(self) -> list:
+        """After every state change: run the planned tier copies and commit/release slabs.
+
+        Device reads (demotions, swap-outs) finish first, then slabs are
+        committed and released, then device writes (promotions, swap-ins)
+        start; those still in flight are returned (``tiers.Tiers.sync``).
+        """
+
+        def apply_slabs():
+            for kind, cls, offset, nbytes in self.manager.drain_slab_changes():
+                arena = self.arenas[cls]
+                if kind == "take":
+                    arena.commit(offset, nbytes)
+                else:
+                    arena.release(offset, nbytes)
+
+        return self.tiers.sync(apply_slabs)
 
     # -- sessions -----------------------------------------------------------------
     def attach(self, name: str, layout: dict, pid: int) -> AttachResult:
         if self.closing:
             raise WrongState("the daemon is shutting down")
+        if self.draining:
+            raise Draining("new attaches")
         model_id = layout.get("model_id", "")
         if not model_id:
             raise InvalidArgument("layout.model_id must be a non-empty string")
@@ -81,11 +98,11 @@ class PoolService:
         )
         revision = layout.get("revision", "")
         model_key = f"{model_id}@{revision}" if revision else model_id
-        known = geometry in self.manager._class_ids
+        known = self.manager._class_ids.get(geometry) in self.arenas  # classes of the disk tier have no arena
         if not known and self.arenas and not self.backend.supports_many_classes:
             raise InvalidArgument(
                 f"the {self.backend.name} backend serves one layout class; this daemon already serves "
-                f"{self.manager.classes[0].geometry.describe()}"
+                f"{self.manager.classes[next(iter(self.arenas))].geometry.describe()}"
             )
         cid = self.manager.register_class(geometry)
         pool = self.manager.classes[cid]
@@ -95,6 +112,7 @@ class PoolService:
             except BaseException:
                 # the class stays registered but owns nothing; a later attach retries the arena
                 raise
+            self.tiers.add_arena(cid, self.arenas[cid], pool)
         session = self.sessions.add(name or "client", pid, model_key, cid)
         self.models.setdefault(cid, set()).add(model_key)
         log.info("attach: session %d (%s, pid %d) model %s class %d %s",
@@ -106,6 +124,7 @@ class PoolService:
 
     def drop(self, session: Session, reason: str) -> int:
         released = self.manager.drop_owner(session.id)
+        self.tiers.forget_owner(session.id)
         self.sessions.remove(session)
         self._sync_memory()
         log.info("session %d (%s, pid %d) dropped: %s; %d blocks released",
@@ -122,10 +141,15 @@ class PoolService:
     # -- sequence calls -----------------------------------------------------------
     def create(self, session: Session, prompts: list[tuple[np.ndarray, str]]) -> list[SequenceInfo]:
         """Create several sequences; on an error none of them remains."""
+        if self.draining:
+            raise Draining("new sequences")
+        self.quotas.check_create(session, [len(t) for t, _ in prompts])
+        self.tiers.take_recent()  # this call's arrivals start from here
         out: list[SequenceInfo] = []
         try:
             for tokens, extra_key in prompts:
                 out.append(self.manager.create(session.id, session.class_id, session.model_key, tokens, extra_key))
+                self._sync_memory()  # promotions start now and hold their blocks (a later failure frees safely)
         except BaseException:
             if out:
                 self.manager.free(session.id, [s.seq_id for s in out])
@@ -148,22 +172,50 @@ class PoolService:
     ) -> StepResult:
         """One scheduler step: extends, then frees, then reserve changes; validated first."""
         m, owner, cls = self.manager, session.id, session.class_id
+        self.quotas.check_step(session, seq_ids, counts, len(tokens), free_ids)
         m.check_free(owner, free_ids)
         m.check_reserve_return(owner, cls, reserve_return)
         try:
             result = m.extend_columns(owner, seq_ids, counts, tokens, claim_counts, claims)
             released = m.free(owner, free_ids) if free_ids else 0
+            if free_ids:
+                self.tiers.forget(owner, free_ids)
             if reserve_return:
                 released += m.return_reserve(owner, cls, reserve_return)
-            added = m.grant_reserve(owner, cls, reserve_target) if reserve_target else ()
+            added = m.grant_reserve(owner, cls, self.quotas.reserve_target(session, reserve_target)) \
+                if reserve_target else ()
         finally:
             self._sync_memory()
         return StepResult(result, added, released)
 
     def fork(self, session: Session, seq_ids: list[int]) -> list[SequenceInfo]:
+        if self.draining:
+            raise Draining("new sequences (fork)")
         for i in seq_ids:  # validate all first: fork itself cannot fail afterwards
             self.manager.sequence(session.id, i)
+        self.quotas.check_fork(session, seq_ids)
         return [self.manager.fork(session.id, i) for i in seq_ids]
+
+    # -- tiers (issue 6) ---------------------------------------------------------------
+    def swap_out(self, session: Session, seq_ids: list[int]) -> tuple[int, int]:
+        """(blocks copied to host, to disk); the device reads are done when this returns.
+
+        Callers first wait for bytes still arriving into these sequences' blocks
+        (``tiers.arrivals_of``): a block is read only once it is whole.
+        """
+        try:
+            return self.manager.swap_out(session.id, seq_ids)
+        finally:
+            self._sync_memory()
+
+    def swap_in(self, session: Session, seq_ids: list[int]) -> list[SequenceInfo]:
+        """New page tables; the copies into them may still be arriving (``tiers.track``)."""
+        self.quotas.check_swap_in(session, seq_ids)  # its blocks count against the quota again
+        self.tiers.take_recent()
+        try:
+            return self.manager.swap_in(session.id, seq_ids)
+        finally:
+            self._sync_memory()
 
     def lookup(self, session: Session, tokens: np.ndarray, extra_key: str) -> LookupResult:
         return self.manager.lookup(session.class_id, session.model_key, tokens, extra_key)
@@ -176,7 +228,8 @@ class PoolService:
 
     # -- operators ------------------------------------------------------------------
     def stats(self) -> PoolStats:
-        return self.manager.stats()
+        self.tiers.poll()
+        return self.tiers.decorate(self.manager.stats())
 
     def evict(self, class_id: int | None, max_blocks: int | None) -> int:
         try:
@@ -196,7 +249,19 @@ class PoolService:
             return False, str(exc) or "invariant violated"
         return True, f"{len(ids)} sessions, {self.manager.seqs.live} sequences: all invariants hold"
 
+    def flush_tiers(self) -> None:
+        """Shutdown hook: persist what must survive a restart (the disk tier's index).
+
+        Called by ``close`` while the arenas are still mapped, after the clients
+        were told and given ``shutdown_timeout`` to detach.
+        """
+        self.tiers.close()  # finishes the copies in flight, fsyncs the disk tier's data and index
+
     def close(self) -> None:
+        try:
+            self.flush_tiers()
+        except Exception:  # noqa: BLE001 - the arenas must still be released
+            log.exception("flushing the tiers at shutdown failed")
         for arena in self.arenas.values():
             arena.close()
         self.arenas.clear()

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
+import json
+import logging
 import time
 from dataclasses import asdict
 
@@ -17,11 +20,15 @@ import numpy as np
 from kvpool._generated import kvpool_pb2 as pb
 from kvpool._generated import kvpool_pb2_grpc as pb_grpc
 from kvpool._wire import I32, I64, U32, unpack
+from kvpoold.config import LIVE_KEYS, config_as_dict
 from kvpoold.core import InvalidArgument
 from kvpoold.core.results import SequenceInfo
 
+from .access import AdminOnly
 from .errors import status_for
 from .service import PoolService
+
+log = logging.getLogger("kvpoold")
 
 
 def _unary(fn):
@@ -29,7 +36,10 @@ def _unary(fn):
     async def wrapper(self, request, context):
         self.service.rpcs += 1
         try:
-            return fn(self, request)
+            result = fn(self, request)
+            if inspect.isawaitable(result):  # a call that waits for bytes in flight (tiers)
+                result = await result
+            return result
         except Exception as exc:  # noqa: BLE001 - mapped to a status, never swallowed
             code, message = status_for(exc)
             await context.abort(code, message)
@@ -43,7 +53,18 @@ def _table(info: SequenceInfo) -> pb.SequenceTable:
         block_table=np.asarray(info.block_table, I32).tobytes(),
         num_tokens=info.num_tokens,
         num_cached_tokens=info.num_cached_tokens,
+        swapped=info.swapped,
     )
+
+
+def _tracked_table(t) -> pb.SequenceTable:
+    """A sequence with the tokens whose KV is there (or arriving) and the positions still arriving."""
+    table = _table(t.info)
+    table.num_cached_tokens = t.valid_tokens
+    arriving = t.arriving
+    if arriving:
+        table.arriving = np.asarray(arriving, I32).tobytes()
+    return table
 
 
 def _tokens(data: bytes) -> np.ndarray:
@@ -51,9 +72,14 @@ def _tokens(data: bytes) -> np.ndarray:
 
 
 class KVPoolServicer(pb_grpc.KVPoolServicer):
-    def __init__(self, service: PoolService, shutdown: asyncio.Event) -> None:
+    def __init__(self, service: PoolService, shutdown: asyncio.Event, admin: bool = False) -> None:
         self.service = service
         self._shutdown = shutdown
+        self.admin = admin  # True on the admin socket's server: admin calls allowed
+
+    def _need_admin(self, what: str) -> None:
+        if not self.admin:
+            raise AdminOnly(what, self.service.config.admin_socket_path())
 
     # -- sessions ----------------------------------------------------------------------
     @_unary
@@ -80,6 +106,7 @@ class KVPoolServicer(pb_grpc.KVPoolServicer):
             grace_seconds=self.service.config.grace_seconds,
             daemon_version=self.service.version,
             backend=self.service.backend.name,
+            max_blocks_per_session=self.service.config.max_blocks_per_session,
         )
 
     async def Watch(self, request, context):
@@ -94,6 +121,7 @@ class KVPoolServicer(pb_grpc.KVPoolServicer):
             yield pb.Event(kind="attached", message=f"session {session.id}")
             await self._shutdown.wait()
             yield pb.Event(kind="shutdown", message="kvpoold is shutting down")
+            await asyncio.Event().wait()  # stay open: the session lives until it detaches or the server stops
         finally:
             registry.stream_closed(session)
 
@@ -107,7 +135,7 @@ class KVPoolServicer(pb_grpc.KVPoolServicer):
         session = self.service.session(request.session)
         prompts = [(_tokens(p.tokens), p.extra_key) for p in request.prompts]
         infos = self.service.create(session, prompts)
-        return pb.CreateReply(sequences=[_table(i) for i in infos])
+        return self._arrivals_reply(session, infos, request.no_wait, pb.CreateReply, swap_in=False)
 
     @_unary
     def Step(self, request):
@@ -151,6 +179,9 @@ class KVPoolServicer(pb_grpc.KVPoolServicer):
     @_unary
     def Sequences(self, request):
         if request.session_id:
+            mine = request.session and self.service.session(request.session).id == request.session_id
+            if not mine:
+                self._need_admin("another session's sequences")
             session = self.service.sessions.by_id(request.session_id)
         else:
             session = self.service.session(request.session)
@@ -176,10 +207,10 @@ class KVPoolServicer(pb_grpc.KVPoolServicer):
             classes=[
                 pb.ClassStats(models=sorted(svc.models.get(c.class_id, ())), **asdict(c)) for c in st.classes
             ],
-            tiers=[pb.TierStats(tier=t.tier, capacity_bytes=t.capacity_bytes, used_bytes=t.used_bytes,
-                                blocks=t.blocks) for t in st.tiers],
+            tiers=[pb.TierStats(**asdict(t)) for t in st.tiers],
             version=svc.version,
             rpcs=svc.rpcs,
+            draining=svc.draining,
         )
 
     @_unary
@@ -198,6 +229,7 @@ class KVPoolServicer(pb_grpc.KVPoolServicer):
 
     @_unary
     def Evict(self, request):
+        self._need_admin("evict")
         cls = None if request.class_id < 0 else request.class_id
         return pb.EvictReply(evicted=self.service.evict(cls, request.max_blocks or None))
 
@@ -206,3 +238,82 @@ class KVPoolServicer(pb_grpc.KVPoolServicer):
         ok, detail = self.service.check()
         return pb.CheckReply(ok=ok, detail=detail)
 
+    # -- operations (issue 8) ---------------------------------------------------------------
+    @_unary
+    def Drain(self, request):
+        self._need_admin("drain")
+        svc = self.service
+        if svc.draining == request.resume:
+            svc.draining = not request.resume
+            log.info("%s: %d sessions, %d sequences", "draining" if svc.draining else "drain ended",
+                     len(svc.sessions), svc.manager.seqs.live)
+        return pb.DrainReply(draining=svc.draining, sessions=len(svc.sessions), sequences=svc.manager.seqs.live)
+
+    @_unary
+    def GetConfig(self, request):
+        cfg = self.service.config
+        return pb.GetConfigReply(config_json=json.dumps(config_as_dict(cfg)), live_keys=sorted(LIVE_KEYS),
+                                 admin_socket=cfg.admin_socket_path())
+
+    # -- tiers (issue 6) -------------------------------------------------------------------------
+    def _arrivals_reply(self, session, infos, no_wait: bool, reply, swap_in: bool):
+        """Reply now (``no_wait``, or nothing in flight), or once the sequences' bytes arrived."""
+        tiers = self.service.tiers
+        tracked = tiers.track(session.id, infos, swap_in=swap_in, recent=tiers.take_recent())
+        inflight = [a for t in tracked for _, a in t.arrivals if not a.done]
+        if no_wait or not inflight:
+            if not no_wait:
+                tiers.forget(session.id, [t.info.seq_id for t in tracked])
+            return reply(sequences=[_tracked_table(t) for t in tracked])
+
+        async def when_arrived():
+            await tiers.wait(inflight)
+            return reply(sequences=[_tracked_table(t) for t in tiers.settled(session.id, tracked)])
+
+        return when_arrived()
+
+    @_unary
+    def SwapOut(self, request):
+        session = self.service.session(request.session)
+        ids = list(request.seq_ids)
+        tiers = self.service.tiers
+
+        def swap():
+            host, disk = self.service.swap_out(session, ids)
+            tiers.forget(session.id, ids)
+            return pb.SwapOutReply(blocks=host + disk, host_blocks=host, disk_blocks=disk)
+
+        inflight = tiers.arrivals_of(session.id, ids)
+        if not inflight:
+            return swap()
+
+        async def when_arrived():  # a block is copied out only once its own bytes are complete
+            await tiers.wait(inflight)
+            return swap()
+
+        return when_arrived()
+
+    @_unary
+    def SwapIn(self, request):
+        session = self.service.session(request.session)
+        infos = self.service.swap_in(session, list(request.seq_ids))
+        return self._arrivals_reply(session, infos, request.no_wait, pb.SwapInReply, swap_in=True)
+
+    @_unary
+    def Wait(self, request):
+        session = self.service.session(request.session)
+        ids = list(request.seq_ids)
+        tiers = self.service.tiers
+
+        def reply():
+            return pb.WaitReply(sequences=[_tracked_table(t) for t in tiers.finish(session.id, ids)])
+
+        inflight = tiers.arrivals_of(session.id, ids)
+        if not inflight:
+            return reply()
+
+        async def when_arrived():
+            await tiers.wait(inflight)
+            return reply()
+
+        return when_arrived()

@@ -23,4 +23,11 @@ def snapshot(m: KVCacheManager):
         for p in m.classes
     ]
     owners = {o: (frozenset(s.seqs), {c: tuple(r) for c, r in s.reserves.items()}) for o, s in m._owners.items()}
-    return seqs, pools, owners, m.budget.free, t.gen.tobytes(), t.live, [vars(c).copy() for c in m._counters]
+    tiers = [
+        (index.keys(), dict(index._sizes), index.used, index.pinned, index.blocks_in, index.blocks_out, index.dropped)
+        for index in m.placement.lower
+    ]
+    swapped = ({s: tuple(e) for s, e in m._swapped.items()}, t.swapped.tobytes(), t.nswapped, m._next_swap,
+               [dict(h) for h in m._holds], len(m._moves))
+    return (seqs, pools, owners, m.budget.free, t.gen.tobytes(), t.live, [vars(c).copy() for c in m._counters],
+            tiers, swapped)

@@ -47,7 +47,7 @@ def test_clients_sequences_check_evict(daemon):
 
 def test_errors_are_one_line_with_exit_codes(daemon, tmp_path):
     out = ctl(str(tmp_path / "none.sock"), "stats")
-    assert out.returncode == 3 and "not reachable" in out.stderr and out.stderr.count("\n") == 1
+    assert out.returncode == 3 and "kvpoold is not running" in out.stderr and out.stderr.count("\n") == 1
     out = ctl(daemon.socket, "sequences", "999")
     assert out.returncode == 1 and "no session 999" in out.stderr
     out = ctl(daemon.socket, "evict", "--max-blocks", "0")

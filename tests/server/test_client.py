@@ -11,7 +11,7 @@ LAYOUT = kvpool.Layout("client-model", num_layers=2, num_kv_heads=2, head_dim=8,
 
 
 def daemon_tables(client) -> dict[int, list[int]]:
-    return {s.seq_id: list(s.block_table) for s in client._conn.sequences_of(client.session_id)}
+    return {s.seq_id: list(s.block_table) for s in client._conn.sequences_of(client.session_id, session=client._token)}
 
 
 def test_steady_decode_calls_the_daemon_at_most_once_every_8_steps(daemon):

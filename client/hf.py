@@ -1,0 +1,413 @@
+"""Hugging Face transformers models generating with their KV cache in kvpool.
+
+    import kvpool, kvpool.hf
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float16).cuda()
+    with kvpool.hf.PagedModel.connect(model, socket, name="worker-0", model_id=name) as pm:
+        out = pm.generate([prompt_a, prompt_b], max_new_tokens=32)
+        print(out.tokens, out.num_cached_tokens)
+
+How it hooks in (no model code is copied or patched):
+
+* **Attention.** ``kvpool_attention`` is registered in transformers'
+  ``AttentionInterface`` under the name ``"kvpool"`` and the model is switched
+  to it (``model.set_attn_implementation("kvpool")``).  transformers still
+  runs its own projections, RoPE, norms and MLPs; for every attention layer it
+  calls our function with the new tokens' query / key / value (RoPE applied).
+  The function writes the new K/V into the pool (``kvpool.kernels.write_kv``)
+  and computes paged attention over the sequences' blocks
+  (``paged_decode_attention`` when every sequence brings one token,
+  ``paged_prefill_attention`` otherwise).  transformers builds no mask for an
+  implementation it does not know, so none is materialised.
+* **Cache.** The pool *is* the cache: the model runs with ``use_cache=False``
+  (transformers allocates no ``DynamicCache``) and each forward carries a
+  ``PagedBatch`` (slot mapping, block tables, lengths, the pool tensor) down to
+  the attention function as the keyword argument ``kvpool_batch``, which
+  transformers passes through its layers untouched.
+* **Batching.** The new tokens of all sequences are packed into one row
+  (``input_ids [1, T]``, no padding), like vLLM's varlen batches.
+  ``position_ids`` hold each token's position in its own sequence, so RoPE is
+  right for mixed lengths and for prompts whose first ``num_cached_tokens``
+  were found in the pool (their prefill starts at that position).  Logits are
+  computed for each sequence's last token only (``logits_to_keep``).
+* **Prefix hits.** A prompt whose whole length is cached still needs the last
+  token's logits: that token is recomputed as a query at its position, but its
+  K/V is not written again (slot -1), so blocks shared with other sequences or
+  processes are never written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence as Seq
+
+import numpy as np
+import torch
+
+from kvpool.kernels import paged_decode_attention, paged_prefill_attention, write_kv
+
+from .client import Client, Sequence, connect
+from .errors import InvalidArgument
+from .layout import Layout
+
+try:
+    from transformers import AttentionInterface
+except ImportError as exc:  # pragma: no cover - the extra is missing or too old
+    raise ImportError(
+        "kvpool.hf needs transformers >= 4.57 (its AttentionInterface; tested 4.57, 5.17, 5.24): "
+        "pip install 'kvpool[hf]'"
+    ) from exc
+
+__all__ = [
+    "ATTN_IMPLEMENTATION", "Generation", "PagedBatch", "PagedModel", "kvpool_attention", "layout_for",
+]
+
+#: the name under which kvpool's attention is registered in transformers
+ATTN_IMPLEMENTATION = "kvpool"
+
+_TORCH_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+
+
+@dataclass
+class PagedBatch:
+    """Where one forward's tokens live in the pool; read by every attention layer.
+
+    ``kv``: the pool, ``[num_blocks, num_layers, 2, num_kv_heads, block_size,
+    head_dim]``.  Per new token (packed, ``T`` in all): ``slot_mapping`` (int64,
+    -1 = attend but do not write its K/V).  Per sequence (``B``):
+    ``block_tables`` (int32 ``[B, max_blocks]``), ``seq_lens`` (int32, tokens
+    in the pool after this forward, the new ones included) and
+    ``cu_seqlens_q`` (int32 ``[B+1]``, where each sequence's new tokens start
+    in the packed row).  ``decode``: every sequence brings exactly one token.
+    """
+
+    kv: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    max_seq_len: int
+    decode: bool
+
+
+def kvpool_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    kvpool_batch: PagedBatch | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function: write the new K/V into the pool, attend over its blocks.
+
+    ``query [1, Hq, T, D]``, ``key``/``value [1, Hkv, T, D]`` (the packed new
+    tokens, RoPE applied); returns ``[1, T, Hq, D]`` as transformers expects.
+    """
+    b = kvpool_batch
+    if b is None:
+        raise RuntimeError(
+            "the 'kvpool' attention runs inside kvpool.hf.PagedModel only (no kvpool_batch was passed); "
+            "use PagedModel.forward / generate, or switch the model back with set_attn_implementation('eager')"
+        )
+    if kwargs.get("sliding_window") is not None:
+        raise NotImplementedError("kvpool.hf does not support sliding-window attention layers")
+    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
+        raise NotImplementedError("kvpool.hf does not support attention soft-capping or sinks")
+    if query.shape[0] != 1:
+        raise ValueError(f"kvpool.hf packs a batch into one row; got query batch {query.shape[0]}")
+    layer = module.layer_idx
+    k_cache, v_cache = b.kv[:, layer, 0], b.kv[:, layer, 1]
+    q = query[0].transpose(0, 1).contiguous()  # [T, Hq, D]
+    k = key[0].transpose(0, 1).contiguous()
+    v = value[0].transpose(0, 1).contiguous()
+    write_kv(k, v, k_cache, v_cache, b.slot_mapping)
+    out = torch.empty_like(q)
+    if b.decode:
+        paged_decode_attention(
+            q, k_cache, v_cache, b.block_tables, b.seq_lens, scale=scaling, out=out, max_seq_len=b.max_seq_len
+        )
+    else:
+        paged_prefill_attention(
+            q, k_cache, v_cache, b.block_tables, b.seq_lens, b.cu_seqlens_q,
+            scale=scaling, out=out, max_seq_len=b.max_seq_len,
+        )  # fmt: skip
+    return out.unsqueeze(0), None
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, kvpool_attention)
+
+
+def _text_config(config):
+    get = getattr(config, "get_text_config", None)
+    return get() if get is not None else config
+
+
+def layout_for(model, model_id: str, *, revision: str = "", block_size: int = 16) -> Layout:
+    """The pool layout of a transformers causal LM (layers, KV heads, head dim, dtype).
+
+    ``model_id`` (and ``revision``) must name the *weights*: blocks are shared
+    between processes whose layouts have the same id, so two processes with
+    different weights under one id would read each other's K/V.
+    """
+    cfg = _text_config(model.config)
+    dtype = _TORCH_DTYPES.get(model.dtype)
+    if dtype is None:
+        raise InvalidArgument(f"kvpool.hf supports float16, bfloat16 and float32 models; got {model.dtype}")
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    return Layout(model_id, num_layers=cfg.num_hidden_layers, num_kv_heads=kv_heads, head_dim=head_dim,
+                  dtype=dtype, block_size=block_size, revision=revision)
+
+
+@dataclass
+class Generation:
+    """What a greedy generation produced, per sequence.
+
+    ``tokens[i]``: the generated tokens of sequence ``i`` (the eos token
+    included when it stopped on one).  ``num_cached_tokens[i]``: prompt tokens
+    whose K/V was found in the pool (the prefill skipped them); ``logits[i]``
+    (with ``output_logits=True``): float32 ``[len(tokens[i]), vocab]``, row
+    ``j`` the logits that chose ``tokens[i][j]``.  ``sequences`` are the live
+    pool sequences when ``free=False`` (the last generated token is not in
+    them yet: it is the next step's input), else ``None``.
+    """
+
+    tokens: list[list[int]]
+    num_cached_tokens: list[int] = field(default_factory=list)
+    logits: list[torch.Tensor] | None = None
+    sequences: list[Sequence] | None = None
+
+
+class PagedModel:
+    """A transformers causal LM whose KV cache lives in the kvpool pool.
+
+    ``client``'s layout must match the model (``layout_for``); the model must
+    sit on the pool's device (CPU shared memory or the CUDA device).  Making a
+    ``PagedModel`` switches the model's attention to ``"kvpool"``; switch back
+    with ``model.set_attn_implementation("eager")`` (or ``"sdpa"``).
+    """
+
+    def __init__(self, model, client: Client, *, owns_client: bool = False) -> None:
+        self.model = model
+        self.client = client
+        self.layout = client.layout
+        self._owns_client = owns_client
+        cfg = _text_config(model.config)
+        want = layout_for(model, self.layout.model_id, revision=self.layout.revision,
+                          block_size=self.layout.block_size)
+        if want != self.layout:
+            raise InvalidArgument(f"the client's layout {self.layout} does not match the model ({want})")
+        if getattr(cfg, "use_sliding_window", False) or any(
+            t != "full_attention" for t in (getattr(cfg, "layer_types", None) or ())
+        ):
+            raise NotImplementedError("kvpool.hf supports full-attention models only (no sliding window)")
+        self.kv = client.kv_cache()
+        device = next(model.parameters()).device
+        if device != self.kv.device:
+            raise InvalidArgument(
+                f"the model is on {device} but the pool is on {self.kv.device}; move the model there "
+                "(a CPU daemon serves CPU models, a CUDA daemon CUDA models)"
+            )
+        self.device = device
+        if hasattr(model, "set_attn_implementation"):
+            model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        else:  # older transformers
+            model.config._attn_implementation = ATTN_IMPLEMENTATION
+        model.eval()
+
+    @classmethod
+    def connect(
+        cls,
+        model,
+        address: str | None = None,
+        *,
+        name: str,
+        model_id: str,
+        revision: str = "",
+        block_size: int = 16,
+        **connect_kwargs,
+    ) -> "PagedModel":
+        """Attach to kvpoold with the model's layout; ``close()`` detaches."""
+        layout = layout_for(model, model_id, revision=revision, block_size=block_size)
+        client = connect(address, name=name, layout=layout, **connect_kwargs)
+        try:
+            return cls(model, client, owns_client=True)
+        except BaseException:
+            client.close()
+            raise
+
+    # -- one forward over a batch -------------------------------------------------------
+    @torch.no_grad()
+    def _run(self, seqs: list[Sequence], starts: list[int], new_tokens: list[list[int]],
+             write_from: list[int]) -> torch.Tensor:
+        """Compute tokens ``starts[i]..`` of each sequence (already in its table); last-token logits.
+
+        ``new_tokens[i]`` are the tokens at positions ``starts[i]..seq.num_tokens-1``;
+        those before ``write_from[i]`` already have K/V in the pool (attend, do not write).
+        """
+        client, dev = self.client, self.device
+        counts = [len(t) for t in new_tokens]
+        if any(c < 1 for c in counts):
+            raise InvalidArgument("every sequence in a forward needs at least one token")
+        ids = np.fromiter((t for toks in new_tokens for t in toks), np.int64, sum(counts))
+        positions = np.concatenate([np.arange(s, s + c) for s, c in zip(starts, counts)])
+        slots = []
+        for seq, s, c, w in zip(seqs, starts, counts, write_from):
+            sm = client.slot_mapping(seq, s, c)
+            if w > s:
+                sm[: w - s] = -1
+            slots.append(sm)
+        lens = client.seq_lens(seqs)
+        if not np.array_equal(lens, np.asarray(starts) + np.asarray(counts)):
+            raise InvalidArgument("new tokens must end each sequence (compute them right after extend)")
+        cu = np.zeros(len(seqs) + 1, np.int32)
+        np.cumsum(counts, out=cu[1:])
+        batch = PagedBatch(
+            kv=self.kv,
+            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
+            block_tables=torch.from_numpy(client.block_tables(seqs)).to(dev),
+            seq_lens=torch.from_numpy(lens).to(dev),
+            cu_seqlens_q=torch.from_numpy(cu).to(dev),
+            max_seq_len=int(lens.max()),
+            decode=all(c == 1 for c in counts),
+        )
+        out = self.model(
+            input_ids=torch.from_numpy(ids).to(dev)[None],
+            position_ids=torch.from_numpy(positions).to(dev)[None],
+            use_cache=False,
+            logits_to_keep=torch.from_numpy(cu[1:].astype(np.int64) - 1).to(dev),
+            kvpool_batch=batch,
+        )
+        return out.logits[0]
+
+    # -- sequences ------------------------------------------------------------------------
+    def prefill(self, prompts: Iterable[Seq[int]]) -> tuple[list[Sequence], torch.Tensor]:
+        """New pool sequences for ``prompts`` (one call), computing only what the pool lacks.
+
+        Returns the sequences and the logits of each prompt's last token
+        (``[B, vocab]``).  Each sequence's ``num_cached_tokens`` says how many
+        prompt tokens were found in the pool; their K/V is not recomputed.
+        """
+        prompts = [list(map(int, p)) for p in prompts]
+        if any(not p for p in prompts):
+            raise InvalidArgument("a prompt must hold at least one token")
+        seqs = self.client.create_sequences(prompts)
+        try:
+            starts, news, write_from = [], [], []
+            for seq, p in zip(seqs, prompts):
+                cached = seq.num_cached_tokens
+                start = min(cached, len(p) - 1)  # a fully cached prompt recomputes its last query
+                starts.append(start)
+                news.append(p[start:])
+                write_from.append(cached)
+            return seqs, self._run(seqs, starts, news, write_from)
+        except BaseException:
+            self.client.free(seqs)
+            raise
+
+    def forward(self, seqs: Seq[Sequence], tokens: Seq[int] | Seq[Seq[int]]) -> torch.Tensor:
+        """Append tokens to each sequence (one ``extend`` for the batch) and compute them.
+
+        ``tokens``: one token per sequence (a decode step) or a list per
+        sequence (chunks of any length, e.g. a forced continuation).  Returns
+        the logits of each sequence's last new token, ``[B, vocab]``.
+        """
+        seqs = list(seqs)
+        news = [[int(t)] if np.ndim(t) == 0 else [int(x) for x in t] for t in tokens]
+        if len(news) != len(seqs):
+            raise InvalidArgument(f"{len(seqs)} sequences but {len(news)} token lists")
+        starts = [s.num_tokens for s in seqs]
+        self.client.extend(dict(zip(seqs, news)))
+        return self._run(seqs, starts, news, starts)
+
+    def fork(self, seq: Sequence) -> Sequence:
+        """A second continuation of ``seq``: shares every block (copy-on-write on the first write)."""
+        return self.client.fork(seq)
+
+    def free(self, seqs: Sequence | Iterable[Sequence]) -> None:
+        """Free sequences; their full blocks stay in the pool's prefix cache."""
+        self.client.free(seqs)
+
+    # -- greedy generation -----------------------------------------------------------------------
+    def continue_greedy(
+        self,
+        seqs: Seq[Sequence],
+        next_tokens: Seq[int],
+        max_new_tokens: int,
+        *,
+        eos_token_id: int | Iterable[int] | None = None,
+        output_logits: bool = False,
+    ) -> Generation:
+        """Greedy decoding from live sequences whose next input tokens are already chosen.
+
+        ``tokens[i]`` of the result starts with ``next_tokens[i]`` and holds at
+        most ``max_new_tokens`` tokens; ``logits[i]`` has one row fewer (the
+        first token was chosen by the caller).  The batch shrinks as sequences
+        hit ``eos_token_id``.
+        """
+        seqs = list(seqs)
+        eos = set() if eos_token_id is None else (
+            {int(eos_token_id)} if np.ndim(eos_token_id) == 0 else {int(e) for e in eos_token_id})
+        tokens = [[int(t)] for t in next_tokens]
+        rows: list[list[torch.Tensor]] = [[] for _ in seqs]
+        live = [i for i, t in enumerate(tokens) if t[-1] not in eos]
+        for _ in range(max_new_tokens - 1):
+            if not live:
+                break
+            logits = self.forward([seqs[i] for i in live], [tokens[i][-1] for i in live])
+            chosen = logits.argmax(-1).tolist()
+            for i, row, tok in zip(live, logits, chosen):
+                tokens[i].append(tok)
+                if output_logits:
+                    rows[i].append(row.float().cpu())
+            live = [i for i in live if tokens[i][-1] not in eos]
+        logits_out = None
+        if output_logits:
+            logits_out = [torch.stack(r) if r else torch.zeros(0, self._vocab()) for r in rows]
+        return Generation(tokens=tokens, logits=logits_out, sequences=seqs)
+
+    def generate(
+        self,
+        prompts: Iterable[Seq[int]],
+        max_new_tokens: int,
+        *,
+        eos_token_id: int | Iterable[int] | None = None,
+        output_logits: bool = False,
+        free: bool = True,
+    ) -> Generation:
+        """Greedy generation for a batch of prompts of any lengths (one prefill, then decode steps)."""
+        if max_new_tokens < 1:
+            raise InvalidArgument("max_new_tokens must be >= 1")
+        seqs, logits = self.prefill(prompts)
+        try:
+            first = logits.argmax(-1).tolist()
+            gen = self.continue_greedy(seqs, first, max_new_tokens, eos_token_id=eos_token_id,
+                                       output_logits=output_logits)
+        except BaseException:
+            self.client.free(seqs)
+            raise
+        gen.num_cached_tokens = [s.num_cached_tokens for s in seqs]
+        if output_logits:
+            gen.logits = [torch.cat([l0.float().cpu()[None], rest]) for l0, rest in zip(logits, gen.logits)]
+        if free:
+            self.client.free(seqs)
+            gen.sequences = None
+        return gen
+
+    def _vocab(self) -> int:
+        return self.model.get_output_embeddings().weight.shape[0]
+
+    # -- lifetime -------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Detach when this object made the client (``connect``)."""
+        if self._owns_client:
+            self.client.close()
+
+    def __enter__(self) -> "PagedModel":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

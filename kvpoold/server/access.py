@@ -1,0 +1,136 @@
+"""Who may do what: admin-only calls, drain, and per-session quotas.
+
+* **Attach**: decided by the file system — the socket's mode and group
+  (``socket_mode``, ``socket_group``).  Nothing to check here.
+* **Own sequences only**: the core answers ``NotOwner`` (PERMISSION_DENIED).
+* **Admin calls** (evict, drain, another session's sequences) are served only
+  on the admin socket (``admin_socket``, mode 0600 by default); the servicer
+  bound to the normal socket raises :class:`AdminOnly`.
+* **Drain**: no new attaches and no new sequences; running ones go on.
+* **Quotas**: ``max_blocks_per_session`` bounds the device blocks a session's
+  sequences hold (a block two of its sequences share counts twice).  A call
+  that would cross it is refused *before* the core allocates anything
+  (:class:`QuotaExceeded`, RESOURCE_EXHAUSTED, naming the quota), so the core's
+  validate-then-apply rule holds: a refused call changed nothing.  The
+  session's reserve is not counted, but it is never topped up past the quota.
+
+Every check here reads state only; the service calls them first, on the
+event loop, like everything else.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvpoold.core.errors import KvpoolError
+
+
+class AdminOnly(KvpoolError, PermissionError):
+    """An admin call arrived on the normal socket."""
+
+    code = "PERMISSION_DENIED"
+
+    def __init__(self, what: str, admin_socket: str) -> None:
+        where = f"the admin socket {admin_socket}" if admin_socket else "the admin socket (none is configured)"
+        super().__init__(f"{what} is an admin call: use {where}")
+
+
+class QuotaExceeded(KvpoolError, MemoryError):
+    """A session would hold more blocks than its quota allows; nothing was changed."""
+
+    code = "RESOURCE_EXHAUSTED"
+
+    def __init__(self, quota: str, limit: int, held: int, needed: int) -> None:
+        self.quota, self.limit, self.held, self.needed = quota, limit, held, needed
+        super().__init__(
+            f"quota {quota}={limit} exceeded: the session holds {held} blocks and this call needs {needed} more"
+        )
+
+
+class Draining(KvpoolError, RuntimeError):
+    """The daemon is draining: existing sequences go on, nothing new starts."""
+
+    code = "FAILED_PRECONDITION"
+
+    def __init__(self, what: str) -> None:
+        super().__init__(f"kvpoold is draining: no {what} (an operator can resume with `kvpoolctl drain --off`)")
+
+
+class Quotas:
+    """Per-session limits, read from the service's current config (so SIGHUP changes them)."""
+
+    QUOTA = "max_blocks_per_session"
+
+    def __init__(self, service) -> None:
+        self.service = service
+
+    @property
+    def limit(self) -> int:
+        return self.service.config.max_blocks_per_session
+
+    def _block_size(self, session) -> int:
+        return self.service.manager.classes[session.class_id].block_size
+
+    def held(self, session) -> int:
+        """Device blocks in the session's sequences' page tables (ceil(tokens / block size) each).
+
+        Swapped-out sequences hold no device blocks (their page table is empty).
+        """
+        t = self.service.manager.seqs
+        mine = t.owner == session.id
+        swapped = getattr(t, "swapped", None)
+        if swapped is not None and getattr(t, "nswapped", 1):
+            mine &= ~swapped
+        if not mine.any():
+            return 0
+        bs = self._block_size(session)
+        return int((-(-t.ntok[mine] // bs)).sum())
+
+    def _check(self, session, needed: int) -> None:
+        limit = self.limit
+        if not limit or needed <= 0:
+            return
+        held = self.held(session)
+        if held + needed > limit:
+            raise QuotaExceeded(self.QUOTA, limit, held, needed)
+
+    # -- per call ---------------------------------------------------------------------
+    def check_create(self, session, token_counts: list[int]) -> None:
+        if self.limit:
+            bs = self._block_size(session)
+            self._check(session, sum(-(-n // bs) for n in token_counts))
+
+    def check_fork(self, session, seq_ids: list[int]) -> None:
+        if self.limit:
+            m = self.service.manager
+            self._check(session, sum(len(m.sequence(session.id, i).block_table) for i in seq_ids))
+
+    def check_step(self, session, seq_ids: np.ndarray, counts: np.ndarray | None, ntokens: int,
+                   free_ids: list[int]) -> None:
+        """Blocks the extends add, less what the step's frees give back (frees run after the extends)."""
+        if not self.limit or not len(seq_ids):
+            return
+        t = self.service.manager.seqs
+        slots = t.slots_of(session.id, np.asarray(seq_ids, np.int64))  # the core's own ownership errors
+        if counts is None:
+            counts = np.ones(len(slots), np.int64)
+        if len(counts) != len(slots) or int(np.sum(counts)) != ntokens or (len(counts) and counts.min() < 0):
+            return  # malformed: the core rejects it with the precise message
+        bs = self._block_size(session)
+        nt = t.ntok[slots]
+        grow = int((-(-(nt + counts) // bs) + (nt // -bs)).sum())
+        freed = sum(-(-int(t.ntok[t.slot_of(session.id, i)]) // bs) for i in free_ids)
+        self._check(session, grow - freed)
+
+    def check_swap_in(self, session, seq_ids: list[int]) -> None:
+        """Swapping in brings a sequence's blocks back onto the device: they count again."""
+        if self.limit:
+            t, bs = self.service.manager.seqs, self._block_size(session)
+            self._check(session, sum(-(-int(t.ntok[t.slot_of(session.id, i)]) // bs) for i in seq_ids))
+
+    def reserve_target(self, session, target: int) -> int:
+        """The reserve top-up a step may ask for: never past the quota's headroom."""
+        limit = self.limit
+        if not limit or not target:
+            return target
+        return max(0, min(target, limit - self.held(session)))

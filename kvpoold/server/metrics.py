@@ -1,0 +1,256 @@
+"""Prometheus metrics: pool usage, prefix cache, sessions, RPC latency.
+
+Served by prometheus-client's HTTP server on ``metrics_address:metrics_port``
+(a thread).  The pool figures are read when Prometheus scrapes: the scrape
+thread asks the event loop for them (``run_coroutine_threadsafe``), so the
+daemon's one concurrency rule — state is touched only on the loop — holds.
+RPC latency is measured by a gRPC server interceptor, one histogram series
+per method; it is installed only when metrics are enabled.
+
+Series (``class_id`` is a layout class, ``tier`` device/host/disk):
+
+=======================================  ========  ==============================
+kvpool_info{version,backend}             gauge     1
+kvpool_pool_bytes                        gauge     device pool size
+kvpool_pool_unassigned_bytes             gauge     not yet given to a class
+kvpool_class_blocks{class_id,state}      gauge     used / reserved / cached / free
+kvpool_class_block_bytes{class_id}       gauge
+kvpool_tier_capacity_bytes{tier}         gauge
+kvpool_tier_used_bytes{tier}             gauge
+kvpool_tier_blocks{tier}                 gauge
+kvpool_tier_<figure>_total{tier}         counter   transfers from the tiers' stats: blocks_in,
+                                                   blocks_out, bytes_written, bytes_read, ...
+kvpool_class_<figure>_total{class_id}    counter   promoted/demoted/swapped blocks, ...
+kvpool_tier_pinned_bytes{tier},
+kvpool_class_swapped_sequences{class_id} gauge
+kvpool_prefix_queries_total{class_id}    counter   lookups and creates
+kvpool_prefix_hits_total{class_id}       counter   of those, with a cached prefix
+kvpool_prefix_query_tokens_total         counter
+kvpool_prefix_hit_tokens_total           counter
+kvpool_cow_copies_total{class_id}        counter   copy-on-write copies
+kvpool_evictions_total{class_id}         counter   cached blocks dropped
+kvpool_sessions{state}                   gauge     connected / disconnected
+kvpool_sequences                         gauge
+kvpool_draining                          gauge     1 while drained
+kvpool_rpc_duration_seconds{method}      histogram unary calls
+kvpool_rpcs_total{method,code}           counter   by status code
+=======================================  ========  ==============================
+
+plus prometheus-client's ``process_*`` series.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import fields, is_dataclass
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.process_collector import ProcessCollector
+
+log = logging.getLogger("kvpoold")
+
+LATENCY_BUCKETS = (
+    50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3, 1.0, 5.0,
+)
+SCRAPE_TIMEOUT_S = 5.0
+
+
+def pool_families(service) -> list:
+    """Every pool, prefix-cache and session series, read from the service (call on the event loop)."""
+    st = service.stats()
+    out = []
+
+    def gauge(name, doc, labels=(), rows=()):
+        g = GaugeMetricFamily(name, doc, labels=list(labels))
+        for values, v in rows:
+            g.add_metric(list(values), float(v))
+        out.append(g)
+
+    def counter(name, doc, labels=(), rows=()):
+        c = CounterMetricFamily(name, doc, labels=list(labels))
+        for values, v in rows:
+            c.add_metric(list(values), float(v))
+        out.append(c)
+
+    gauge("kvpool_info", "kvpoold version and backend", ("version", "backend"),
+          [((service.version, service.backend.name), 1)])
+    gauge("kvpool_pool_bytes", "device pool size in bytes", rows=[((), st.pool_bytes)])
+    gauge("kvpool_pool_unassigned_bytes", "pool bytes not owned by any layout class",
+          rows=[((), st.free_chunks * st.chunk_bytes)])
+    classes = st.classes
+    cls = [str(c.class_id) for c in classes]
+    gauge("kvpool_class_blocks", "device blocks of a layout class by state", ("class_id", "state"), [
+        row for k, c in zip(cls, classes) for row in (
+            ((k, "used"), c.used_blocks - c.reserved_blocks),
+            ((k, "reserved"), c.reserved_blocks),
+            ((k, "cached"), c.cached_blocks),
+            ((k, "free"), c.free_blocks),
+        )
+    ])
+    gauge("kvpool_class_block_bytes", "bytes per block of a layout class", ("class_id",),
+          [((k,), c.block_bytes) for k, c in zip(cls, classes)])
+
+    device_blocks = sum(c.used_blocks + c.cached_blocks for c in classes)
+    device_used = sum((c.used_blocks + c.cached_blocks) * c.block_bytes for c in classes)
+    tiers = [("device", st.pool_bytes, device_used, device_blocks)]
+    tiers += [(t.tier, t.capacity_bytes, t.used_bytes, t.blocks) for t in st.tiers]
+    gauge("kvpool_tier_capacity_bytes", "capacity of a tier in bytes", ("tier",), [((t[0],), t[1]) for t in tiers])
+    gauge("kvpool_tier_used_bytes", "bytes of a tier holding blocks", ("tier",), [((t[0],), t[2]) for t in tiers])
+    gauge("kvpool_tier_blocks", "blocks held in a tier", ("tier",), [((t[0],), t[3]) for t in tiers])
+    _extra_series("tier", "tier", st.tiers, [t.tier for t in st.tiers], gauge, counter)
+    _extra_series("class", "class_id", classes, cls, gauge, counter)
+
+    for name, attr, doc in (
+        ("kvpool_prefix_queries", "prefix_queries", "prefix-cache queries (lookups and creates)"),
+        ("kvpool_prefix_hits", "prefix_hits", "prefix-cache queries that found a cached prefix"),
+        ("kvpool_prefix_query_tokens", "prefix_query_tokens", "prompt tokens queried in the prefix cache"),
+        ("kvpool_prefix_hit_tokens", "prefix_hit_tokens", "prompt tokens found in the prefix cache"),
+        ("kvpool_cow_copies", "cow_copies", "copy-on-write block copies"),
+        ("kvpool_evictions", "evictions", "cached blocks evicted"),
+    ):
+        counter(name, doc, ("class_id",), [((k,), getattr(c, attr)) for k, c in zip(cls, classes)])
+
+    sessions = list(service.sessions)
+    connected = sum(1 for s in sessions if s.connected)
+    gauge("kvpool_sessions", "attached client sessions", ("state",),
+          [(("connected",), connected), (("disconnected",), len(sessions) - connected)])
+    gauge("kvpool_sequences", "live sequences", rows=[((), st.sequences)])
+    gauge("kvpool_draining", "1 while the daemon is drained (no new attaches or sequences)",
+          rows=[((), int(bool(getattr(service, "draining", False))))])
+    return out
+
+
+_KNOWN = {
+    "tier": {"tier", "capacity_bytes", "used_bytes", "blocks"},
+    "class": {"class_id", "geometry", "block_bytes", "capacity_blocks", "total_blocks", "used_blocks",
+              "reserved_blocks", "cached_blocks", "free_blocks", "cow_copies", "evictions", "prefix_queries",
+              "prefix_hits", "prefix_query_tokens", "prefix_hit_tokens"},
+}
+_LEVELS = {"pinned_bytes", "swapped_sequences"}  # gauges; every other extra figure is a running total
+
+
+def _extra_series(kind: str, label: str, rows, keys, gauge, counter) -> None:
+    """Numeric figures of the core's tier and class stats beyond the known ones.
+
+    The tier work keeps transfer and swap figures there (``blocks_in``,
+    ``bytes_written``, ``promoted_blocks``, ``swapped_out_blocks``...): running
+    totals, exported as counters ``kvpool_<kind>_<figure>_total``; the few
+    levels in ``_LEVELS`` (``pinned_bytes``, ``swapped_sequences``) as gauges.
+    """
+    if not rows or not is_dataclass(rows[0]):
+        return
+    for f in fields(rows[0]):
+        if f.name in _KNOWN[kind]:
+            continue
+        values = [getattr(r, f.name) for r in rows]
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            continue
+        emit = gauge if f.name in _LEVELS else counter
+        emit(f"kvpool_{kind}_{f.name}", f"{kind} figure {f.name}", (label,),
+             [((k,), v) for k, v in zip(keys, values)])
+
+
+class PoolCollector:
+    """A prometheus-client collector that reads the service on its event loop."""
+
+    def __init__(self, service, loop: asyncio.AbstractEventLoop) -> None:
+        self.service = service
+        self.loop = loop
+
+    def collect(self):
+        async def read():
+            return pool_families(self.service)
+
+        try:
+            families = asyncio.run_coroutine_threadsafe(read(), self.loop).result(SCRAPE_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - a scrape must not kill the HTTP thread
+            log.exception("metrics: could not read the pool")
+            return
+        yield from families
+
+    def describe(self):
+        return []  # collected at scrape time only: no registration-time call into the loop
+
+
+class RpcMetrics:
+    """The RPC series: a latency histogram per method, calls counted by status code."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.latency = Histogram(
+            "kvpool_rpc_duration_seconds", "time to serve a unary call", ["method"],
+            buckets=LATENCY_BUCKETS, registry=registry,
+        )
+        self.calls = Counter("kvpool_rpcs", "calls served, by status code", ["method", "code"], registry=registry)
+
+    def interceptor(self) -> "RpcInterceptor":
+        """A new interceptor for one server (each server has its own handlers: never share one)."""
+        return RpcInterceptor(self)
+
+
+class RpcInterceptor(grpc.aio.ServerInterceptor):
+    """Times every unary call of one server and counts it by status code."""
+
+    def __init__(self, metrics: RpcMetrics) -> None:
+        self.metrics = metrics
+        # wrapped handlers of *this* server by method: a handler from another server's
+        # servicer (the admin socket's) must never answer here
+        self._handlers: dict[str, grpc.RpcMethodHandler] = {}
+
+    async def intercept_service(self, continuation, details):
+        cached = self._handlers.get(details.method)
+        if cached is not None:
+            return cached
+        handler = await continuation(details)
+        if handler is None or handler.unary_unary is None:
+            return handler  # streams (Watch, health Watch, reflection) are not timed
+        method = details.method.rsplit("/", 1)[-1]
+        inner = handler.unary_unary
+        hist = self.metrics.latency.labels(method)
+        calls = self.metrics.calls
+        ok = calls.labels(method, "OK")
+
+        async def timed(request, context):
+            t0 = time.perf_counter()
+            try:
+                reply = await inner(request, context)
+            except BaseException:
+                code = context.code() if hasattr(context, "code") else None
+                calls.labels(method, getattr(code, "name", None) or "UNKNOWN").inc()
+                raise
+            finally:
+                hist.observe(time.perf_counter() - t0)
+            ok.inc()
+            return reply
+
+        wrapped = grpc.unary_unary_rpc_method_handler(
+            timed, request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+        self._handlers[details.method] = wrapped
+        return wrapped
+
+
+class Metrics:
+    """The registry, the RPC interceptor and the HTTP endpoint of one daemon."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)
+        self.rpc = RpcMetrics(self.registry)
+        self._httpd = None
+        self.port = 0
+
+    def serve(self, service, loop, address: str, port: int) -> None:
+        self.registry.register(PoolCollector(service, loop))
+        self._httpd, _thread = start_http_server(port, addr=address, registry=self.registry)
+        self.port = self._httpd.server_address[1]
+
+    def close(self) -> None:
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+            self._httpd = None

@@ -1,0 +1,333 @@
+"""The daemon's side of the memory hierarchy (issue 6): engine, arrivals, waits.
+
+``PoolService`` owns one ``Tiers``.  After every core call the service's
+``_sync_memory`` hands the call's planned moves to the transfer engine
+(``sync``); the device blocks that bytes are still flowing into (promotions,
+swap-ins) get a transfer hold in the core and an entry in ``arriving`` until
+their ``Arrival`` is done.  A sequence that a call returns with such blocks
+gets a *pending record*; ``Create``/``SwapIn`` either await it before
+replying (the default) or reply at once with the positions still arriving,
+and the client awaits them later with ``Wait``.
+
+A block whose bytes failed to arrive (a bad checksum on disk, an I/O error)
+loses its hash in the core (no prefix hit finds it again) and every pending
+record that contains it reports fewer valid tokens: the client recomputes
+the KV from there.  Nothing here blocks the event loop: worker threads
+report completions through the engine, whose ``notify`` schedules ``poll``
+on the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass
+
+from kvpoold.core import Geometry, KvpoolError, Tier
+from kvpoold.core.results import PoolStats, SequenceInfo
+from kvpoold.core.tiers import TIER_ALIGN
+from kvpoold.transfer import DiskTierError, TransferEngine
+
+log = logging.getLogger("kvpoold")
+
+STATE_DIRECTORY = "/var/lib/kvpoold"  # the systemd unit's StateDirectory=
+
+
+def resolve_disk_dir(configured: str) -> str:
+    """``--disk-dir``, else the systemd state directory when it exists, else ""."""
+    if configured:
+        return configured
+    env = os.environ.get("STATE_DIRECTORY", "").split(":")[0]  # set by systemd for StateDirectory=
+    for candidate in (env, STATE_DIRECTORY):
+        if candidate and os.path.isdir(candidate):
+            return candidate
+    return ""
+
+
+@dataclass
+class Tracked:
+    """A sequence a call returned, and the bytes it still waits for."""
+
+    info: SequenceInfo
+    arrivals: list  # (position in the block table, Arrival)
+    valid_tokens: int  # tokens whose KV is there (or arriving) as far as is known now
+
+    @property
+    def arriving(self) -> list[int]:
+        return [pos for pos, a in self.arrivals if not a.done]
+
+
+class Tiers:
+    def __init__(self, config, manager, backend_name: str) -> None:
+        self.manager = manager
+        self.engine: TransferEngine | None = None
+        self.arriving: dict[tuple[int, int], object] = {}  # (class id, block) -> Arrival
+        self.pending: dict[tuple[int, int], Tracked] = {}  # (owner, seq id) -> what it waits for
+        self.recent: list = []  # the arrivals of the calls since ``take_recent``
+        self._scheduled = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        if not manager.placement.enabled:
+            return
+        disk_dir = resolve_disk_dir(config.disk_dir) if config.disk_bytes else ""
+        if config.disk_bytes and not disk_dir:
+            raise DiskTierError(f"--disk-bytes needs a directory: give --disk-dir (or create the systemd state "
+                                f"directory {STATE_DIRECTORY})")
+        cuda = config.devices[0] if backend_name == "cuda" else None
+        self.engine = TransferEngine(config.host_bytes, disk_dir or None, config.disk_bytes, cuda_device=cuda)
+        self.engine.on_lost = self._lost
+        if self.engine.disk is not None:
+            self._load_disk()
+            log.info("tiers: host %d bytes, disk %d bytes in %s", config.host_bytes, config.disk_bytes, disk_dir)
+        elif config.host_bytes:
+            log.info("tiers: host %d bytes, no disk tier", config.host_bytes)
+
+    @property
+    def enabled(self) -> bool:
+        return self.engine is not None
+
+    # -- classes --------------------------------------------------------------------------------------
+    @staticmethod
+    def _geometry_dict(g: Geometry) -> dict:
+        return {"num_layers": g.num_layers, "num_kv_heads": g.num_kv_heads, "head_dim": g.head_dim,
+                "dtype": g.dtype, "block_size": g.block_size, "block_bytes": g.block_bytes}
+
+    def _load_disk(self) -> None:
+        """Offer the blocks a previous daemon left on disk to the core, oldest first."""
+        disk = self.engine.disk
+        for gid, geom in sorted(disk.geoms.items()):
+            try:
+                g = Geometry(**{k: v for k, v in geom.items() if k != "block_bytes"})
+                if g.block_bytes != geom.get("block_bytes"):
+                    raise ValueError("block size differs")
+                cid = self.manager.register_class(g)
+            except (KvpoolError, TypeError, ValueError) as exc:
+                log.warning("disk tier: blocks of layout %s cannot be used here (%s): dropping them", geom, exc)
+                continue
+            disk.bind(cid, gid)
+            self.engine.add_class(cid, g.block_bytes, None)
+            for digest, e in list(disk.found.get(gid, {}).items()):
+                if self.manager.load_lower(Tier.DISK, cid, digest, e.nbytes):
+                    disk.adopt(cid, digest)
+        dropped = disk.reject_found()
+        if dropped:
+            log.warning("disk tier: dropped %d blocks that did not fit in --disk-bytes", dropped)
+
+    def add_arena(self, class_id: int, arena, pool) -> None:
+        """A class's arena exists: the engine can copy its blocks."""
+        if self.engine is None:
+            return
+        tensor = arena.as_tensor("uint8", (pool.num_block_ids, pool.block_bytes))
+        self.engine.add_class(class_id, pool.block_bytes, tensor)
+        disk = self.engine.disk
+        if disk is not None and class_id not in disk.gid_of:
+            disk.bind(class_id, disk.layout_id(self._geometry_dict(pool.geometry)))
+
+    # -- after each core call -----------------------------------------------------------------------------
+    def sync(self, apply_slabs) -> list:
+        """Run the moves the last core call planned; ``apply_slabs`` runs between reads and writes."""
+        if self.engine is None:
+            apply_slabs()
+            return []
+        self.engine.poll()
+        moves = self.manager.drain_moves()
+        if not moves:
+            apply_slabs()
+            return []
+        applied = []
+
+        def between():
+            applied.append(True)
+            apply_slabs()
+
+        try:
+            arrivals = self.engine.submit(moves, between)
+        finally:
+            if not applied:
+                apply_slabs()
+        by_class: dict[int, list[int]] = {}
+        for a in arrivals:
+            if a.done:
+                if not a.ok:
+                    self._failed(a)
+                continue
+            self.arriving[(a.class_id, a.block)] = a
+            by_class.setdefault(a.class_id, []).append(a.block)
+            a.waiters.append(self._arrived)
+        for cid, blocks in by_class.items():
+            self.manager.hold_blocks(cid, blocks)
+        self.recent.extend(arrivals)
+        return arrivals
+
+    def take_recent(self) -> list:
+        """The arrivals started since the last call of this (one service call's, when called around it)."""
+        out, self.recent = self.recent, []
+        return out
+
+    def _arrived(self, a) -> None:
+        self.arriving.pop((a.class_id, a.block), None)
+        if not a.ok:
+            self._failed(a)
+        self.manager.release_holds(a.class_id, [a.block])
+
+    def _failed(self, a) -> None:
+        log.warning("tiers: the bytes of block %d (class %d) did not arrive (%s): its owners recompute it",
+                    a.block, a.class_id, "bad checksum" if a.corrupt else "lost")
+        a.digest = self.manager.invalidate_block(a.class_id, a.block)
+
+    def _lost(self, key) -> None:
+        if self.manager.forget_lower(key):
+            log.warning("tiers: a copy of block %s could not be written: forgotten", key)
+
+    # -- sequences waiting for bytes ---------------------------------------------------------------------------
+    def track(self, owner: int, infos: list[SequenceInfo], *, swap_in: bool = False,
+              recent: list | None = None) -> list[Tracked]:
+        """What each returned sequence still waits for (records the pending ones)."""
+        recent_by_block = {(a.class_id, a.block): a for a in (recent or ())}
+        out = []
+        for info in infos:
+            bs = self.manager.classes[info.class_id].block_size
+            base = info.num_tokens if swap_in else info.num_cached_tokens
+            arrivals = []
+            limit = -(-base // bs)
+            for pos, b in enumerate(info.block_table[:limit]):
+                a = recent_by_block.get((info.class_id, b)) or self.arriving.get((info.class_id, b))
+                if a is not None:
+                    arrivals.append((pos, a))
+            t = Tracked(info, arrivals, base)
+            self._settle(owner, t)
+            if t.arriving:
+                self.pending[(owner, info.seq_id)] = t
+            out.append(t)
+        return out
+
+    def _settle(self, owner: int, t: Tracked) -> None:
+        """Count the failed arrivals; the owner is told now, so the hashes it rewrites come back."""
+        bs = self.manager.classes[t.info.class_id].block_size
+        for pos, a in t.arrivals:
+            if a.done and not a.ok:
+                t.valid_tokens = min(t.valid_tokens, pos * bs)
+                if a.digest is not None:
+                    try:
+                        self.manager.register_block(owner, t.info.seq_id, a.block, a.digest)
+                    except KvpoolError:
+                        continue  # freed meanwhile: the hash stays forgotten
+                    a.digest = None
+
+    def arrivals_of(self, owner: int, seq_ids) -> list:
+        """Every arrival the sequences' blocks wait for (theirs and shared ones)."""
+        out = []
+        for sid in seq_ids:
+            t = self.pending.get((owner, sid))
+            if t is not None:
+                out.extend(a for _, a in t.arrivals if not a.done)
+            try:
+                info = self.manager.sequence(owner, sid)
+            except KvpoolError:
+                continue
+            out.extend(a for b in info.block_table if (a := self.arriving.get((info.class_id, b))) is not None)
+        return out
+
+    def forget(self, owner: int, seq_ids) -> None:
+        for sid in seq_ids:
+            self.pending.pop((owner, int(sid)), None)
+
+    def forget_owner(self, owner: int) -> None:
+        for key in [k for k in self.pending if k[0] == owner]:
+            del self.pending[key]
+
+    def settled(self, owner: int, tracked: list[Tracked]) -> list[Tracked]:
+        """``tracked`` after its arrivals are done (the records are forgotten)."""
+        for t in tracked:
+            self.pending.pop((owner, t.info.seq_id), None)
+            self._settle(owner, t)
+        return tracked
+
+    def finish(self, owner: int, seq_ids) -> list[Tracked]:
+        """The records of these sequences, settled (their arrivals are done); forgets them."""
+        out = []
+        for sid in seq_ids:
+            t = self.pending.pop((owner, int(sid)), None)
+            if t is None:
+                info = self.manager.sequence(owner, int(sid))  # raises for unknown / others' ids
+                t = Tracked(info, [], info.num_tokens if info.swapped else info.num_cached_tokens)
+            else:
+                self._settle(owner, t)
+            out.append(t)
+        return out
+
+    # -- waiting on the event loop ------------------------------------------------------------------------------
+    def poll(self) -> None:
+        self._scheduled = False
+        if self.engine is not None:
+            self.engine.poll()
+
+    def _bind_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._loop is loop:
+            return
+        self._loop = loop
+
+        def notify():
+            if not self._scheduled:
+                self._scheduled = True
+                try:
+                    loop.call_soon_threadsafe(self.poll)
+                except RuntimeError:
+                    pass  # the loop is closed: shutting down
+
+        self.engine.notify = notify
+
+    async def wait(self, arrivals) -> None:
+        """Until every arrival is done (the loop keeps serving other calls meanwhile)."""
+        pending = [a for a in arrivals if not a.done]
+        if not pending or self.engine is None:
+            return
+        self._bind_loop()
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        left = [len(pending)]
+
+        def one(_a):
+            left[0] -= 1
+            if left[0] == 0 and not fut.done():
+                fut.set_result(None)
+
+        for a in pending:
+            if a.done:
+                one(a)
+            else:
+                a.waiters.append(one)
+        self.poll()
+        await fut
+
+    def wait_blocking(self, arrivals, timeout: float | None = None) -> bool:
+        """``wait`` without an event loop (tests, tools)."""
+        return self.engine is None or self.engine.wait(arrivals, timeout)
+
+    # -- operators ------------------------------------------------------------------------------------------------
+    def decorate(self, stats: PoolStats) -> PoolStats:
+        """The core's tier counters plus the engine's bytes, seconds and corrupt blocks."""
+        if self.engine is None:
+            return stats
+        traffic = self.engine.traffic()
+        tiers = []
+        for t in stats.tiers:
+            m = traffic.get(t.tier)
+            if m is None:
+                tiers.append(t)
+                continue
+            tiers.append(dataclasses.replace(
+                t, corrupt_blocks=m["corrupt"], bytes_written=m["bytes_written"], write_seconds=m["write_seconds"],
+                bytes_read=m["bytes_read"], read_seconds=m["read_seconds"]))
+        return dataclasses.replace(stats, tiers=tuple(tiers))
+
+    def close(self) -> None:
+        """Finish the copies in flight and make the disk tier durable (shutdown)."""
+        if self.engine is not None:
+            engine, self.engine = self.engine, None
+            engine.close()
+
+
+__all__ = ["Tiers", "Tracked", "resolve_disk_dir", "DiskTierError", "TIER_ALIGN"]

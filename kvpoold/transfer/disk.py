@@ -1,0 +1,549 @@
+"""Tier 2: block copies in files, with checksums and an index that survives restarts.
+
+Layout of the disk directory (``--disk-dir``; the systemd unit's state
+directory /var/lib/kvpoold by default)::
+
+    tiers.lock        flock()ed by the daemon that uses the directory
+    geometries.json   layout id -> block geometry (rewritten atomically)
+    blocks-<id>.dat   the blocks of one geometry, one slot each (slot size =
+                      block bytes rounded up to 4 KiB, so O_DIRECT works)
+    index.log         an append-only log of ADD/DEL records
+
+**Checksums.** Every block is written with the xxh3-64 of its bytes, kept in
+memory and in its ADD record; a read recomputes it, and a block that does not
+match is dropped and counted, never served (the read reports failure and the
+caller's block is invalidated).
+
+**The index.** An ADD record (layout id, block hash, slot, size, checksum) is
+appended once the block's bytes were written; a DEL record when it is
+promoted, dropped or overwritten.  Each record carries its own xxh32, so a
+torn tail (a crash in the middle of an append) is recognised and ignored.  At
+start the log is replayed (a later ADD for a slot supersedes an earlier one),
+rewritten compactly (written to a temporary file, fsynced, renamed, directory
+fsynced), and the blocks are offered to the core, oldest first, as far as
+``--disk-bytes`` allows.  Hashes are deterministic (model id, extra key and
+tokens), so a restarted daemon's clients find their blocks again.  Only
+prefix-cache blocks are indexed: a swapped-out sequence's copy belongs to a
+session, which a restart ends.
+
+**Durability.** Data files are fdatasync'ed and the log fsync'ed at a clean
+shutdown and whenever the log is compacted; between those a crash can lose
+recent records or leave records whose bytes did not reach the disk.  The
+checksum turns the second case into a dropped block, never a wrong one.
+
+**I/O.** Writes and reads run in two thread pools (separate, so that a read
+waiting for the write of the same block can never starve it).  A batch whose
+slots are consecutive in one file is one ``pwritev``/``preadv``; buffers
+aligned to 4 KiB go through an ``O_DIRECT`` descriptor where the file system
+allows it (large aligned writes, no page-cache copy), others through a
+buffered one.  The bookkeeping (entries, slots, the log) is touched only by
+the event loop's thread: workers report through ``post``.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import logging
+import os
+import struct
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import xxhash
+
+from .meter import Meters
+from .slots import SlotAllocator
+
+log = logging.getLogger("kvpoold")
+
+ALIGN = 4096
+MAGIC = b"KVPIDX01"
+_REC = struct.Struct("<B3xI16sQQQ")  # op, layout id, hash, slot offset, block bytes, checksum
+_CRC = struct.Struct("<I")
+REC_BYTES = _REC.size + _CRC.size
+ADD, DEL = 1, 2
+MAX_BATCH_BYTES = 64 << 20
+MAX_BATCH_ITEMS = 256
+
+
+class DiskTierError(RuntimeError):
+    """The disk tier cannot be used (directory, lock, permissions); the message says why."""
+
+
+def checksum(view) -> int:
+    return xxhash.xxh3_64_intdigest(view)
+
+
+def _aligned(view: np.ndarray) -> bool:
+    return view.ctypes.data % ALIGN == 0 and view.nbytes % ALIGN == 0
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: str, data: bytes) -> None:
+    tmp = path + ".tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(path))
+
+
+def _record(op: int, gid: int, digest: bytes, offset: int, nbytes: int, csum: int) -> bytes:
+    body = _REC.pack(op, gid, digest, offset, nbytes, csum)
+    return body + _CRC.pack(xxhash.xxh32_intdigest(body))
+
+
+def _pwritev_all(fd: int, bufs: list, offset: int) -> None:
+    total = sum(b.nbytes for b in bufs)
+    done = os.pwritev(fd, bufs, offset)
+    if done == total:
+        return
+    flat = memoryview(b"".join(bytes(b) for b in bufs))[done:]  # rare: a short write
+    pos = offset + done
+    while flat:
+        n = os.pwrite(fd, flat, pos)
+        if n <= 0:
+            raise OSError(errno.EIO, "short write")
+        flat, pos = flat[n:], pos + n
+
+
+def _preadv_all(fd: int, bufs: list, offset: int) -> None:
+    total = sum(b.nbytes for b in bufs)
+    done = os.preadv(fd, bufs, offset)
+    if done == total:
+        return
+    pos = 0
+    for b in bufs:  # rare: a short read; finish buffer by buffer
+        mv = memoryview(b).cast("B")
+        if done >= pos + mv.nbytes:
+            pos += mv.nbytes
+            continue
+        got = max(0, done - pos)
+        while got < mv.nbytes:
+            n = os.preadv(fd, [mv[got:]], offset + pos + got)
+            if n <= 0:
+                raise OSError(errno.EIO, f"read past the end of the data file at {offset + pos + got}")
+            got += n
+        pos += mv.nbytes
+        done = pos
+
+
+class DiskEntry:
+    __slots__ = ("gid", "offset", "nbytes", "checksum", "ready", "ok", "logged", "persist", "pins", "forgotten",
+                 "freed")
+
+    def __init__(self, gid: int, offset: int, nbytes: int, persist: bool) -> None:
+        self.gid = gid
+        self.offset = offset
+        self.nbytes = nbytes
+        self.checksum = 0
+        self.ready = threading.Event()  # set by the writer when the bytes are on disk (or the write failed)
+        self.ok = False
+        self.logged = False  # an ADD record exists
+        self.persist = persist  # a prefix block (indexed) rather than a swap copy
+        # loop-side: copies in flight on the slot, whether the key let go of it, whether it was freed
+        self.pins = 0
+        self.forgotten = False
+        self.freed = False
+
+
+class _DataFile:
+    def __init__(self, path: str, stride: int, use_direct: bool) -> None:
+        self.path = path
+        self.stride = stride
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self.dfd = None
+        if use_direct and hasattr(os, "O_DIRECT"):
+            try:
+                self.dfd = os.open(path, os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC)
+            except OSError:
+                self.dfd = None  # e.g. tmpfs: buffered I/O only
+        self.slots = SlotAllocator(None, ALIGN)
+
+    def close(self) -> None:
+        for fd in (self.fd, self.dfd):
+            if fd is not None:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        self.fd = self.dfd = None
+
+
+class DiskStore:
+    def __init__(self, directory: str, capacity: int, *, post, meters: Meters | None = None,
+                 io_threads: int = 4, direct: bool = True) -> None:
+        self.directory = os.path.abspath(directory)
+        self.capacity = capacity
+        self.post = post  # queue a callback for the event loop's thread
+        self.meters = meters or Meters()
+        self.direct = direct
+        self.corrupt = 0  # blocks whose checksum failed on read
+        self.lost = 0  # blocks whose write or read failed
+        try:
+            os.makedirs(self.directory, mode=0o700, exist_ok=True)
+        except OSError as exc:
+            raise DiskTierError(f"cannot create the disk tier's directory {self.directory}: {exc}") from None
+        if not os.access(self.directory, os.W_OK | os.X_OK):
+            raise DiskTierError(f"the disk tier's directory {self.directory} is not writable by this user")
+        self._lock_fd = os.open(os.path.join(self.directory, "tiers.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            raise DiskTierError(f"another kvpoold uses the disk tier in {self.directory}: give each daemon its own "
+                                "--disk-dir") from None
+        self.files: dict[int, _DataFile] = {}
+        self.geoms: dict[int, dict] = {}
+        self.gid_of: dict[int, int] = {}  # class id -> layout id
+        self.entries: dict[tuple, DiskEntry] = {}  # (class id, digest or swap number) -> entry
+        #: blocks found at start, before their class exists: layout id -> {digest: entry}, oldest first
+        self.found: dict[int, dict[bytes, DiskEntry]] = {}
+        self._pending: list[tuple[DiskEntry, np.ndarray, object]] = []  # writes not submitted yet
+        self._logbuf = bytearray()
+        self._log_records = 0
+        self._writers = ThreadPoolExecutor(io_threads, thread_name_prefix="kvpool-disk-w")
+        self._readers = ThreadPoolExecutor(io_threads, thread_name_prefix="kvpool-disk-r")
+        self._load()
+
+    # -- start: geometries, replay, compaction ----------------------------------------------------
+    @property
+    def _index_path(self) -> str:
+        return os.path.join(self.directory, "index.log")
+
+    @property
+    def _geoms_path(self) -> str:
+        return os.path.join(self.directory, "geometries.json")
+
+    def _load(self) -> None:
+        try:
+            with open(self._geoms_path) as f:
+                self.geoms = {int(k): v for k, v in json.load(f).items()}
+        except FileNotFoundError:
+            self.geoms = {}
+        except (OSError, ValueError) as exc:
+            log.warning("disk tier: %s is unreadable (%s): starting with an empty disk tier", self._geoms_path, exc)
+            self.geoms = {}
+        live: dict[tuple, tuple] = {}
+        by_slot: dict[tuple, tuple] = {}
+        try:
+            with open(self._index_path, "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            data = b""
+        if data and not data.startswith(MAGIC):
+            log.warning("disk tier: %s is not a kvpool index: ignoring it", self._index_path)
+            data = b""
+        pos, bad = len(MAGIC), 0
+        while pos + REC_BYTES <= len(data):
+            body = data[pos:pos + _REC.size]
+            (crc,) = _CRC.unpack_from(data, pos + _REC.size)
+            if xxhash.xxh32_intdigest(body) != crc:
+                bad = len(data) - pos
+                break
+            op, gid, digest, offset, nbytes, csum = _REC.unpack(body)
+            key = (gid, digest)
+            if op == ADD:
+                old = by_slot.get((gid, offset))
+                if old is not None:
+                    live.pop(old, None)
+                prev = live.pop(key, None)
+                if prev is not None:
+                    by_slot.pop((gid, prev[0]), None)
+                live[key] = (offset, nbytes, csum)
+                by_slot[(gid, offset)] = key
+            elif op == DEL:
+                prev = live.pop(key, None)
+                if prev is not None and by_slot.get((gid, prev[0])) == key:
+                    del by_slot[(gid, prev[0])]
+            pos += REC_BYTES
+        if bad or pos < len(data):
+            log.warning("disk tier: ignored a torn or damaged tail of %d bytes in %s", len(data) - pos, self._index_path)
+        for gid, geom in self.geoms.items():
+            self._open_file(gid, geom["block_bytes"])
+        kept = 0
+        for (gid, digest), (offset, nbytes, csum) in live.items():
+            f = self.files.get(gid)
+            if f is None or nbytes != self.geoms[gid]["block_bytes"] or offset % f.stride:
+                continue
+            if offset + f.stride > os.fstat(f.fd).st_size:
+                continue  # the data never reached the file
+            f.slots.reserve(offset, f.stride)
+            e = DiskEntry(gid, offset, nbytes, persist=True)
+            e.checksum, e.ok, e.logged = csum, True, True
+            e.ready.set()
+            self.found.setdefault(gid, {})[digest] = e
+            kept += 1
+        for f in self.files.values():
+            f.slots.seal(f.stride)
+        self._compact()
+        if kept:
+            log.info("disk tier: found %d blocks in %s", kept, self.directory)
+
+    def _open_file(self, gid: int, block_bytes: int) -> _DataFile:
+        f = self.files.get(gid)
+        if f is None:
+            stride = -(-block_bytes // ALIGN) * ALIGN
+            f = self.files[gid] = _DataFile(os.path.join(self.directory, f"blocks-{gid}.dat"), stride, self.direct)
+        return f
+
+    def _compact(self) -> None:
+        """Rewrite the index with one ADD per indexed block (atomically, fsynced)."""
+        recs = [MAGIC]
+        n = 0
+        for gid, found in self.found.items():
+            for digest, e in found.items():
+                recs.append(_record(ADD, gid, digest, e.offset, e.nbytes, e.checksum))
+                n += 1
+        for (cid, digest), e in self.entries.items():
+            if e.logged:
+                recs.append(_record(ADD, e.gid, digest, e.offset, e.nbytes, e.checksum))
+                n += 1
+        for f in self.files.values():
+            os.fdatasync(f.fd)  # the bytes the records name are on disk first
+        _write_atomic(self._index_path, b"".join(recs))
+        if getattr(self, "_log_fd", None) is not None:
+            os.close(self._log_fd)
+        self._log_fd = os.open(self._index_path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+        self._logbuf.clear()
+        self._log_records = n
+
+    # -- classes -----------------------------------------------------------------------------------
+    def layout_id(self, geometry: dict) -> int:
+        """The layout id of a geometry (``block_bytes`` included), creating it on first use."""
+        for gid, g in self.geoms.items():
+            if g == geometry:
+                return gid
+        gid = max(self.geoms, default=0) + 1
+        self.geoms[gid] = dict(geometry)
+        _write_atomic(self._geoms_path, json.dumps({str(k): v for k, v in self.geoms.items()}, indent=1).encode())
+        self._open_file(gid, geometry["block_bytes"])
+        return gid
+
+    def bind(self, class_id: int, gid: int) -> None:
+        self.gid_of[class_id] = gid
+
+    def _release(self, e: DiskEntry) -> None:
+        """Free the entry's slot once its key let go of it and no copy uses it."""
+        if e.forgotten and e.pins == 0 and not e.freed:
+            e.freed = True
+            self.files[e.gid].slots.free(e.offset)
+
+    def adopt(self, class_id: int, digest: bytes) -> None:
+        """A found block that the core took: it is the class's entry from now on."""
+        gid = self.gid_of[class_id]
+        self.entries[(class_id, digest)] = self.found[gid].pop(digest)
+
+    def reject_found(self) -> int:
+        """Drop every found block the core did not take (no room, unknown layout); returns how many."""
+        n = 0
+        for gid, found in self.found.items():
+            for digest, e in found.items():
+                self._log(DEL, gid, digest, e)
+                e.forgotten = True
+                self._release(e)
+                n += 1
+        self.found.clear()
+        self._flush_log()
+        return n
+
+    # -- the loop's calls ----------------------------------------------------------------------------
+    def __contains__(self, key: tuple) -> bool:
+        return key in self.entries
+
+    def write(self, key: tuple, view: np.ndarray, nbytes: int, on_done) -> None:
+        """Write the first ``nbytes`` of ``view`` as ``key``'s block (queued until ``flush``).
+
+        ``view`` must stay untouched until ``on_done(ok)`` runs (on the loop).
+        """
+        gid = self.gid_of[key[0]]
+        f = self.files[gid]
+        if key in self.entries:
+            self.drop(key)
+        off = f.slots.alloc(f.stride)
+        e = DiskEntry(gid, off, nbytes, persist=isinstance(key[1], bytes))
+        e.pins = 1  # the write
+        self.entries[key] = e
+        self._pending.append((key, e, view, on_done))
+
+    def flush(self) -> None:
+        """Submit the queued writes, a run of consecutive slots of one file per job."""
+        pending, self._pending = self._pending, []
+        pending.sort(key=lambda p: (p[1].gid, p[1].offset))
+        job: list = []
+        for item in pending:
+            key, e, view, _ = item
+            if job:
+                last = job[-1][1]
+                f = self.files[e.gid]
+                contiguous = e.gid == last.gid and e.offset == last.offset + f.stride
+                size = sum(j[2].nbytes for j in job)
+                if not contiguous or len(job) >= MAX_BATCH_ITEMS or size >= MAX_BATCH_BYTES:
+                    self._writers.submit(self._write_job, job)
+                    job = []
+            job.append(item)
+        if job:
+            self._writers.submit(self._write_job, job)
+
+    def _write_job(self, job: list) -> None:
+        self.meters.disk_write.start()
+        error = None
+        f = self.files[job[0][1].gid]
+        try:
+            for key, e, view, _ in job:
+                e.checksum = checksum(view[:e.nbytes])
+            bufs = [view[:f.stride] if view.nbytes >= f.stride else view for _, _, view, _ in job]
+            direct = f.dfd is not None and all(_aligned(b) for b in bufs)
+            try:
+                _pwritev_all(f.dfd if direct else f.fd, bufs, job[0][1].offset)
+            except OSError as exc:
+                if not direct or exc.errno != errno.EINVAL:
+                    raise
+                _pwritev_all(f.fd, bufs, job[0][1].offset)  # O_DIRECT refused this one: buffered
+        except Exception as exc:  # noqa: BLE001 - reported through the completion
+            error = exc
+        for _, e, _, _ in job:
+            e.ok = error is None
+            e.ready.set()
+        self.meters.disk_write.stop(sum(e.nbytes for _, e, _, _ in job) if error is None else 0, len(job))
+        self.post(lambda: self._written(job, error))
+
+    def _written(self, job: list, error) -> None:
+        if error is not None:
+            log.error("disk tier: writing %d blocks failed: %s", len(job), error)
+        for key, e, _, on_done in job:
+            e.pins -= 1
+            current = self.entries.get(key) is e
+            if e.ok and current:
+                if e.persist:
+                    self._log(ADD, e.gid, key[1], e)
+            elif current:  # the write failed: the block is lost
+                del self.entries[key]
+                e.forgotten = True
+                self.lost += 1
+            self._release(e)
+            on_done(e.ok, key)
+        self._flush_log()
+
+    def read(self, key: tuple, view: np.ndarray, on_done) -> None:
+        """Read ``key``'s block into ``view`` and forget it (a promotion or swap-in).
+
+        ``on_done(ok, corrupt)`` runs on the loop; a missing key fails at once.
+        """
+        e = self.entries.pop(key, None)
+        if e is None:
+            self.post(lambda: on_done(False, False))
+            return
+        if e.logged:
+            self._log(DEL, e.gid, key[1], e)
+            e.logged = False
+        e.forgotten = True
+        e.pins += 1  # the read
+        self._readers.submit(self._read_job, key, e, view, on_done)
+
+    def _read_job(self, key, e: DiskEntry, view: np.ndarray, on_done) -> None:
+        e.ready.wait()
+        ok = corrupt = False
+        if e.ok:
+            self.meters.disk_read.start()
+            f = self.files[e.gid]
+            try:
+                buf = view[:e.nbytes]
+                if f.dfd is not None and e.nbytes % ALIGN == 0 and _aligned(buf):
+                    try:
+                        _preadv_all(f.dfd, [buf], e.offset)
+                    except OSError as exc:
+                        if exc.errno != errno.EINVAL:
+                            raise
+                        _preadv_all(f.fd, [buf], e.offset)
+                else:
+                    _preadv_all(f.fd, [buf], e.offset)
+                ok = checksum(buf) == e.checksum
+                corrupt = not ok
+            except Exception as exc:  # noqa: BLE001 - reported through the completion
+                log.error("disk tier: reading block %s failed: %s", key, exc)
+            self.meters.disk_read.stop(e.nbytes if ok else 0, 1)
+        self.post(lambda: self._read_done(key, e, ok, corrupt, on_done))
+
+    def _read_done(self, key, e: DiskEntry, ok: bool, corrupt: bool, on_done) -> None:
+        if corrupt:
+            self.corrupt += 1
+            log.warning("disk tier: block %s failed its checksum: dropped, not served", key)
+        elif not ok:
+            self.lost += 1
+        e.pins -= 1
+        self._release(e)
+        self._flush_log()
+        on_done(ok, corrupt)
+
+    def drop(self, key: tuple) -> bool:
+        """Forget ``key``'s block; its slot is reused once a write in flight is done."""
+        e = self.entries.pop(key, None)
+        if e is None:
+            return False
+        if e.logged:
+            self._log(DEL, e.gid, key[1], e)
+            e.logged = False
+        e.forgotten = True
+        self._release(e)  # or later, when a copy in flight ends
+        return True
+
+    # -- the log ---------------------------------------------------------------------------------------
+    def _log(self, op: int, gid: int, digest, e: DiskEntry) -> None:
+        if not isinstance(digest, bytes):
+            return  # swap copies are not indexed
+        self._logbuf += _record(op, gid, digest, e.offset, e.nbytes, e.checksum)
+        self._log_records += 1
+        if op == ADD:
+            e.logged = True
+
+    def _flush_log(self) -> None:
+        if self._logbuf:
+            data, self._logbuf = bytes(self._logbuf), bytearray()
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self._log_fd, view):]
+            live = sum(1 for e in self.entries.values() if e.logged)
+            if self._log_records > 4 * live + 4096:
+                self._compact()
+
+    # -- shutdown ----------------------------------------------------------------------------------------
+    def drain(self) -> None:
+        """Submit queued writes and wait for every job (callers then run the posted completions)."""
+        self.flush()
+        self._writers.shutdown(wait=True)
+        self._readers.shutdown(wait=True)
+
+    def sync(self) -> None:
+        """Make everything written so far durable: data first, then the index."""
+        self._flush_log()
+        for f in self.files.values():
+            if f.fd is not None:
+                os.fdatasync(f.fd)
+        if self._log_fd is not None:
+            os.fsync(self._log_fd)
+
+    def close(self) -> None:
+        for f in self.files.values():
+            f.close()
+        if self._log_fd is not None:
+            os.close(self._log_fd)
+            self._log_fd = None
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = None
