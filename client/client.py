@@ -350,8 +350,12 @@ class Client:
         per_seq = -(-self.flush_every // bs)
         return min(self.max_reserve_blocks, max(8, 2 * per_seq * max(1, len(self._seqs))))
 
-    def _step(self, local, remote, free_ids: list[int], run_copies: bool) -> ExtendResult:
-        """One Step call: queued tokens, this step's tokens, frees, reserve top-up."""
+    def _step(self, local, remote, free_ids: list[int], run_copies: bool, written: Iterable[int] = ()) -> ExtendResult:
+        """One Step call: queued tokens, this step's tokens, frees, reserve top-up.
+
+        Every sequence named in a Step (``written`` names more, with no
+        tokens) tells the daemon that the KV of the tokens it knew is written.
+        """
         ids, counts, toks_out, claim_counts, claims = [], [], [], [], []
         touched = []
         # local assignments go through the reserve first (the daemon allocates what is missing)
@@ -373,10 +377,17 @@ class Client:
             counts.append(len(toks))
             toks_out.extend(toks)
             claim_counts.append(0)
+        named = set(ids)
+        for sid in written:
+            if sid not in named:
+                named.add(sid)
+                ids.append(sid)
+                counts.append(0)
+                claim_counts.append(0)
         req = pb.StepRequest(
             session=self._token,
             seq_ids=np.asarray(ids, I64).tobytes(),
-            token_counts=b"" if len(toks_out) == len(ids) else np.asarray(counts, I32).tobytes(),
+            token_counts=b"" if all(c == 1 for c in counts) else np.asarray(counts, I32).tobytes(),
             tokens=np.array(toks_out, U32).tobytes(),
             claim_counts=np.asarray(claim_counts, I32).tobytes() if claims else b"",
             claims=np.asarray(claims, I32).tobytes(),
@@ -426,6 +437,20 @@ class Client:
                 del st.blocks[-taken:]
                 del st.claims[-taken:]
                 self._reserve.extend(back)
+
+    def mark_written(self, seqs: Sequence | int | Iterable[Sequence | int]) -> None:
+        """Say that the KV of these sequences' tokens is written (one call).
+
+        Until then their new full blocks are prefix hits for this client only:
+        another process must not read KV that is not there yet.  Any later
+        ``extend`` that reaches the daemon, or ``free``, says the same; call
+        this after a prefill that other processes may be waiting to reuse.
+        """
+        ids = _ids(seqs)
+        with self._lock:
+            for sid in ids:
+                self._state(sid)
+            self._step([], [], [], True, written=ids)
 
     def flush(self) -> None:
         """Report every queued token to the daemon now (the prefix cache sees them)."""

@@ -303,7 +303,9 @@ class PagedModel:
                 starts.append(start)
                 news.append(p[start:])
                 write_from.append(cached)
-            return seqs, self._run(seqs, starts, news, write_from)
+            logits = self._run(seqs, starts, news, write_from)
+            self.client.mark_written(seqs)  # the prompts' KV is in the pool: other processes may reuse it
+            return seqs, logits
         except BaseException:
             self.client.free(seqs)
             raise

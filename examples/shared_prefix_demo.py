@@ -51,6 +51,7 @@ def worker(socket: str, name: str, start_after: mp.Event | None, done: mp.Event)
         for layer in range(layout.num_layers):
             k, v = toy_kv(new, layer)
             write_kv(torch.from_numpy(k), torch.from_numpy(v), kv[:, layer, 0], kv[:, layer, 1], slots)
+        client.mark_written(seq)  # the prompt's KV is in the pool: other processes may reuse it now
         prefill_ms = (time.perf_counter() - t0) * 1e3
         generated = []
         for _ in range(8):

@@ -101,6 +101,9 @@ class ClassPool:
         self.extra: dict[int, int] = {}
         self.hash_of: dict[int, bytes] = {}
         self.by_hash: dict[bytes, int] = {}
+        #: hashed blocks whose KV the writing owner has not confirmed yet -> that owner.
+        #: Other owners' prefix hits skip them: they may still hold garbage.
+        self.unwritten: dict[int, int] = {}
         self.slots: set[int] = set()
         # slots not owned: the given-back ones (a heap, lowest first), then [fresh, max_slabs)
         self._returned: list[int] = []
@@ -198,6 +201,7 @@ class ClassPool:
     def _forget_hash(self, block: int) -> None:
         digest = self.hash_of.pop(block)
         del self.by_hash[digest]
+        self.unwritten.pop(block, None)
         self.evictions += 1
         if self.on_evict is not None:
             self.on_evict(self.class_id, block, digest)
@@ -238,6 +242,25 @@ class ClassPool:
             return 0
         return 1 + self.extra.get(block, 0)
 
+    def visible(self, block: int, owner: int | None) -> bool:
+        """Whether ``owner``'s prefix hit may use ``block`` (its KV is written, or it is the writer)."""
+        writer = self.unwritten.get(block)
+        return writer is None or writer == owner
+
+    def unregister_unwritten(self, blocks, writer: int) -> None:
+        """``writer`` is gone without confirming: its blocks' KV may be garbage, so drop their hashes."""
+        for b in blocks:
+            if self.unwritten.get(b) == writer:
+                del self.unwritten[b]
+                del self.by_hash[self.hash_of.pop(b)]
+
+    def confirm(self, blocks, writer: int) -> None:
+        """``writer`` says the KV of these blocks is written: every prefix hit may use them."""
+        unwritten = self.unwritten
+        for b in blocks:
+            if unwritten.get(b) == writer:
+                del unwritten[b]
+
     def owns(self, block: int) -> bool:
         """Whether ``block`` lies in a slab this class owns now."""
         return type(block) is int and block >= 0 and block // self.blocks_per_slab in self.slots
@@ -256,8 +279,14 @@ class ClassPool:
         else:
             self.extra[block] = self.extra.get(block, 0) + 1
 
-    def register(self, block: int, digest: bytes) -> bool:
-        """Give a held, just-filled block its hash, unless another block has it already."""
+    def register(self, block: int, digest: bytes, writer: int | None = None) -> bool:
+        """Give a held, just-filled block its hash, unless another block has it already.
+
+        ``writer``: the owner who still has to write the block's KV; until it
+        confirms (``confirm``), only that owner's prefix hits see the block.
+        """
+        if writer is not None and digest not in self.by_hash:
+            self.unwritten[block] = writer
         if digest in self.by_hash:
             return False
         self.by_hash[digest] = block
@@ -333,6 +362,7 @@ class ClassPool:
         assert set(self.extra) <= held, "a shared count on a block that is not held"
         assert all(c >= 1 for c in self.extra.values())
         assert cached <= set(self.hash_of), "a cached block without a hash"
+        assert set(self.unwritten) <= held & set(self.hash_of), "an unwritten block that is not held and hashed"
         assert not (free & set(self.hash_of)), "a free block with a hash"
         assert {self.by_hash[h] for h in self.by_hash} == set(self.hash_of)
         assert all(self.hash_of[b] == h for h, b in self.by_hash.items())

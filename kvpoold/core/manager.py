@@ -226,6 +226,8 @@ class KVCacheManager:
         placement = self.placement if self._track_moves else None
         for h in hashes:
             b = pool.by_hash.get(h)
+            if b is not None and not pool.visible(b, owner):
+                break  # another session is still writing it
             if b is None:
                 if placement is None or placement.locate((class_id, h)) is None:
                     break
@@ -253,8 +255,7 @@ class KVCacheManager:
                     pool.register(b, h)
                     matched[i] = b
             fresh = fresh[len(lower):]
-        for h, b in zip(hashes[len(matched):], fresh):
-            pool.register(b, h)
+        unconfirmed = [b for h, b in zip(hashes[len(matched):], fresh) if pool.register(b, h, writer=owner)]
         c = self._counters[class_id]
         c.prefix_queries += 1
         c.prefix_hits += bool(matched)
@@ -267,6 +268,8 @@ class KVCacheManager:
                        hashes[-1] if hashes else root, len(matched) * bs)
         rest = packed[len(hashes) * bs:]
         t.tail[seq_id & 0xFFFFFFFF, : len(rest)] = rest
+        for b in unconfirmed:
+            t.add_unconfirmed(seq_id & 0xFFFFFFFF, b)
         state.seqs.add(seq_id)
         return self._info(seq_id & 0xFFFFFFFF)
 
@@ -345,7 +348,7 @@ class KVCacheManager:
         nt = t.ntok[slots]
         if one_each and claim_counts is None and claims is None \
                 and not (t.flagged and t.maybe_shared[slots].any()):
-            return self._extend_one_each(pool, slots, seq_ids, nt, tokens)
+            return self._extend_one_each(owner, pool, slots, seq_ids, nt, tokens)
         if counts is None:
             counts = np.ones(n, np.int64)
         if counts.min() < 0:
@@ -369,6 +372,7 @@ class KVCacheManager:
         if avail < total:
             raise OutOfBlocks(total, avail)
         # -- apply: block changes (a few sequences per step) --
+        self._confirm_written(owner, pool, slots)
         fresh = iter(pool.allocate(total))
         deltas = []
         copies = []
@@ -395,11 +399,18 @@ class KVCacheManager:
             blocks.extend(next(fresh) for _ in range(g))
             deltas.append(SeqDelta(int(seq_ids[i]), first, tuple(blocks[first:])))
         t.unflag_shared(slots[(grow > 0) | cow])
-        self._append_general(pool, slots, nt, counts, tokens)
+        self._append_general(owner, pool, slots, nt, counts, tokens)
         t.ntok[slots] = new_nt
         return ExtendResult.from_deltas(deltas, copies)
 
-    def _extend_one_each(self, pool: ClassPool, slots, seq_ids, nt, tokens) -> ExtendResult:
+    def _confirm_written(self, owner: int, pool: ClassPool, slots) -> None:
+        """A call on these sequences says the KV of the tokens they had before is written."""
+        t = self.seqs
+        if t.n_unconfirmed:
+            for slot in slots[t.has_unconfirmed[slots]].tolist():
+                pool.confirm(t.take_unconfirmed(slot), owner)
+
+    def _extend_one_each(self, owner: int, pool: ClassPool, slots, seq_ids, nt, tokens) -> ExtendResult:
         """Steady decode: one token for each sequence, none of them sharing its last block."""
         t = self.seqs
         bs = pool.block_size
@@ -409,6 +420,7 @@ class KVCacheManager:
             avail = pool.obtainable(len(starts))
             if avail < len(starts):
                 raise OutOfBlocks(len(starts), avail)
+        self._confirm_written(owner, pool, slots)
         fresh: list[int] = []
         if len(starts):
             fresh = pool.allocate(len(starts))
@@ -421,12 +433,15 @@ class KVCacheManager:
             raw = t.tail[filled, :bs].tobytes()  # the full blocks' tokens, one gather
             step = 4 * bs
             last_hash, all_blocks, by_hash, hash_of = t.last_hash, t.blocks, pool.by_hash, pool.hash_of
+            unwritten = pool.unwritten
             for i, slot in enumerate(filled.tolist()):
                 h = _digest(last_hash[slot] + raw[i * step:(i + 1) * step])
-                if h not in by_hash:  # ClassPool.register, inlined for the hot path
+                if h not in by_hash:  # ClassPool.register(b, h, writer=owner), inlined for the hot path
                     b = all_blocks[slot][-1]
                     by_hash[h] = b
                     hash_of[b] = h
+                    unwritten[b] = owner
+                    t.add_unconfirmed(slot, b)
                 last_hash[slot] = h
         t.ntok[slots] = nt + 1
         if not len(starts):
@@ -466,7 +481,7 @@ class KVCacheManager:
             seen.add(b)
         return has, claims, starts
 
-    def _append_general(self, pool: ClassPool, slots, nt, counts, tokens) -> None:
+    def _append_general(self, owner: int, pool: ClassPool, slots, nt, counts, tokens) -> None:
         t = self.seqs
         bs = pool.block_size
         offsets = np.concatenate(([0], np.cumsum(counts)))
@@ -485,7 +500,9 @@ class KVCacheManager:
                 pos += take
                 if pos == bs:
                     parent = _digest(parent + row[:bs].tobytes())
-                    pool.register(blocks[(ntok + k) // bs - 1], parent)
+                    b = blocks[(ntok + k) // bs - 1]
+                    if pool.register(b, parent, writer=owner):
+                        t.add_unconfirmed(slot, b)
                     pos = 0
             t.last_hash[slot] = parent
 
@@ -515,15 +532,37 @@ class KVCacheManager:
             raise InvalidArgument("a sequence appears twice in one free")
         return slots
 
-    def free(self, owner: int, seq_ids: Iterable[int]) -> int:
-        """Free sequences (tail blocks first); returns how many blocks were released."""
+    def mark_written(self, owner: int, seq_ids: Iterable[int]) -> None:
+        """The owner says these sequences' KV is written: their full blocks become everyone's hits.
+
+        Any later call on a sequence (extend, free, swap-out) says the same of
+        the tokens it had before; this is for a sequence that has no next call
+        soon (a prefill-only process, a prompt other sessions are waiting on).
+        """
+        t = self.seqs
+        slots = self.check_free(owner, list(seq_ids))
+        for slot in slots:
+            self.classes[int(t.cls[slot])].confirm(t.take_unconfirmed(slot), owner)
+
+    def free(self, owner: int, seq_ids: Iterable[int], *, written: bool = True) -> int:
+        """Free sequences (tail blocks first); returns how many blocks were released.
+
+        Freeing says the sequences' KV is written (their full blocks become
+        every session's prefix hits); ``written=False`` (a session that died)
+        drops the hashes of blocks it had not confirmed instead.
+        """
         seq_ids = list(seq_ids)
         t = self.seqs
         slots = self.check_free(owner, seq_ids)
         released = 0
         for seq_id, slot in zip(seq_ids, slots):
             blocks = t.blocks[slot]
-            self.classes[int(t.cls[slot])].release(blocks[::-1])
+            pool = self.classes[int(t.cls[slot])]
+            if written:
+                pool.confirm(t.take_unconfirmed(slot), owner)
+            else:
+                pool.unregister_unwritten(t.take_unconfirmed(slot), owner)
+            pool.release(blocks[::-1])
             released += len(blocks)
             for key, _ in self._swapped.pop(slot, ()):  # a swapped-out sequence: its copies go
                 self._moves.append(self.placement.drop(key))
@@ -565,6 +604,7 @@ class KVCacheManager:
             c = int(t.cls[slot])
             pool = self.classes[c]
             blocks = t.blocks[slot]
+            pool.confirm(t.take_unconfirmed(slot), owner)  # a swap-out comes after the sequence ran
             entries = []
             for b in blocks:
                 key = (c, self._next_swap)
@@ -685,6 +725,7 @@ class KVCacheManager:
         if digest is None:
             return None
         del pool.by_hash[digest]
+        pool.unwritten.pop(block, None)
         if block in pool.cached:  # nobody holds it: it is free now
             pool.cached.remove(block)
             pool.free.append(block)
@@ -701,7 +742,10 @@ class KVCacheManager:
         pool = self.classes[info.class_id]
         if block not in info.block_table or block in pool.hash_of:
             return False
-        return pool.register(block, digest)
+        if not pool.register(block, digest, writer=owner):
+            return False
+        self.seqs.add_unconfirmed(self.seqs.slot_of(owner, seq_id), block)
+        return True
 
     def forget_lower(self, key: Key) -> bool:
         """A lower-tier copy was lost (its write failed): forget it unless it is pinned.
@@ -726,14 +770,19 @@ class KVCacheManager:
         index.blocks_in -= 1  # found, not placed
         return True
 
-    def lookup(self, class_id: int, model_id: str, tokens, extra_key: str = "") -> LookupResult:
-        """Longest cached prefix of ``tokens`` over every tier; allocates nothing."""
+    def lookup(
+        self, class_id: int, model_id: str, tokens, extra_key: str = "", owner: int | None = None
+    ) -> LookupResult:
+        """Longest cached prefix of ``tokens`` over every tier that ``owner`` may use; allocates nothing."""
         pool = self.class_pool(class_id)
         packed = pack_tokens(tokens)
         hashes = chain_hashes(root_hash(model_id, extra_key), packed, pool.block_size)
         per_tier = [0, 0, 0]
         for h in hashes:
-            if h in pool.by_hash:
+            b = pool.by_hash.get(h)
+            if b is not None:
+                if not pool.visible(b, owner):
+                    break  # another session is still writing it
                 per_tier[0] += 1
                 continue
             tier = self.placement.locate((class_id, h))
@@ -797,7 +846,7 @@ class KVCacheManager:
         state = self._owners.get(owner)
         if state is None:
             return 0
-        released = self.free(owner, sorted(state.seqs))
+        released = self.free(owner, sorted(state.seqs), written=False)
         for cls in list(state.reserves):
             released += self.return_reserve(owner, cls)
         del self._owners[owner]
@@ -912,6 +961,17 @@ class KVCacheManager:
         assert pinned == swap_keys, "pinned lower-tier entries differ from the swapped sequences' copies"
         assert sum(len(s.seqs) for s in self._owners.values()) == t.live
         assert t.flagged == int(np.count_nonzero(t.maybe_shared[live])), "shared-tail flag count is off"
+        unconfirmed = {}
+        for slot in live.tolist():
+            for b in t.unconfirmed[slot] or ():
+                key = (int(t.cls[slot]), b)
+                assert key not in unconfirmed, f"block {b} unconfirmed by two sequences"
+                unconfirmed[key] = int(t.owner[slot])
+                assert b in t.blocks[slot] or t.swapped[slot], f"unconfirmed block {b} not in its sequence"
+        assert t.n_unconfirmed == sum(1 for slot in live.tolist() if t.unconfirmed[slot]), "unconfirmed count is off"
+        for pool in self.classes:
+            for b, writer in pool.unwritten.items():
+                assert unconfirmed.get((pool.class_id, b)) == writer, f"unwritten block {b} has no confirming sequence"
         assert not t.maybe_shared[t.owner == -1].any(), "a free slot is flagged"
         used_chunks = 0
         for pool in self.classes:

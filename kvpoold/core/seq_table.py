@@ -47,6 +47,10 @@ class SeqTable:
         self.swapped = np.zeros(capacity, np.bool_)
         self.nswapped = 0  # how many slots are swapped out: 0 lets a batch skip the check
         self.blocks: list[list[int] | None] = [None] * capacity
+        #: blocks this sequence hashed whose KV its owner has not confirmed (its next call does)
+        self.unconfirmed: list[list[int] | None] = [None] * capacity
+        self.has_unconfirmed = np.zeros(capacity, np.bool_)
+        self.n_unconfirmed = 0  # slots with unconfirmed blocks: 0 lets a batch skip the check
         self.last_hash: list[bytes | None] = [None] * capacity
         self._free = list(range(capacity - 1, -1, -1))
         self._mark = np.full(capacity, -1, np.int64)  # scratch for duplicate checks
@@ -82,6 +86,8 @@ class SeqTable:
         self.swapped = widen(self.swapped, False)
         self._mark = widen(self._mark, -1)
         self.blocks.extend([None] * old)
+        self.unconfirmed.extend([None] * old)
+        self.has_unconfirmed = widen(self.has_unconfirmed, False)
         self.last_hash.extend([None] * old)
         self._free.extend(range(new - 1, old - 1, -1))
 
@@ -118,7 +124,27 @@ class SeqTable:
             self.swapped[slot] = swapped
             self.nswapped += 1 if swapped else -1
 
+    def add_unconfirmed(self, slot: int, block: int) -> None:
+        lst = self.unconfirmed[slot]
+        if lst is None:
+            self.unconfirmed[slot] = [block]
+            self.has_unconfirmed[slot] = True
+            self.n_unconfirmed += 1
+        else:
+            lst.append(block)
+
+    def take_unconfirmed(self, slot: int) -> list[int]:
+        """The slot's unconfirmed blocks, now cleared."""
+        lst = self.unconfirmed[slot]
+        if lst is None:
+            return []
+        self.unconfirmed[slot] = None
+        self.has_unconfirmed[slot] = False
+        self.n_unconfirmed -= 1
+        return lst
+
     def remove(self, slot: int) -> None:
+        self.take_unconfirmed(slot)  # the manager confirmed or forgot them first
         self.unflag_shared(np.array([slot]))
         self.set_swapped(slot, False)
         self.owner[slot] = NO_OWNER

@@ -218,7 +218,7 @@ class PoolService:
             self._sync_memory()
 
     def lookup(self, session: Session, tokens: np.ndarray, extra_key: str) -> LookupResult:
-        return self.manager.lookup(session.class_id, session.model_key, tokens, extra_key)
+        return self.manager.lookup(session.class_id, session.model_key, tokens, extra_key, owner=session.id)
 
     def sequences(self, session: Session) -> list[SequenceInfo]:
         return self.manager.sequences(session.id)

@@ -36,6 +36,7 @@ def test_create_allocates_ceil_blocks_and_reports_no_hit():
 def test_prefix_hit_reuses_full_blocks_only():
     m, c = make()
     a = m.create(1, c, "llama", range(10))
+    m.mark_written(1, [a.seq_id])  # owner 1 wrote the prompt's KV
     b = m.create(2, c, "llama", list(range(8)) + [99, 98, 97])
     assert b.block_table[:2] == a.block_table[:2]
     assert b.block_table[2] not in a.block_table
@@ -50,7 +51,8 @@ def test_prefix_hit_reuses_full_blocks_only():
 
 def test_lookup_allocates_nothing_and_counts():
     m, c = make()
-    m.create(1, c, "llama", range(12))
+    a = m.create(1, c, "llama", range(12))
+    m.mark_written(1, [a.seq_id])
     before = m.stats().classes[0]
     r = m.lookup(c, "llama", list(range(9)))
     assert r.num_cached_tokens == 8 and r.device_tokens == 8
@@ -237,7 +239,8 @@ def test_claims_refused_for_a_shared_partial_block():
 
 def test_drop_owner_frees_everything_but_keeps_cache():
     m, c = make()
-    m.create(1, c, "m", range(9))
+    s = m.create(1, c, "m", range(9))
+    m.mark_written(1, [s.seq_id])
     m.grant_reserve(1, c, 3)
     m.drop_owner(1)
     st = m.stats()
@@ -314,3 +317,32 @@ def test_extend_columns_matches_mapping_form():
         m2.extend_columns(1, np.array([ids[1], ids[1]]), np.array([1, 1]), np.array([1, 2]))
     with pytest.raises(InvalidArgument, match="out of range"):
         m2.extend_columns(1, np.array([ids[1]]), np.array([1]), np.array([-5]))
+
+
+def test_blocks_are_shared_across_owners_only_once_written():
+    m, c = make()
+    a = m.create(1, c, "llama", range(12))
+    # owner 2 must not read owner 1's blocks before their KV is written
+    assert m.create(2, c, "llama", range(12)).num_cached_tokens == 0
+    assert m.lookup(c, "llama", range(12), owner=2).num_cached_tokens == 0
+    # the writer itself may (its own batch writes them in the same forward)
+    assert m.create(1, c, "llama", range(12)).num_cached_tokens == 12
+    m.extend(1, {a.seq_id: [1]})  # a later call on the sequence says its earlier KV is written
+    assert m.create(2, c, "llama", range(12)).num_cached_tokens == 12
+    # blocks filled by that call wait for the next one
+    d = m.create(1, c, "llama", range(100, 103))
+    m.extend(1, {d.seq_id: [103]})
+    assert m.lookup(c, "llama", range(100, 104), owner=2).num_cached_tokens == 0
+    m.free(1, [d.seq_id])  # freeing says so too
+    assert m.lookup(c, "llama", range(100, 104), owner=2).num_cached_tokens == 4
+    m.check_invariants()
+
+
+def test_a_session_that_dies_unwritten_leaves_no_hits():
+    m, c = make()
+    m.create(1, c, "llama", range(12))
+    m.drop_owner(1)  # died before writing: the blocks may hold garbage
+    assert m.lookup(c, "llama", range(12), owner=2).num_cached_tokens == 0
+    st = m.stats().classes[0]
+    assert st.cached_blocks == 0 and st.used_blocks == 0
+    m.check_invariants()

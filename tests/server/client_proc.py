@@ -47,6 +47,7 @@ def main() -> None:
         if action == "write":
             seq = client.create_sequence(args["prompt"])
             write_tokens(client, seq, seq.num_cached_tokens, args["prompt"][seq.num_cached_tokens:])
+            client.mark_written(seq)
             out = {"table": seq.block_table.tolist()}
             if args.get("free"):
                 client.free(seq)
@@ -75,6 +76,7 @@ def main() -> None:
             time.sleep(args.get("linger", 0))
         elif action == "hold":
             seqs = [client.create_sequence(list(range(i, i + 10))) for i in range(args["n"])]
+            client.mark_written(seqs)  # as if their KV had been computed
             print(json.dumps({"holding": len(seqs), "session": client.session_id}), flush=True)
             while True:
                 time.sleep(1)

@@ -89,13 +89,15 @@ def test_same_model_shares_blocks_across_clients(daemon):
     with kvpool.connect(daemon.socket, name="a", layout=LAYOUT) as a, \
             kvpool.connect(daemon.socket, name="b", layout=LAYOUT) as b:
         sa = a.create_sequence(range(64))
+        assert b.lookup(range(64)) == 0  # not before a says the KV is written
+        a.mark_written(sa)
         sb = b.create_sequence(range(70))
         assert sb.num_cached_tokens == 64
         assert sb.block_table[:4].tolist() == sa.block_table.tolist()
         assert a.lookup(range(80)) == 64
         st = a.stats().classes[0]
-        # two creates and one lookup were queries; the second create and the lookup hit 64 tokens each
-        assert (st.prefix_queries, st.prefix_hits, st.prefix_hit_tokens) == (3, 2, 128)
+        # two creates and two lookups were queries; the second create and the last lookup hit 64 each
+        assert (st.prefix_queries, st.prefix_hits, st.prefix_hit_tokens) == (4, 2, 128)
 
 
 def test_failed_step_leaves_the_mirror_as_it_was(daemon_factory):

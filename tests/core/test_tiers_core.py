@@ -1,0 +1,213 @@
+"""The core's side of the tiers: placement, promotion, swapping, transfer holds (pure)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpoold.core import Geometry, InvalidArgument, KVCacheManager, OutOfBlocks, Tier, WrongState
+from kvpoold.core.hashing import chain_hashes, pack_tokens, root_hash
+
+from helpers import snapshot
+
+G = Geometry(1, 1, 4, "float16", 4)  # 64 bytes per block
+
+
+def make(blocks=8, host_blocks=0, disk_blocks=0, align=1):
+    bb = G.block_bytes
+    m = KVCacheManager(blocks * bb, chunk_bytes=bb, host_bytes=host_blocks * bb, disk_bytes=disk_blocks * bb,
+                       tier_align=align)
+    return m, m.register_class(G)
+
+
+def unchanged(m, fn, exc):
+    before = snapshot(m)
+    with pytest.raises(exc):
+        fn()
+    assert snapshot(m) == before
+
+
+def test_prefix_hit_on_lower_tiers_promotes_in_chain_order():
+    m, c = make(blocks=4, host_blocks=2, disk_blocks=4)
+    a = m.create(1, c, "m", range(16))  # 4 blocks fill the device
+    m.free(1, [a.seq_id])
+    b = m.create(1, c, "m", range(100, 116))  # evicts all of a's blocks: tail first
+    m.drain_moves()
+    assert m.lookup(c, "m", range(16)).num_cached_tokens == 16
+    m.free(1, [b.seq_id])
+    hit = m.create(2, c, "m", range(16))
+    assert hit.num_cached_tokens == 16
+    moves = m.drain_moves()
+    ins = [mv for mv in moves if mv.dst == Tier.DEVICE]
+    assert [mv.block for mv in ins] == list(hit.block_table)  # each promoted hash lands in its own block
+    hashes = chain_hashes(root_hash("m"), pack_tokens(range(16)), 4)
+    assert [mv.key for mv in ins] == [(c, h) for h in hashes]
+    # every device read of the call comes before the writes into the same blocks
+    for i, mv in enumerate(moves):
+        if mv.src == Tier.DEVICE:
+            assert all(w.block != mv.block for w in moves[:i] if w.dst == Tier.DEVICE)
+    pool = m.classes[c]
+    assert all(pool.hash_of[b] == h for b, h in zip(hit.block_table, hashes))
+    st = m.stats()
+    assert st.classes[0].promoted_blocks == 4 and st.classes[0].demoted_blocks >= 4
+    m.check_invariants()
+
+
+def test_promoted_keys_are_not_victims_of_the_same_call():
+    # the host holds exactly the prompt's blocks; making room for the promotion demotes other blocks
+    m, c = make(blocks=4, host_blocks=4)
+    a = m.create(1, c, "m", range(16))
+    m.free(1, [a.seq_id])
+    b = m.create(1, c, "m", range(200, 216))  # a's 4 blocks -> host
+    m.free(1, [b.seq_id])
+    m.drain_moves()
+    hit = m.create(1, c, "m", range(16))  # promotes 4 from host, evicts b's 4 to the host
+    assert hit.num_cached_tokens == 16
+    moves = m.drain_moves()
+    taken = {mv.key for mv in moves if mv.dst == Tier.DEVICE}
+    dropped = {mv.key for mv in moves if mv.dst is None}
+    assert not taken & dropped and len(taken) == 4
+    m.check_invariants()
+
+
+def test_swap_out_in_round_trip_and_refusals():
+    m, c = make(blocks=8, host_blocks=3, disk_blocks=3)
+    s = m.create(1, c, "m", range(18))  # 5 blocks, the last one partial
+    out = m.swap_out(1, [s.seq_id])
+    assert out == (3, 2)  # the host takes 3, the disk the rest
+    moves = m.drain_moves()
+    assert [mv.block for mv in moves if mv.src == Tier.DEVICE] == list(s.block_table)
+    info = m.sequence(1, s.seq_id)
+    assert info.swapped and info.block_table == () and info.num_tokens == 18
+    unchanged(m, lambda: m.extend(1, {s.seq_id: [1]}), WrongState)
+    unchanged(m, lambda: m.fork(1, s.seq_id), WrongState)
+    unchanged(m, lambda: m.swap_out(1, [s.seq_id]), WrongState)
+    other = m.create(1, c, "m", range(500, 504))
+    unchanged(m, lambda: m.swap_in(1, [other.seq_id]), WrongState)
+    unchanged(m, lambda: m.swap_out(2, [other.seq_id]), Exception)  # not the owner
+    m.check_invariants()
+    back = m.swap_in(1, [s.seq_id])[0]
+    assert not back.swapped and len(back.block_table) == 5
+    moves = m.drain_moves()
+    ins = [mv for mv in moves if mv.dst == Tier.DEVICE]
+    drops = [mv for mv in moves if mv.dst is None]
+    # hashed blocks still cached on the device are shared back instead of copied
+    assert len(ins) + len(drops) == 5
+    assert all(t.pinned == 0 for t in m.placement.lower)
+    m.extend(1, {s.seq_id: [7, 7]})  # live again
+    st = m.stats().classes[0]
+    assert st.swapped_out_blocks == st.swapped_in_blocks == 5 and st.swapped_sequences == 0
+    m.check_invariants()
+
+
+def test_swap_out_without_room_or_tiers_changes_nothing():
+    m, c = make(blocks=8, host_blocks=2)
+    s = m.create(1, c, "m", range(12))  # 3 blocks, room for 2
+    unchanged(m, lambda: m.swap_out(1, [s.seq_id]), OutOfBlocks)
+    m2, c2 = make(blocks=8)
+    s2 = m2.create(1, c2, "m", range(4))
+    unchanged(m2, lambda: m2.swap_out(1, [s2.seq_id]), WrongState)
+
+
+def test_swap_in_needs_device_room_and_changes_nothing_without_it():
+    m, c = make(blocks=4, host_blocks=8)
+    s = m.create(1, c, "m", range(13))  # 4 blocks (the last partial)
+    m.swap_out(1, [s.seq_id])
+    filler = m.create(2, c, "x", range(700, 716))  # holds the whole device
+    m.drain_moves()
+    unchanged(m, lambda: m.swap_in(1, [s.seq_id]), OutOfBlocks)
+    m.free(2, [filler.seq_id])
+    assert len(m.swap_in(1, [s.seq_id])[0].block_table) == 4
+    m.check_invariants()
+
+
+def test_freeing_a_swapped_sequence_drops_its_copies():
+    m, c = make(blocks=8, host_blocks=8)
+    s = m.create(1, c, "m", range(10))
+    m.swap_out(1, [s.seq_id])
+    m.drain_moves()
+    m.free(1, [s.seq_id])
+    moves = m.drain_moves()
+    assert len(moves) == 3 and all(mv.dst is None and mv.src == Tier.HOST for mv in moves)
+    assert all(len(t) == 0 for t in m.placement.lower)
+    m.check_invariants()
+
+
+def test_pinned_swap_copies_are_never_evicted():
+    m, c = make(blocks=4, host_blocks=4)
+    s = m.create(1, c, "m", range(8))  # 2 blocks
+    m.swap_out(1, [s.seq_id])
+    for k in range(6):  # cached traffic through a host tier half full of pinned copies
+        x = m.create(2, c, "m", range(1000 * (k + 1), 1000 * (k + 1) + 16))
+        m.free(2, [x.seq_id])
+    m.drain_moves()
+    host = m.placement.lower[0]
+    assert host.pinned == 2 * G.block_bytes and len(host) == 4
+    assert len(m.swap_in(1, [s.seq_id])[0].block_table) == 2
+    m.check_invariants()
+
+
+def test_holds_keep_blocks_until_released():
+    m, c = make(blocks=4)
+    s = m.create(1, c, "m", range(8))
+    b = list(s.block_table)
+    m.hold_blocks(c, b)
+    m.free(1, [s.seq_id])
+    pool = m.classes[c]
+    assert all(blk not in pool.cached and blk not in pool.free for blk in b)  # still held
+    m.check_invariants()
+    unchanged(m, lambda: m.release_holds(c, b + b), InvalidArgument)
+    m.release_holds(c, b)
+    assert all(blk in pool.cached for blk in b)
+    unchanged(m, lambda: m.hold_blocks(c, b), InvalidArgument)  # cached: nothing to hold
+    m.check_invariants()
+
+
+def test_invalidated_block_is_never_a_prefix_hit_until_its_owner_is_told():
+    m, c = make(blocks=8)
+    s = m.create(1, c, "m", range(8))
+    m.mark_written(1, [s.seq_id])
+    digest = m.invalidate_block(c, s.block_table[1])
+    assert digest is not None
+    assert m.lookup(c, "m", range(8)).num_cached_tokens == 4
+    assert m.register_block(1, s.seq_id, s.block_table[1], digest)
+    assert m.lookup(c, "m", range(8), owner=1).num_cached_tokens == 8  # its owner rewrites it...
+    assert m.lookup(c, "m", range(8), owner=2).num_cached_tokens == 4  # ...others wait for that
+    m.mark_written(1, [s.seq_id])
+    assert m.lookup(c, "m", range(8), owner=2).num_cached_tokens == 8
+    assert m.stats().classes[0].lost_blocks == 1
+    m.check_invariants()
+
+
+def test_restart_entries_load_oldest_first_as_far_as_they_fit():
+    m, c = make(blocks=4, disk_blocks=2)
+    assert m.load_lower(Tier.DISK, c, b"a" * 16, G.block_bytes)
+    assert not m.load_lower(Tier.DISK, c, b"a" * 16, G.block_bytes)  # known already
+    assert m.load_lower(Tier.DISK, c, b"b" * 16, G.block_bytes)
+    assert not m.load_lower(Tier.DISK, c, b"c" * 16, G.block_bytes)  # full
+    assert m.placement.lower[1].keys() == [(c, b"a" * 16), (c, b"b" * 16)]
+    m.check_invariants()
+
+
+def test_a_lost_copy_is_forgotten_unless_pinned():
+    m, c = make(blocks=4, host_blocks=8)
+    a = m.create(1, c, "m", range(16))
+    m.free(1, [a.seq_id])
+    m.evict_cached(c)
+    key = m.drain_moves()[0].key
+    assert m.forget_lower(key) and m.placement.locate(key) is None
+    s = m.create(1, c, "m", range(300, 304))
+    m.swap_out(1, [s.seq_id])
+    (swap_key,) = [k for k in m.placement.lower[0].pinned_keys()]
+    assert not m.forget_lower(swap_key)  # the swap-in reports the loss instead
+    m.check_invariants()
+
+
+def test_alignment_charges_whole_pages():
+    m = KVCacheManager(4 * G.block_bytes, chunk_bytes=G.block_bytes, host_bytes=8192, tier_align=4096)
+    c = m.register_class(G)
+    s = m.create(1, c, "m", range(16))
+    m.free(1, [s.seq_id])
+    m.evict_cached(c)
+    host = m.placement.lower[0]
+    assert len(host) == 2 and host.used == 8192  # 64-byte blocks take a page each
+    m.check_invariants()
