@@ -357,9 +357,7 @@ class KVCacheManager:
             raise InvalidArgument(f"token counts add up to {int(counts.sum())} but {len(tokens)} tokens were sent")
         new_nt = nt + counts
         grow = -(-new_nt // bs) + (nt // -bs)  # new blocks: ceil(new/bs) - ceil(old/bs)
-        cow = np.zeros(n, np.bool_)
-        for i in np.flatnonzero((counts > 0) & (nt % bs != 0) & t.maybe_shared[slots]):
-            cow[i] = pool.is_shared(t.blocks[slots[i]][-1])
+        cow = self._plan_copy_on_write(pool, slots, nt, counts)
         has = None
         if claim_counts is not None or claims is not None:
             has, claims, claimed_at = self._check_claims(owner, c0, seq_ids, counts, grow, cow, claim_counts, claims)
@@ -402,6 +400,25 @@ class KVCacheManager:
         self._append_general(owner, pool, slots, nt, counts, tokens)
         t.ntok[slots] = new_nt
         return ExtendResult.from_deltas(deltas, copies)
+
+    def _plan_copy_on_write(self, pool: ClassPool, slots, nt, counts) -> np.ndarray:
+        """Which sequences of the batch must copy their shared, partly filled last block.
+
+        When every holder of such a block appends in this one call, the last
+        of them keeps the block and the others copy it (one copy fewer).
+        """
+        t = self.seqs
+        cow = np.zeros(len(slots), np.bool_)
+        sharers: dict[int, list[int]] = {}
+        for i in np.flatnonzero((counts > 0) & (nt % pool.block_size != 0) & t.maybe_shared[slots]).tolist():
+            last = t.blocks[slots[i]][-1]
+            if pool.is_shared(last):
+                sharers.setdefault(last, []).append(i)
+        for block, idx in sharers.items():
+            keeper = idx[-1] if len(idx) == 1 + pool.extra[block] else None
+            for i in idx:
+                cow[i] = i != keeper
+        return cow
 
     def _confirm_written(self, owner: int, pool: ClassPool, slots) -> None:
         """A call on these sequences says the KV of the tokens they had before is written."""

@@ -346,3 +346,19 @@ def test_a_session_that_dies_unwritten_leaves_no_hits():
     st = m.stats().classes[0]
     assert st.cached_blocks == 0 and st.used_blocks == 0
     m.check_invariants()
+
+
+def test_fork_then_both_append_in_one_call_copies_once():
+    m, c = make()
+    a = m.create(1, c, "llama", range(6))  # block 1 is half full
+    f = m.fork(1, a.seq_id)
+    r = m.extend(1, {a.seq_id: [40], f.seq_id: [50]})
+    (copy,) = r.copies  # one copies, the last of the batch (the fork) keeps the block
+    assert copy.src == a.block_table[1]
+    assert m.sequence(1, a.seq_id).block_table == (a.block_table[0], copy.dst)
+    assert m.sequence(1, f.seq_id).block_table == a.block_table
+    g = m.fork(1, f.seq_id)
+    h = m.fork(1, f.seq_id)
+    r = m.extend(1, {g.seq_id: [1], h.seq_id: [2]})  # f holds the block too: both copy
+    assert len(r.copies) == 2
+    m.check_invariants()
