@@ -130,6 +130,11 @@ class Tiers:
         if self.engine is None:
             apply_slabs()
             return []
+        if self._loop is None:  # completions wake the loop from now on (not only while someone awaits)
+            try:
+                self._bind_loop()
+            except RuntimeError:
+                pass  # no running loop: tests and tools poll
         self.engine.poll()
         moves = self.manager.drain_moves()
         if not moves:

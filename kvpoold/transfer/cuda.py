@@ -25,15 +25,15 @@ import numpy as np
 DEFAULT_STAGING = 64 << 20  # per direction, on the GPU, taken on first use
 
 
-def runs(offsets: list[int], size: int) -> list[tuple[int, int]]:
-    """[i0, i1) index ranges whose host offsets follow each other by ``size`` (offset -1: alone)."""
-    out = []
-    i0 = 0
-    for i in range(1, len(offsets) + 1):
-        if i == len(offsets) or offsets[i] < 0 or offsets[i - 1] < 0 or offsets[i] != offsets[i - 1] + size:
-            out.append((i0, i))
-            i0 = i
-    return out
+def runs(offsets, size: int) -> list[tuple[int, int]]:
+    """[i0, i1) index ranges whose host offsets follow each other by ``size`` (offset < 0: alone)."""
+    off = np.asarray(offsets, np.int64)
+    if off.size == 0:
+        return []
+    joined = (off[1:] == off[:-1] + size) & (off[1:] >= 0) & (off[:-1] >= 0)
+    starts = np.flatnonzero(~joined) + 1
+    bounds = [0, *starts.tolist(), off.size]
+    return list(zip(bounds[:-1], bounds[1:]))
 
 
 class CudaCopier:

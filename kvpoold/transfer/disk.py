@@ -214,7 +214,8 @@ class DiskStore:
         self.entries: dict[tuple, DiskEntry] = {}  # (class id, digest or swap number) -> entry
         #: blocks found at start, before their class exists: layout id -> {digest: entry}, oldest first
         self.found: dict[int, dict[bytes, DiskEntry]] = {}
-        self._pending: list[tuple[DiskEntry, np.ndarray, object]] = []  # writes not submitted yet
+        self._pending: list[tuple] = []  # writes not submitted yet: (key, entry, view, on_done)
+        self._pending_reads: list[tuple] = []  # reads not submitted yet
         self._logbuf = bytearray()
         self._log_records = 0
         self._writers = ThreadPoolExecutor(io_threads, thread_name_prefix="kvpool-disk-w")
@@ -382,7 +383,11 @@ class DiskStore:
         self._pending.append((key, e, view, on_done))
 
     def flush(self) -> None:
-        """Submit the queued writes, a run of consecutive slots of one file per job."""
+        """Submit the queued writes and reads (a run of consecutive slots of one file per job)."""
+        self._submit_writes()
+        self._submit_reads()
+
+    def _submit_writes(self) -> None:
         pending, self._pending = self._pending, []
         pending.sort(key=lambda p: (p[1].gid, p[1].offset))
         job: list = []
@@ -454,42 +459,69 @@ class DiskStore:
             e.logged = False
         e.forgotten = True
         e.pins += 1  # the read
-        self._readers.submit(self._read_job, key, e, view, on_done)
+        self._pending_reads.append((key, e, view, on_done))
 
-    def _read_job(self, key, e: DiskEntry, view: np.ndarray, on_done) -> None:
-        e.ready.wait()
-        ok = corrupt = False
-        if e.ok:
+    def _submit_reads(self) -> None:
+        """A run of consecutive slots of one file, whose blocks fill their slots, is one job."""
+        reads, self._pending_reads = self._pending_reads, []
+        reads.sort(key=lambda r: (r[1].gid, r[1].offset))
+        job: list = []
+        for item in reads:
+            e = item[1]
+            if job:
+                last = job[-1][1]
+                stride = self.files[e.gid].stride
+                contiguous = (e.gid == last.gid and e.offset == last.offset + stride and e.nbytes == stride
+                              and last.nbytes == stride)
+                if not contiguous or len(job) >= MAX_BATCH_ITEMS or len(job) * stride >= MAX_BATCH_BYTES:
+                    self._readers.submit(self._read_job, job)
+                    job = []
+            job.append(item)
+        if job:
+            self._readers.submit(self._read_job, job)
+
+    def _read_job(self, job: list) -> None:
+        for _, e, _, _ in job:
+            e.ready.wait()  # a block whose write is still running
+        f = self.files[job[0][1].gid]
+        bufs = [view[:e.nbytes] for _, e, view, _ in job]
+        results = [(False, False)] * len(job)
+        if all(e.ok for _, e, _, _ in job):
             self.meters.disk_read.start()
-            f = self.files[e.gid]
+            nbytes = 0
             try:
-                buf = view[:e.nbytes]
-                if f.dfd is not None and e.nbytes % ALIGN == 0 and _aligned(buf):
-                    try:
-                        _preadv_all(f.dfd, [buf], e.offset)
-                    except OSError as exc:
-                        if exc.errno != errno.EINVAL:
-                            raise
-                        _preadv_all(f.fd, [buf], e.offset)
-                else:
-                    _preadv_all(f.fd, [buf], e.offset)
-                ok = checksum(buf) == e.checksum
-                corrupt = not ok
+                direct = f.dfd is not None and all(_aligned(b) for b in bufs)
+                try:
+                    _preadv_all(f.dfd if direct else f.fd, bufs, job[0][1].offset)
+                except OSError as exc:
+                    if not direct or exc.errno != errno.EINVAL:
+                        raise
+                    _preadv_all(f.fd, bufs, job[0][1].offset)
+                results = []
+                for (_, e, _, _), buf in zip(job, bufs):
+                    ok = checksum(buf) == e.checksum
+                    results.append((ok, not ok))
+                    nbytes += e.nbytes if ok else 0
             except Exception as exc:  # noqa: BLE001 - reported through the completion
-                log.error("disk tier: reading block %s failed: %s", key, exc)
-            self.meters.disk_read.stop(e.nbytes if ok else 0, 1)
-        self.post(lambda: self._read_done(key, e, ok, corrupt, on_done))
+                log.error("disk tier: reading %d blocks failed: %s", len(job), exc)
+            self.meters.disk_read.stop(nbytes, len(job))
+        elif len(job) > 1:  # a write failed: the others one by one
+            for item in job:
+                self._read_job([item])
+            return
+        self.post(lambda: self._read_done(job, results))
 
-    def _read_done(self, key, e: DiskEntry, ok: bool, corrupt: bool, on_done) -> None:
-        if corrupt:
-            self.corrupt += 1
-            log.warning("disk tier: block %s failed its checksum: dropped, not served", key)
-        elif not ok:
-            self.lost += 1
-        e.pins -= 1
-        self._release(e)
+    def _read_done(self, job: list, results: list) -> None:
+        for (key, e, _, on_done), (ok, corrupt) in zip(job, results):
+            if corrupt:
+                self.corrupt += 1
+                log.warning("disk tier: block %s failed its checksum: dropped, not served", key)
+            elif not ok:
+                self.lost += 1
+            e.pins -= 1
+            self._release(e)
+            on_done(ok, corrupt)
         self._flush_log()
-        on_done(ok, corrupt)
 
     def drop(self, key: tuple) -> bool:
         """Forget ``key``'s block; its slot is reused once a write in flight is done."""

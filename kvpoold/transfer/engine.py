@@ -34,6 +34,8 @@ event loop: ``notify`` wakes it), so the bookkeeping is single-threaded.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import queue
 import threading
@@ -49,6 +51,27 @@ log = logging.getLogger("kvpoold")
 
 DEFAULT_STAGING_CPU = 32 << 20
 DEFAULT_STAGING_GPU = 256 << 20
+GC_PAUSE_MOVES = 256  # batches this large run with the cyclic GC paused (see _gc_paused)
+
+
+@contextlib.contextmanager
+def _gc_paused(n: int):
+    """Pause the cyclic garbage collector around a large batch.
+
+    A batch makes a few Python objects per block (moves, slots, arrivals);
+    with a daemon's worth of long-lived objects, the collections that those
+    allocations trigger cost more than the bookkeeping itself (measured: 1.5
+    vs 2-5 us per block).  Nothing here makes cycles; the collector catches
+    up after the batch.
+    """
+    if n < GC_PAUSE_MOVES or not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 class Arrival:
@@ -135,13 +158,14 @@ class TransferEngine:
     def poll(self) -> int:
         """Run the completions queued so far; returns how many."""
         n = 0
-        while True:
-            try:
-                fn = self._q.get_nowait()
-            except queue.Empty:
-                return n
-            fn()
-            n += 1
+        with _gc_paused(self._q.qsize() * GC_PAUSE_MOVES):  # a completion often finishes a whole batch
+            while True:
+                try:
+                    fn = self._q.get_nowait()
+                except queue.Empty:
+                    return n
+                fn()
+                n += 1
 
     def _wait_one(self, timeout: float | None = None) -> bool:
         """Block until one completion ran; False if nothing is in flight (or the timeout passed)."""
@@ -156,10 +180,11 @@ class TransferEngine:
 
     def wait(self, arrivals, timeout: float | None = None) -> bool:
         """Block until every arrival is done (tests, benchmarks; the daemon awaits instead)."""
-        for a in arrivals:
-            while not a.done:
-                if not self._wait_one(timeout):
-                    return False
+        with _gc_paused(len(arrivals)):
+            for a in arrivals:
+                while not a.done:
+                    if not self._wait_one(timeout):
+                        return False
         return True
 
     def idle(self) -> bool:
@@ -188,12 +213,18 @@ class TransferEngine:
             slot = self.host.alloc(nbytes)
             if slot is not None:
                 return slot
+            if self.disk is not None:
+                self.disk.flush()  # queued disk jobs must run for their slots to come back
             if not self._wait_one():  # nothing in flight will free one
                 return self.host.temp(nbytes)
 
     # -- a call's moves ------------------------------------------------------------------------------
     def submit(self, moves: list[Move], between=None) -> list[Arrival]:
         """Run one call's moves (module docstring); returns the arrivals of its device writes."""
+        with _gc_paused(len(moves)):
+            return self._submit(moves, between)
+
+    def _submit(self, moves: list[Move], between) -> list[Arrival]:
         outs: list[Move] = []
         out_keys: set = set()
         writes: list[Move] = []

@@ -33,14 +33,21 @@ ALIGN = 4096
 class Slot:
     """A piece of host memory holding one block (``offset`` -1: a temporary buffer)."""
 
-    __slots__ = ("offset", "size", "view", "pins", "orphan")
+    __slots__ = ("offset", "size", "_buf", "pins", "orphan")
 
-    def __init__(self, offset: int, size: int, view: np.ndarray) -> None:
+    def __init__(self, offset: int, size: int, buf: np.ndarray) -> None:
         self.offset = offset
         self.size = size
-        self.view = view  # uint8, ``size`` bytes
+        self._buf = buf  # the store's whole buffer, or the temporary buffer itself (offset -1)
         self.pins = 0
         self.orphan = False  # its key is gone: free it when the last pin goes
+
+    @property
+    def view(self) -> np.ndarray:
+        """The slot's ``size`` bytes (made on use: the GPU path copies by offset and never needs it)."""
+        if self.offset < 0:
+            return self._buf
+        return self._buf[self.offset:self.offset + self.size]
 
 
 def aligned_empty(nbytes: int, align: int = ALIGN) -> np.ndarray:
@@ -118,8 +125,7 @@ class HostStore:
         off = self.slots.alloc(nbytes)
         if off is None:
             return None
-        size = self.slots.size_of(off)
-        return Slot(off, size, self.buf[off:off + size])
+        return Slot(off, self.slots.size_of(off), self.buf)
 
     @staticmethod
     def temp(nbytes: int) -> Slot:
@@ -146,7 +152,7 @@ class HostStore:
         slot.orphan = False
         if slot.offset >= 0:
             self.slots.free(slot.offset)
-            slot.offset = -2  # freed: a second free is a bug that must not pass silently
+            slot.offset, slot._buf = -2, None  # freed: a second free or a late read must fail loudly
 
     # -- keyed entries --------------------------------------------------------------------------
     def put(self, key: tuple, slot: Slot) -> None:

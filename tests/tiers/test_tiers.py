@@ -238,3 +238,22 @@ def test_stats_table_shows_the_tiers(tier_daemon):
     for row in ("promoted (blocks)", "demoted (blocks)", "swapped out / in", "written to tier", "GB/s",
                 "host tier", "disk tier"):
         assert row in text, f"{row!r} missing from:\n{text}"
+
+
+def test_disk_directory_defaults_and_a_clear_error_without_one(daemon_factory, tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    from kvpoold.server.tiers import STATE_DIRECTORY, resolve_disk_dir
+
+    assert resolve_disk_dir("/somewhere") == "/somewhere"
+    monkeypatch.setenv("STATE_DIRECTORY", str(tmp_path))  # what systemd sets for StateDirectory=
+    assert resolve_disk_dir("") == str(tmp_path)
+    monkeypatch.delenv("STATE_DIRECTORY")
+    assert resolve_disk_dir("") == (STATE_DIRECTORY if os.path.isdir(STATE_DIRECTORY) else "")
+    if os.path.isdir(STATE_DIRECTORY):
+        pytest.skip(f"{STATE_DIRECTORY} exists here: it is the default")
+    d = daemon_factory("--disk-bytes", "1MiB", start=False)
+    out = subprocess.run([sys.executable, "-m", "kvpoold", *d.args], capture_output=True, text=True, timeout=120,
+                         env={k: v for k, v in os.environ.items() if k != "STATE_DIRECTORY"})
+    assert out.returncode == 2 and "--disk-dir" in out.stderr, out.stderr

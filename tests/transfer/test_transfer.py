@@ -1,0 +1,267 @@
+"""The transfer layer on the CPU: slots, the disk store (checksums, index, restart), the engine."""
+
+from __future__ import annotations
+
+import errno
+import os
+import queue
+
+import numpy as np
+import pytest
+import torch
+
+from kvpoold.core.tiers import Move, Tier
+from kvpoold.transfer import disk as disk_mod
+from kvpoold.transfer.disk import MAGIC, DiskStore, DiskTierError
+from kvpoold.transfer.engine import TransferEngine
+from kvpoold.transfer.host import HostStore, aligned_empty
+from kvpoold.transfer.slots import SlotAllocator
+
+BB = 8192
+GEOM = {"num_layers": 1, "num_kv_heads": 1, "head_dim": 8, "dtype": "float16", "block_size": 16, "block_bytes": BB}
+
+
+def data(i: int, n: int = BB) -> np.ndarray:
+    return np.random.default_rng(i).integers(0, 256, n, dtype=np.uint8)
+
+
+# -- slots --------------------------------------------------------------------------------------------
+def test_slots_hand_out_the_lowest_free_first_and_reuse_exactly():
+    s = SlotAllocator(10 * 4096)
+    got = [s.alloc(4096) for _ in range(10)]
+    assert got == [i * 4096 for i in range(10)] and s.alloc(1) is None
+    for off in (8192, 4096, 20480):
+        s.free(off)
+    assert [s.alloc(4096) for _ in range(3)] == [4096, 8192, 20480]  # a contiguous run again
+    s.free(0)
+    assert s.alloc(100) == 0 and s.used == 10 * 4096
+
+
+def test_slots_of_another_size_are_taken_whole_and_keep_their_size():
+    s = SlotAllocator(3 * 4096)
+    big = s.alloc(8192)
+    s.alloc(4096)
+    s.free(big)
+    assert s.alloc(4096) == big and s.size_of(big) == 8192  # the larger free slot, whole
+    s.free(big)
+    assert s.alloc(8192) == big
+
+
+def test_slots_rebuilt_from_a_file():
+    s = SlotAllocator(None)
+    for off in (0, 3 * 4096, 4 * 4096):
+        s.reserve(off, 4096)
+    s.seal(4096)
+    assert sorted(s.alloc(4096) for _ in range(3)) == [4096, 8192, 5 * 4096]
+
+
+# -- the disk store -------------------------------------------------------------------------------------
+class Loop:
+    """Stands for the daemon's event loop: runs what the store's workers post."""
+
+    def __init__(self):
+        self.q = queue.SimpleQueue()
+
+    def post(self, fn):
+        self.q.put(fn)
+
+    def until(self, cond, limit=10_000):
+        while not cond():
+            self.q.get(timeout=30)()
+            limit -= 1
+            assert limit
+
+
+def open_store(path, loop, capacity=64 * BB, **kw):
+    store = DiskStore(str(path), capacity, post=loop.post, **kw)
+    gid = store.layout_id(GEOM)
+    store.bind(0, gid)
+    return store
+
+
+def write(store, loop, keys):
+    done = []
+    bufs = {}
+    for k in keys:
+        buf = aligned_empty(BB)
+        buf[:] = data(hash(k[1]) % 1000)
+        bufs[k] = buf
+        store.write(k, buf, BB, lambda ok, key: done.append(ok))
+    store.flush()
+    loop.until(lambda: len(done) == len(keys))
+    assert all(done)
+    return bufs
+
+
+def read(store, loop, keys):
+    out, results = {}, {}
+    for k in keys:
+        out[k] = aligned_empty(BB)
+        store.read(k, out[k], lambda ok, corrupt, k=k: results.__setitem__(k, (ok, corrupt)))
+    store.flush()
+    loop.until(lambda: len(results) == len(keys))
+    return out, results
+
+
+def close(store, loop):
+    store.drain()
+    while not loop.q.empty():
+        loop.q.get()()
+    store.sync()
+    store.close()
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_disk_round_trip_with_checksums(tmp_path, direct):
+    loop = Loop()
+    store = open_store(tmp_path, loop, direct=direct)
+    keys = [(0, bytes([i]) * 16) for i in range(20)] + [(0, 7), (0, 8)]  # prefix blocks and swap copies
+    bufs = write(store, loop, keys)
+    out, results = read(store, loop, keys)
+    assert all(results[k] == (True, False) for k in keys)
+    assert all(np.array_equal(out[k], bufs[k]) for k in keys)
+    assert not store.entries  # a read takes the block out (promotion)
+    close(store, loop)
+
+
+def test_corrupt_block_is_reported_and_dropped(tmp_path):
+    loop = Loop()
+    store = open_store(tmp_path, loop)
+    keys = [(0, bytes([i]) * 16) for i in range(3)]
+    write(store, loop, keys)
+    victim = store.entries[keys[1]]
+    with open(store.files[victim.gid].path, "r+b") as f:
+        f.seek(victim.offset + 17)
+        b = f.read(1)
+        f.seek(victim.offset + 17)
+        f.write(bytes([b[0] ^ 1]))
+    os.posix_fadvise(store.files[victim.gid].fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    _, results = read(store, loop, keys)
+    assert results[keys[1]] == (False, True) and results[keys[0]][0] and results[keys[2]][0]
+    assert store.corrupt == 1
+    close(store, loop)
+
+
+def test_index_survives_a_restart_and_a_torn_tail(tmp_path):
+    loop = Loop()
+    store = open_store(tmp_path, loop)
+    keys = [(0, bytes([i]) * 16) for i in range(10)]
+    bufs = write(store, loop, keys)
+    assert store.drop(keys[3])
+    read(store, loop, [keys[4]])  # promoted: gone from the index too
+    write(store, loop, [(0, 99)])  # a swap copy: never indexed
+    close(store, loop)
+    with open(tmp_path / "index.log", "ab") as f:
+        f.write(b"\x01torn record")  # a crash in the middle of an append
+    loop = Loop()
+    store = DiskStore(str(tmp_path), 64 * BB, post=loop.post)
+    (gid,) = store.geoms
+    found = store.found[gid]
+    survivors = [k for i, k in enumerate(keys) if i not in (3, 4)]
+    assert list(found) == [k[1] for k in survivors]  # oldest first
+    store.bind(0, gid)
+    for k in survivors:
+        store.adopt(0, k[1])
+    assert store.reject_found() == 0
+    out, results = read(store, loop, survivors)
+    assert all(results[k] == (True, False) for k in survivors)
+    assert all(np.array_equal(out[k], bufs[k]) for k in survivors)
+    # the freed slots are reused, not appended
+    write(store, loop, [(0, b"n" * 16)])
+    assert store.entries[(0, b"n" * 16)].offset < 10 * BB
+    close(store, loop)
+    assert (tmp_path / "index.log").read_bytes().startswith(MAGIC)
+
+
+def test_one_daemon_per_disk_directory(tmp_path):
+    loop = Loop()
+    store = open_store(tmp_path, loop)
+    with pytest.raises(DiskTierError, match="another kvpoold"):
+        DiskStore(str(tmp_path), BB, post=loop.post)
+    close(store, loop)
+    DiskStore(str(tmp_path), BB, post=loop.post).close()  # free again
+
+
+def test_failed_write_is_reported(tmp_path, monkeypatch):
+    loop = Loop()
+    store = open_store(tmp_path, loop)
+
+    def full(fd, bufs, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(disk_mod, "_pwritev_all", full)
+    done = []
+    store.write((0, b"x" * 16), aligned_empty(BB), BB, lambda ok, key: done.append((ok, key)))
+    store.flush()
+    loop.until(lambda: done)
+    assert done == [(False, (0, b"x" * 16))] and (0, b"x" * 16) not in store and store.lost == 1
+    close(store, loop)
+
+
+# -- the engine ------------------------------------------------------------------------------------------
+def engine_with_pool(tmp_path, host_blocks, disk_blocks, staging=None, blocks=64):
+    eng = TransferEngine(host_bytes=host_blocks * BB, disk_dir=str(tmp_path / "d") if disk_blocks else None,
+                         disk_bytes=disk_blocks * BB, staging_bytes=staging)
+    pool = torch.zeros(blocks, BB, dtype=torch.uint8)
+    eng.add_class(0, BB, pool)
+    if eng.disk is not None:
+        eng.disk.bind(0, eng.disk.layout_id(GEOM))
+    return eng, pool.numpy()
+
+
+def test_engine_moves_bytes_down_and_back_up(tmp_path):
+    eng, rows = engine_with_pool(tmp_path, host_blocks=4, disk_blocks=16)
+    for b in range(8):
+        rows[b] = data(b)
+    keys = [(0, bytes([b]) * 16) for b in range(8)]
+    # 4 to the host, 4 to disk directly; then 2 host blocks pushed to disk
+    moves = [Move(keys[b], Tier.DEVICE, Tier.HOST if b < 4 else Tier.DISK, b, BB) for b in range(8)]
+    moves += [Move(keys[0], Tier.HOST, Tier.DISK, -1, BB), Move(keys[1], Tier.HOST, Tier.DISK, -1, BB)]
+    assert eng.submit(moves) == []
+    rows[:8] = 0  # the device blocks are reused: the copies were taken before submit returned
+    back = [Move(keys[b], Tier.HOST if b in (2, 3) else Tier.DISK, Tier.DEVICE, 20 + b, BB) for b in range(8)]
+    arrivals = eng.submit(back)
+    assert eng.wait(arrivals) and all(a.ok for a in arrivals)
+    for b in range(8):
+        assert np.array_equal(rows[20 + b], data(b)), f"block {b}"
+    eng.drain()
+    assert not eng.host.entries and not eng.disk.entries
+    assert eng.host.slots.used == 0
+    eng.close()
+
+
+def test_engine_waits_for_staging_instead_of_failing(tmp_path):
+    # no host tier, room for 2 blocks of staging: 30 demotions to disk in one call
+    eng, rows = engine_with_pool(tmp_path, host_blocks=0, disk_blocks=64, staging=2 * BB)
+    for b in range(30):
+        rows[b] = data(100 + b)
+    keys = [(0, 1000 + b) for b in range(30)]
+    eng.submit([Move(keys[b], Tier.DEVICE, Tier.DISK, b, BB) for b in range(30)])
+    rows[:30] = 0
+    arrivals = eng.submit([Move(keys[b], Tier.DISK, Tier.DEVICE, 32 + b, BB) for b in range(30)])
+    assert eng.wait(arrivals) and all(a.ok for a in arrivals)
+    assert all(np.array_equal(rows[32 + b], data(100 + b)) for b in range(30))
+    eng.close()
+
+
+def test_engine_reports_a_missing_copy_as_a_failed_arrival(tmp_path):
+    eng, rows = engine_with_pool(tmp_path, host_blocks=4, disk_blocks=4)
+    lost = []
+    eng.on_lost = lost.append
+    arrivals = eng.submit([Move((0, b"?" * 16), Tier.HOST, Tier.DEVICE, 3, BB),
+                           Move((0, b"!" * 16), Tier.DISK, Tier.DEVICE, 4, BB)])
+    assert eng.wait(arrivals) and [a.ok for a in arrivals] == [False, False]
+    eng.submit([Move((0, b"?" * 16), Tier.HOST, Tier.DISK, -1, BB)])  # nothing on the host to push
+    assert lost == [(0, b"?" * 16)]
+    eng.close()
+
+
+def test_host_slot_is_freed_only_after_its_last_copy(tmp_path):
+    host = HostStore(2 * 4096, 0)
+    a = host.alloc(4096)
+    host.put("k", a)
+    host.pin(a)
+    assert host.drop("k")
+    assert host.alloc(4096) is not None and host.alloc(4096) is None  # a is still pinned
+    host.unpin(a)
+    assert host.alloc(4096) is not None
