@@ -43,7 +43,9 @@ def worker(socket: str, iters: int, decode_steps: int, barrier, out_q) -> None:
 
     layout = kvpool.Layout(**LAYOUT_ARGS)
     with kvpool.connect(socket, name=f"bench-{os.getpid()}", layout=layout) as c:
-        seqs = c.create_sequences([[i, i + 1, i + 2, os.getpid() % 1000] for i in range(BATCH)])
+        # varied prompt lengths, as in a real batch: about 1/16 of the sequences cross a
+        # block boundary at each step (all of them every 16th step would be an artefact)
+        seqs = c.create_sequences([[os.getpid() % 1000] * (20 + (i * 7) % 64) for i in range(BATCH)])
         ids = np.array([s.id for s in seqs], "<i8").tobytes()
         ping = pb.PingRequest()
         stub = c._conn._stub

@@ -423,9 +423,19 @@ class KVCacheManager:
     def _confirm_written(self, owner: int, pool: ClassPool, slots) -> None:
         """A call on these sequences says the KV of the tokens they had before is written."""
         t = self.seqs
-        if t.n_unconfirmed:
-            for slot in slots[t.has_unconfirmed[slots]].tolist():
-                pool.confirm(t.take_unconfirmed(slot), owner)
+        if not t.n_unconfirmed:
+            return
+        pending = slots[t.has_unconfirmed[slots]]
+        if not len(pending):
+            return
+        unconfirmed, unwritten = t.unconfirmed, pool.unwritten
+        for slot in pending.tolist():  # SeqTable.take_unconfirmed + ClassPool.confirm, inlined
+            for b in unconfirmed[slot]:
+                if unwritten.get(b) == owner:
+                    del unwritten[b]
+            unconfirmed[slot] = None
+        t.has_unconfirmed[pending] = False
+        t.n_unconfirmed -= len(pending)
 
     def _extend_one_each(self, owner: int, pool: ClassPool, slots, seq_ids, nt, tokens) -> ExtendResult:
         """Steady decode: one token for each sequence, none of them sharing its last block."""
@@ -450,7 +460,7 @@ class KVCacheManager:
             raw = t.tail[filled, :bs].tobytes()  # the full blocks' tokens, one gather
             step = 4 * bs
             last_hash, all_blocks, by_hash, hash_of = t.last_hash, t.blocks, pool.by_hash, pool.hash_of
-            unwritten = pool.unwritten
+            unwritten, unconfirmed, newly = pool.unwritten, t.unconfirmed, []
             for i, slot in enumerate(filled.tolist()):
                 h = _digest(last_hash[slot] + raw[i * step:(i + 1) * step])
                 if h not in by_hash:  # ClassPool.register(b, h, writer=owner), inlined for the hot path
@@ -458,8 +468,15 @@ class KVCacheManager:
                     by_hash[h] = b
                     hash_of[b] = h
                     unwritten[b] = owner
-                    t.add_unconfirmed(slot, b)
+                    if unconfirmed[slot] is None:  # SeqTable.add_unconfirmed, inlined
+                        unconfirmed[slot] = [b]
+                        newly.append(slot)
+                    else:
+                        unconfirmed[slot].append(b)
                 last_hash[slot] = h
+            if newly:
+                t.has_unconfirmed[newly] = True
+                t.n_unconfirmed += len(newly)
         t.ntok[slots] = nt + 1
         if not len(starts):
             return _NO_CHANGE
