@@ -354,8 +354,12 @@ class Client:
         """One Step call: queued tokens, this step's tokens, frees, reserve top-up.
 
         Every sequence named in a Step (``written`` names more, with no
-        tokens) tells the daemon that the KV of the tokens it knew is written.
+        tokens) tells the daemon that the KV of the tokens it knew is written,
+        and a free lets the daemon copy blocks out: on a GPU the writes this
+        process queued are finished first, so no other process reads a block
+        before they land.
         """
+        self._sync_device()
         ids, counts, toks_out, claim_counts, claims = [], [], [], [], []
         touched = []
         # local assignments go through the reserve first (the daemon allocates what is missing)

@@ -112,6 +112,12 @@ class Connection:
         r = self.call("Drain", pb.DrainRequest(resume=resume))
         return {"draining": r.draining, "sessions": r.sessions, "sequences": r.sequences}
 
+    def reset(self) -> dict:
+        """Admin socket only: drop every session and every cached block (an empty pool)."""
+        r = self.call("Reset", pb.ResetRequest())
+        return {"sessions_dropped": r.sessions_dropped, "blocks_released": r.blocks_released,
+                "cached_evicted": r.cached_evicted}
+
     def config(self) -> dict:
         """The daemon's running configuration; ``live_keys`` are those SIGHUP can change."""
         import json

@@ -315,6 +315,30 @@ def drain(obj: _Ctx, resume: bool, wait: bool, wait_timeout: float | None, as_js
 
 
 @cli.command(epilog=EXIT_CODES)
+@click.option("--yes", is_flag=True, help="Do it: without --yes nothing happens.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_obj
+def reset(obj: _Ctx, yes: bool, as_json: bool) -> None:
+    """Drop every session and every cached block: an empty pool. Admin socket.
+
+    Attached clients lose their sequences and must attach again (their next
+    call answers UNAUTHENTICATED).
+
+    \b
+    Example:
+      sudo kvpoolctl reset --yes
+    """
+    if not yes:
+        _fail("reset drops every session and cached block; add --yes to do it", 2)
+    r = obj.run(lambda c: c.reset(), admin=True)
+    if as_json:
+        click.echo(json.dumps(r))
+    else:
+        click.echo(f"reset: dropped {r['sessions_dropped']} sessions ({r['blocks_released']} blocks), "
+                   f"evicted {r['cached_evicted']} cached blocks")
+
+
+@cli.command(epilog=EXIT_CODES)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.pass_obj
 def config(obj: _Ctx, as_json: bool) -> None:

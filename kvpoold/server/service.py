@@ -237,6 +237,16 @@ class PoolService:
         finally:
             self._sync_memory()
 
+    def reset(self) -> tuple[int, int, int]:
+        """Operator reset: drop every session and every cached block; returns (sessions, released, evicted).
+
+        Dropped clients learn it at their next call (UNAUTHENTICATED: attach again).
+        """
+        sessions = list(self.sessions)
+        released = sum(self.drop(s, "reset by an operator") for s in sessions)
+        evicted = self.evict(None, None)
+        return len(sessions), released, evicted
+
     def check(self) -> tuple[bool, str]:
         """Run the core's invariant checks and the session cross-checks."""
         try:

@@ -250,6 +250,12 @@ class KVPoolServicer(pb_grpc.KVPoolServicer):
         return pb.DrainReply(draining=svc.draining, sessions=len(svc.sessions), sequences=svc.manager.seqs.live)
 
     @_unary
+    def Reset(self, request):
+        self._need_admin("reset")
+        sessions, released, evicted = self.service.reset()
+        return pb.ResetReply(sessions_dropped=sessions, blocks_released=released, cached_evicted=evicted)
+
+    @_unary
     def GetConfig(self, request):
         cfg = self.service.config
         return pb.GetConfigReply(config_json=json.dumps(config_as_dict(cfg)), live_keys=sorted(LIVE_KEYS),

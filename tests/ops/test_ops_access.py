@@ -69,7 +69,7 @@ def test_admin_calls_only_on_the_admin_socket(daemon):
     with kvpool.connect(daemon.socket, name="a", layout=LAYOUT) as c:
         c.free(c.create_sequence(range(12)))  # 3 cached blocks
         with Connection(daemon.socket) as conn:
-            for call in (conn.evict, conn.drain, lambda: conn.drain(resume=True)):
+            for call in (conn.evict, conn.drain, lambda: conn.drain(resume=True), conn.reset):
                 with pytest.raises(kvpool.PermissionDenied, match=f"use the admin socket {admin_of(daemon)}"):
                     call()
             assert conn.stats().classes[0].cached_blocks == 3  # refused: nothing changed
@@ -151,3 +151,33 @@ def test_quota_counts_swapped_in_blocks_again(daemon_factory):
                                                       "holds 4 blocks and this call needs 4 more"):
             c._conn.call("SwapIn", pb.SwapRequest(session=c._token, seq_ids=[seq.id]))
         assert c._conn.check()[0]
+
+
+def test_reset_empties_the_pool_and_expires_sessions(daemon):
+    import subprocess
+    import sys
+
+    c = kvpool.connect(daemon.socket, name="victim", layout=LAYOUT)
+    try:
+        c.free(c.create_sequence(range(12)))  # 3 cached blocks
+        live = c.create_sequence(range(9))
+        c.mark_written(live)
+        out = subprocess.run([sys.executable, "-m", "kvpoold.ctl", "--socket", daemon.socket, "reset"],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and "--yes" in out.stderr  # nothing without --yes
+        assert c.stats().sequences == 1
+        out = subprocess.run([sys.executable, "-m", "kvpoold.ctl", "--socket", daemon.socket, "reset", "--yes",
+                              "--json"], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        import json
+
+        r = json.loads(out.stdout)
+        assert r["sessions_dropped"] == 1 and r["cached_evicted"] >= 3
+        with Connection(daemon.socket) as conn:
+            st = conn.stats()
+            assert st.sequences == 0 and st.clients == 0 and st.classes[0].cached_blocks == 0
+            assert st.classes[0].used_blocks == 0 and conn.check()[0]
+        with pytest.raises(kvpool.SessionExpired):
+            c.create_sequence(range(3))  # the dropped client hears it at its next call
+    finally:
+        c.close()
