@@ -141,6 +141,10 @@ class KVCacheManager:
             self.seqs.ensure_tail_width(geometry.block_size)
         return cid
 
+    def class_of(self, geometry: Geometry) -> int | None:
+        """The class id of ``geometry`` if registered, else None."""
+        return self._class_ids.get(geometry)
+
     def class_pool(self, class_id: int) -> ClassPool:
         if type(class_id) is not int or not 0 <= class_id < len(self.classes):
             raise InvalidArgument(f"unknown layout class {class_id!r}")

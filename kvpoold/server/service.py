@@ -19,7 +19,7 @@ from kvpoold.core import Geometry, InvalidArgument, KVCacheManager, WrongState
 from kvpoold.core.results import ExtendResult, LookupResult, PoolStats, SequenceInfo
 from kvpoold.memory.base import Arena, ArenaDescriptor, Backend
 
-from .access import Draining, Quotas
+from .access import Draining, Limits, Quotas
 from .sessions import Session, SessionRegistry
 from .tiers import TIER_ALIGN, Tiers
 
@@ -63,6 +63,7 @@ class PoolService:
         self.closing = False
         self.draining = False  # kvpoolctl drain: no new attaches or sequences; running ones go on
         self.quotas = Quotas(self)  # per-session limits (access.py), checked before the core allocates
+        self.limits = Limits(self)  # issue 9: sequences per session, tokens per call
 
     # -- memory -----------------------------------------------------------------
     def _sync_memory(self) -> list:
@@ -98,7 +99,7 @@ class PoolService:
         )
         revision = layout.get("revision", "")
         model_key = f"{model_id}@{revision}" if revision else model_id
-        known = self.manager._class_ids.get(geometry) in self.arenas  # classes of the disk tier have no arena
+        known = self.manager.class_of(geometry) in self.arenas  # classes of the disk tier have no arena
         if not known and self.arenas and not self.backend.supports_many_classes:
             raise InvalidArgument(
                 f"the {self.backend.name} backend serves one layout class; this daemon already serves "
@@ -107,11 +108,8 @@ class PoolService:
         cid = self.manager.register_class(geometry)
         pool = self.manager.classes[cid]
         if cid not in self.arenas:
-            try:
-                self.arenas[cid] = self.backend.create_arena(f"c{cid}", pool.num_block_ids * pool.block_bytes)
-            except BaseException:
-                # the class stays registered but owns nothing; a later attach retries the arena
-                raise
+            # if this fails, the class stays registered but owns nothing; a later attach retries
+            self.arenas[cid] = self.backend.create_arena(f"c{cid}", pool.num_block_ids * pool.block_bytes)
             self.tiers.add_arena(cid, self.arenas[cid], pool)
         session = self.sessions.add(name or "client", pid, model_key, cid)
         self.models.setdefault(cid, set()).add(model_key)
@@ -143,6 +141,8 @@ class PoolService:
         """Create several sequences; on an error none of them remains."""
         if self.draining:
             raise Draining("new sequences")
+        self.limits.check_tokens(sum(len(t) for t, _ in prompts))
+        self.limits.check_sequences(session, len(prompts))
         self.quotas.check_create(session, [len(t) for t, _ in prompts])
         self.tiers.take_recent()  # this call's arrivals start from here
         out: list[SequenceInfo] = []
@@ -172,6 +172,7 @@ class PoolService:
     ) -> StepResult:
         """One scheduler step: extends, then frees, then reserve changes; validated first."""
         m, owner, cls = self.manager, session.id, session.class_id
+        self.limits.check_tokens(len(tokens))
         self.quotas.check_step(session, seq_ids, counts, len(tokens), free_ids)
         m.check_free(owner, free_ids)
         m.check_reserve_return(owner, cls, reserve_return)
@@ -193,6 +194,7 @@ class PoolService:
             raise Draining("new sequences (fork)")
         for i in seq_ids:  # validate all first: fork itself cannot fail afterwards
             self.manager.sequence(session.id, i)
+        self.limits.check_sequences(session, len(seq_ids))
         self.quotas.check_fork(session, seq_ids)
         return [self.manager.fork(session.id, i) for i in seq_ids]
 
@@ -218,6 +220,7 @@ class PoolService:
             self._sync_memory()
 
     def lookup(self, session: Session, tokens: np.ndarray, extra_key: str) -> LookupResult:
+        self.limits.check_tokens(len(tokens))
         return self.manager.lookup(session.class_id, session.model_key, tokens, extra_key, owner=session.id)
 
     def sequences(self, session: Session) -> list[SequenceInfo]:
