@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence as Seq
 
@@ -23,7 +24,7 @@ import numpy as np
 from ._generated import kvpool_pb2 as pb
 from ._wire import I32, I64, U32, unpack
 from .connection import Connection
-from .errors import FailedPrecondition, InvalidArgument, KvpoolError, NotFound
+from .errors import FailedPrecondition, InvalidArgument, KvpoolError, NotFound, Unavailable
 from .layout import Layout
 
 Tokens = Seq[int] | np.ndarray
@@ -150,6 +151,7 @@ class Client:
         timeout: float = 30.0,
         flush_every: int = 32,
         device: int | None = None,
+        reconnect: bool = False,
     ) -> None:
         if not isinstance(layout, Layout):
             raise InvalidArgument("layout must be a kvpool.Layout")
@@ -176,7 +178,7 @@ class Client:
             ),
         )
         try:
-            r = self._conn.call("Attach", req)
+            r = self._attach(req, timeout if reconnect else 0.0)
         except BaseException:
             self._conn.close()
             raise
@@ -200,6 +202,20 @@ class Client:
         threading.Thread(target=self._follow_watch, name="kvpool-watch", daemon=True).start()
 
     # -- plumbing ----------------------------------------------------------------------
+    def _attach(self, req, retry_for: float):
+        """Attach; with ``retry_for`` > 0, retry UNAVAILABLE with backoff for that many seconds."""
+        deadline = time.monotonic() + retry_for
+        delay = 0.05
+        while True:
+            try:
+                return self._conn.call("Attach", req)
+            except Unavailable:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise
+                time.sleep(min(delay, left))
+                delay = min(delay * 2, 2.0)
+
     def _follow_watch(self) -> None:
         try:
             for event in self._watch:
@@ -630,6 +646,14 @@ def connect(
     timeout: float = 30.0,
     flush_every: int = 32,
     device: int | None = None,
+    reconnect: bool = False,
 ) -> Client:
-    """Attach to kvpoold (``address``: a socket path, default $KVPOOL_SOCKET or /run/kvpoold/kvpoold.sock)."""
-    return Client(address, name=name, layout=layout, timeout=timeout, flush_every=flush_every, device=device)
+    """Attach to kvpoold (``address``: a socket path, default $KVPOOL_SOCKET or /run/kvpoold/kvpoold.sock).
+
+    ``reconnect=True``: while the daemon is not there (UNAVAILABLE: not started yet, or
+    restarting), retry the attach with exponential backoff (50 ms doubling to 2 s) for up
+    to ``timeout`` seconds instead of failing at once.  A session does not survive a
+    daemon restart: after one, calls answer ``SessionExpired``; connect again.
+    """
+    return Client(address, name=name, layout=layout, timeout=timeout, flush_every=flush_every, device=device,
+                  reconnect=reconnect)

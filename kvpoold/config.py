@@ -96,6 +96,9 @@ class Config:
     admin_socket_mode: int = 0o600
     max_blocks_per_session: int = 0  # device blocks one session's sequences may hold; 0: no quota
     shutdown_timeout: float = 30.0  # SIGTERM: how long to wait for clients to detach
+    # -- limits (issue 9) --
+    max_sequences_per_session: int = 0  # live sequences one session may hold; 0: no limit
+    max_tokens_per_call: int = 0  # tokens one call may carry (create prompts, step tokens, lookup); 0: no limit
 
     def effective_pool_bytes(self) -> int:
         return self.pool_bytes or (1 << 30)
@@ -129,7 +132,7 @@ def _gid(group: str) -> int:
 # (socket_mode and socket_group also apply to the shared memory made at start, so they need a restart.)
 LIVE_KEYS = frozenset({
     "log_level", "grace_seconds", "max_reserve_blocks", "max_sessions", "max_blocks_per_session",
-    "shutdown_timeout", "admin_socket_mode",
+    "shutdown_timeout", "admin_socket_mode", "max_sequences_per_session", "max_tokens_per_call",
 })
 
 
@@ -157,6 +160,8 @@ _PARSERS = {
     "admin_socket_mode": _mode,
     "max_blocks_per_session": int,
     "shutdown_timeout": float,
+    "max_sequences_per_session": int,
+    "max_tokens_per_call": int,
 }
 KEYS = tuple(f.name for f in fields(Config))
 assert set(KEYS) == set(_PARSERS)
@@ -194,6 +199,10 @@ def _validate(cfg: Config, sources: Mapping[str, str]) -> None:
         raise bad("admin_socket_mode", "must be a file mode like 600")
     if cfg.max_blocks_per_session < 0:
         raise bad("max_blocks_per_session", "must be >= 0 (0: no quota)")
+    if cfg.max_sequences_per_session < 0:
+        raise bad("max_sequences_per_session", "must be >= 0 (0: no limit)")
+    if cfg.max_tokens_per_call < 0:
+        raise bad("max_tokens_per_call", "must be >= 0 (0: no limit)")
     if cfg.shutdown_timeout < 0:
         raise bad("shutdown_timeout", "must be >= 0 seconds")
     if not cfg.metrics_address:

@@ -134,3 +134,46 @@ class Quotas:
         if not limit or not target:
             return target
         return max(0, min(target, limit - self.held(session)))
+
+
+class LimitExceeded(KvpoolError, MemoryError):
+    """A session would hold more sequences than ``max_sequences_per_session``; nothing was changed."""
+
+    code = "RESOURCE_EXHAUSTED"
+
+    def __init__(self, limit_name: str, limit: int, held: int, needed: int) -> None:
+        self.limit_name, self.limit, self.held, self.needed = limit_name, limit, held, needed
+        super().__init__(
+            f"limit {limit_name}={limit} exceeded: the session holds {held} sequences and this call adds {needed}"
+        )
+
+
+class CallTooLarge(KvpoolError, ValueError):
+    """One call carries more tokens than ``max_tokens_per_call``; nothing was changed."""
+
+    code = "INVALID_ARGUMENT"
+
+    def __init__(self, limit_name: str, limit: int, ntokens: int) -> None:
+        self.limit_name, self.limit, self.ntokens = limit_name, limit, ntokens
+        super().__init__(f"limit {limit_name}={limit} exceeded: this call carries {ntokens} tokens "
+                         f"(split it into smaller calls)")
+
+
+class Limits:
+    """Per-call and per-session bounds (issue 9), read from the live config; checked before the core runs."""
+
+    def __init__(self, service) -> None:
+        self.service = service
+
+    def check_sequences(self, session, adding: int) -> None:
+        limit = self.service.config.max_sequences_per_session
+        if not limit or adding <= 0:
+            return
+        held = self.service.manager.owners().get(session.id, (0, 0))[0]
+        if held + adding > limit:
+            raise LimitExceeded("max_sequences_per_session", limit, held, adding)
+
+    def check_tokens(self, ntokens: int) -> None:
+        limit = self.service.config.max_tokens_per_call
+        if limit and ntokens > limit:
+            raise CallTooLarge("max_tokens_per_call", limit, ntokens)

@@ -35,7 +35,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvpool._generated import kvpool_pb2 as pb
-from kvpool._generated import kvpool_pb2_grpc as pb_grpc
 from kvpoold.config import LIVE_KEYS, Config, ConfigError, changed_keys
 from kvpoold.memory import make_backend
 from kvpoold.memory.base import Backend
@@ -43,7 +42,7 @@ from kvpoold.memory.base import Backend
 from .sd import Notifier
 from .service import PoolService
 from .tiers import DiskTierError
-from .servicer import KVPoolServicer
+from .servicer import KVPoolServicer, add_to_server
 
 log = logging.getLogger("kvpoold")
 
@@ -143,7 +142,7 @@ class _Listener:
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ])
-        pb_grpc.add_KVPoolServicer_to_server(KVPoolServicer(service, shutdown, admin=admin), self.server)
+        add_to_server(KVPoolServicer(service, shutdown, admin=admin), self.server)  # undecodable: INVALID_ARGUMENT
         health_pb2_grpc.add_HealthServicer_to_server(health, self.server)
         reflection.enable_server_reflection(REFLECTED_SERVICES, self.server)
 

@@ -15,6 +15,7 @@ import logging
 import time
 from dataclasses import asdict
 
+import grpc
 import numpy as np
 
 from kvpool._generated import kvpool_pb2 as pb
@@ -31,11 +32,53 @@ from .service import PoolService
 log = logging.getLogger("kvpoold")
 
 
+class Malformed:
+    """A request whose bytes did not decode as the method's message; answered INVALID_ARGUMENT.
+
+    grpc answers a deserializer that raises with UNKNOWN; ours never raises
+    (``add_to_server``), it hands this to the method instead (issue 9, found by fuzzing).
+    """
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+def _safe(deserialize):
+    def parse(data: bytes):
+        try:
+            return deserialize(data)
+        except Exception as exc:  # noqa: BLE001 - DecodeError and the like: the caller's fault
+            return Malformed(f"malformed request: {exc}")
+
+    return parse
+
+
+def add_to_server(servicer, server) -> None:
+    """The generated registration, with deserializers that turn undecodable bytes into ``Malformed``."""
+
+    class _Capture:
+        def add_generic_rpc_handlers(self, handlers):
+            pass
+
+        def add_registered_method_handlers(self, name, handlers):
+            self.name, self.handlers = name, handlers
+
+    cap = _Capture()
+    pb_grpc.add_KVPoolServicer_to_server(servicer, cap)
+    handlers = {k: h._replace(request_deserializer=_safe(h.request_deserializer)) for k, h in cap.handlers.items()}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(cap.name, handlers),))
+    server.add_registered_method_handlers(cap.name, handlers)
+
+
 def _unary(fn):
     @functools.wraps(fn)
     async def wrapper(self, request, context):
         self.service.rpcs += 1
         try:
+            if isinstance(request, Malformed):
+                raise InvalidArgument(request.error)
             result = fn(self, request)
             if inspect.isawaitable(result):  # a call that waits for bytes in flight (tiers)
                 result = await result
@@ -111,6 +154,8 @@ class KVPoolServicer(pb_grpc.KVPoolServicer):
 
     async def Watch(self, request, context):
         try:
+            if isinstance(request, Malformed):
+                raise InvalidArgument(request.error)
             session = self.service.session(request.session)
         except Exception as exc:  # noqa: BLE001
             code, message = status_for(exc)
