@@ -2,6 +2,7 @@
 
     python3 benchmarks/bench_tiers.py                  # everything this machine has
     python3 benchmarks/bench_tiers.py --skip-gpu --disk-gib 0.5
+    python3 benchmarks/bench_tiers.py --skip-disk --cpu-engine   # the engine's bookkeeping, no GPU
 
 GPU (when CUDA is there), for batches of 2 MiB and of 32 KiB blocks at
 random places in a device pool, 1 GiB per batch:
@@ -11,9 +12,22 @@ random places in a device pool, 1 GiB per batch:
   ways at once on two streams), measured in the same run;
 * ``copier``: ``kvpoold.transfer.cuda.CudaCopier`` (one gather/scatter launch
   into device staging plus one DMA per run of host slots);
-* ``engine``: ``TransferEngine.submit`` with demotion / promotion moves, the
-  daemon's whole path including the bookkeeping of slots and arrivals;
+* ``engine``: ``TransferEngine.submit`` with demotion / promotion plans
+  (``MovePlan`` columns, as the core makes them), the daemon's whole path
+  including the bookkeeping of slots and arrival batches: one way each, and
+  both ways at once (a batch of promotions in flight while the next call's
+  demotions run, as in the daemon);
 * ``per-block copy_``: one ``copy_`` per block (what the copier avoids).
+
+CPU engine mode (``--cpu-engine``; also run when there is no GPU): the same
+engine path with the real engine and host store, and a copier whose device
+copies are numpy copies between a host array standing for the device pool
+and the host store (it returns an already-fired event, so completions go
+through the engine's watcher thread as on a GPU).  It reports microseconds
+per block: the whole ``submit`` (+ ``wait``), the copies alone, and the
+difference, the engine's bookkeeping.  The core's planning of the same
+batches (``KVCacheManager``: evictions that demote, a prefix hit that
+promotes) is timed too.
 
 Disk (any machine): ``DiskStore`` writes and reads (checksums, O_DIRECT where
 the file system allows it, 4 I/O threads) against ``dd`` with
@@ -61,12 +75,208 @@ def _median_s(fn, repeat: int = 5) -> float:
     return statistics.median(samples)
 
 
+# ------------------------------------------------------------------------------------------- engine
+
+def _plan(keys: list, src: int, dst: int, blocks, nbytes: int):
+    """A ``MovePlan`` of one batch, made as the core makes it (columns appended in a loop)."""
+    from kvpoold.core.tiers import MovePlan
+
+    plan = MovePlan()
+    for key, b in zip(keys, blocks):
+        plan.add(key, src, dst, b, nbytes)
+    return plan
+
+
+def engine_times(eng, ids_out, ids_in, bb: int, repeat: int, copy_clock=None) -> dict:
+    """Median seconds of the engine's path for one batch: demote (d2h), promote (h2d), both at once.
+
+    Plans are made before the clock starts (the core's share is timed in ``bench_core_plans``); the
+    clock runs from ``submit`` to the end of ``wait``.  ``copy_clock()`` (CPU mode) gives the seconds
+    the copier spent copying so far, so that the bookkeeping can be told apart.
+    """
+    from kvpoold.core.tiers import DROP, Tier
+
+    n = len(ids_out)
+    D, H = int(Tier.DEVICE), int(Tier.HOST)
+    serial = [0]
+
+    def keys():
+        base = serial[0]
+        serial[0] += n
+        return [(0, base + i) for i in range(n)]
+
+    clock = copy_clock or (lambda: 0.0)
+    samples = {"d2h": [], "h2d": [], "both": [], "d2h_copy": [], "h2d_copy": [], "both_copy": []}
+
+    def timed(name, fn):
+        c0 = clock()
+        t0 = time.perf_counter()
+        fn()
+        samples[name].append(time.perf_counter() - t0)
+        samples[name + "_copy"].append(clock() - c0)
+
+    def one_way():
+        k = keys()
+        out = _plan(k, D, H, ids_out, bb)
+        back = _plan(k, H, D, ids_in, bb)
+        timed("d2h", lambda: eng.submit(out))
+
+        def promote():
+            arrivals = eng.submit(back)
+            assert eng.wait(arrivals) and all(a.ok for a in arrivals)
+
+        timed("h2d", promote)
+
+    def both_ways():
+        k0 = keys()
+        eng.submit(_plan(k0, D, H, ids_out, bb))  # on the host: the batch that comes back
+        k1 = keys()
+        back = _plan(k0, H, D, ids_in, bb)
+        out = _plan(k1, D, H, ids_out, bb)
+
+        def both():
+            arrivals = eng.submit(back)  # in flight while the next call's demotions run
+            eng.submit(out)
+            assert eng.wait(arrivals) and all(a.ok for a in arrivals)
+
+        timed("both", both)
+        eng.submit(_plan(k1, H, DROP, [-1] * n, bb))  # drop them: room for the next round
+
+    for _ in range(repeat + 1):
+        one_way()
+        both_ways()
+    return {k: statistics.median(v[1:]) for k, v in samples.items()}  # the first round warms up
+
+
+class _Fired:
+    """The event of a copy that is already done."""
+
+    @staticmethod
+    def synchronize() -> None:
+        return None
+
+
+def bench_cpu_engine(repeat: int, sizes: list[tuple[str, int, int]]) -> tuple[list, dict]:
+    """The engine's path on the CPU: real engine and host store, numpy copies for the device's."""
+    from kvpoold.transfer.engine import CpuCopier, TransferEngine
+
+    class TimedCopier(CpuCopier):
+        """Numpy copies between a host array (the "device" pool) and the host store, timed; returns an
+        event, so completions take the GPU's route (the watcher thread)."""
+
+        def __init__(self):
+            self.seconds = 0.0
+
+        def to_host(self, rows, ids, host, offsets):
+            t0 = time.perf_counter()
+            super().to_host(rows, ids, host, offsets)
+            self.seconds += time.perf_counter() - t0
+            return _Fired()
+
+        def to_device(self, rows, ids, host, offsets):
+            t0 = time.perf_counter()
+            super().to_device(rows, ids, host, offsets)
+            self.seconds += time.perf_counter() - t0
+            return _Fired()
+
+    rows_out, out = [], {}
+    for label, bb, n in sizes:
+        dev = np.zeros((2 * n, bb), np.uint8)
+        dev[:, ::4096] = np.random.default_rng(0).integers(0, 256, (2 * n, -(-bb // 4096)), dtype=np.uint8)
+        perm = np.random.default_rng(1).permutation(2 * n)
+        ids_out, ids_in = perm[:n].tolist(), perm[n:].tolist()
+        cp = TimedCopier()
+        eng = TransferEngine(host_bytes=2 * n * bb, staging_bytes=0, copier=cp)
+        eng.add_class(0, bb, dev)
+        t = engine_times(eng, ids_out, ids_in, bb, repeat, copy_clock=lambda: cp.seconds)
+        eng.close()
+        res = {}
+        for way in ("d2h", "h2d", "both"):
+            blocks = n * (2 if way == "both" else 1)
+            res[way] = {"us_per_block": t[way] / blocks * 1e6, "copy_us_per_block": t[way + "_copy"] / blocks * 1e6,
+                        "bookkeeping_us_per_block": (t[way] - t[way + "_copy"]) / blocks * 1e6,
+                        "gbps": blocks * bb / t[way] / 1e9}
+            r = res[way]
+            rows_out.append([f"engine {label}", f"{n}", way, f"{r['us_per_block']:.3f}", f"{r['copy_us_per_block']:.3f}",
+                             f"{r['bookkeeping_us_per_block']:.3f}", f"{r['gbps']:.1f}"])
+        res.update(bench_core_plans(bb, n))
+        for way in ("demote", "promote", "promote_hash", "swap_out", "swap_in", "holds"):
+            rows_out.append([f"core plan {label}", f"{n}", way, f"{res[f'core_{way}_us_per_block']:.3f}", "", "", ""])
+        # the daemon's full path per block: the core's plan plus the engine's submit (+ wait), copies included
+        for way, core in (("d2h", "demote"), ("h2d", "promote")):
+            full = res[f"core_{core}_us_per_block"] + res[way]["us_per_block"]
+            book = res[f"core_{core}_us_per_block"] + res[way]["bookkeeping_us_per_block"]
+            res[f"full_{way}"] = {"us_per_block": full, "bookkeeping_us_per_block": book}
+            rows_out.append([f"core + engine {label}", f"{n}", way, f"{full:.3f}", f"{res[way]['copy_us_per_block']:.3f}",
+                             f"{book:.3f}", f"{bb / full / 1e3:.1f}"])
+        out[f"{label} x {n}"] = res
+        del dev, eng
+    return rows_out, out
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def bench_core_plans(bb: int, n: int, repeat: int = 3) -> dict:
+    """The core's planning per block (``KVCacheManager``, no bytes moved), medians of ``repeat`` fresh runs:
+
+    * ``demote``: an eviction pass (``evict_cached``) that demotes ``n`` cached blocks to the host tier;
+    * ``promote``: a prefix hit (``create``) promoting those ``n`` blocks from the host tier, hashing the
+      prompt included (``promote_hash`` is the hashing alone, ``chain_hashes`` of the same prompt);
+    * ``swap_out`` / ``swap_in``: whole sequences (64 of ``n / 64`` blocks) to the host tier and back, with
+      their device copies evicted in between (so that every block is copied back);
+    * ``holds``: ``hold_blocks`` + ``release_holds`` of ``n`` blocks (the daemon's per-batch holds).
+    """
+    from kvpoold.core import Geometry, KVCacheManager
+    from kvpoold.core.hashing import chain_hashes, pack_tokens, root_hash
+
+    g = Geometry(1, 1, bb // 4, "float16", 1)  # one token per block: block_bytes = 2 * 1 * bb/4 * 2 = bb
+    assert g.block_bytes == bb
+    samples: dict[str, list] = {}
+
+    def one() -> None:
+        m = KVCacheManager(2 * n * bb, chunk_bytes=bb * min(n, 64), host_bytes=2 * n * bb)
+        c = m.register_class(g)
+        tokens = list(range(n))
+        s = m.create(1, c, "m", tokens)
+        m.free(1, [s.seq_id])
+        m.drain_moves()
+        t = {"demote": _timed(lambda: m.evict_cached(c))}
+        assert len(m.drain_moves()) == n
+        out = []
+        t["promote"] = _timed(lambda: out.append(m.create(1, c, "m", tokens)))
+        assert out[0].num_cached_tokens == n and len(m.drain_moves()) == n
+        t["promote_hash"] = _timed(lambda: chain_hashes(root_hash("m"), pack_tokens(tokens), 1))
+        blocks = list(out[0].block_table)
+        t["holds"] = _timed(lambda: (m.hold_blocks(c, blocks), m.release_holds(c, blocks)))
+        m.free(1, [out[0].seq_id])
+        m.evict_cached(c)
+        m.drain_moves()
+        per = max(1, n // 64)
+        ids = [m.create(1, c, "s", [i] * per, extra_key=str(i)).seq_id for i in range(n // per)]
+        t["swap_out"] = _timed(lambda: m.swap_out(1, ids))
+        assert len(m.drain_moves()) == per * len(ids)
+        m.evict_cached(c)  # the device copies go (demoted too): the swap-in copies every block back
+        m.drain_moves()
+        t["swap_in"] = _timed(lambda: m.swap_in(1, ids))
+        assert len(m.drain_moves()) == per * len(ids)
+        m.check_invariants() if n <= 4096 else None
+        for k, v in t.items():
+            samples.setdefault(k, []).append(v)
+
+    for _ in range(repeat):
+        one()
+    return {f"core_{k}_us_per_block": statistics.median(v) / n * 1e6 for k, v in samples.items()}
+
+
 # ---------------------------------------------------------------------------------------------- GPU
 
 def bench_gpu(batch_bytes: int, repeat: int) -> tuple[list, dict]:
     import torch
 
-    from kvpoold.core.tiers import Move, Tier
     from kvpoold.transfer.cuda import CudaCopier
     from kvpoold.transfer.engine import TransferEngine
     from kvpoold.transfer.host import HostStore
@@ -118,25 +328,26 @@ def bench_gpu(batch_bytes: int, repeat: int) -> tuple[list, dict]:
         try:
             # -- the copier on its own ------------------------------------------------------------
             host = HostStore(2 * n * bb, 0, cuda_device=0)
-            slots_a = [host.alloc(bb) for _ in range(n)]
-            slots_b = [host.alloc(bb) for _ in range(n)]
+            slots_a = np.asarray(host.alloc_many(bb, n), np.int64)
+            slots_b = np.asarray(host.alloc_many(bb, n), np.int64)
             cp = CudaCopier(0)
-            res["copier_d2h"] = gb / _median_s(lambda: cp.to_host(pool, ids_out, host.tensor, slots_a).synchronize(),
+            ids_o, ids_i = np.asarray(ids_out, np.int64), np.asarray(ids_in, np.int64)
+            res["copier_d2h"] = gb / _median_s(lambda: cp.to_host(pool, ids_o, host.buf, slots_a).synchronize(),
                                                repeat)
-            res["copier_h2d"] = gb / _median_s(lambda: cp.to_device(pool, ids_in, host.tensor, slots_b).synchronize(),
+            res["copier_h2d"] = gb / _median_s(lambda: cp.to_device(pool, ids_i, host.buf, slots_b).synchronize(),
                                                repeat)
 
             def copier_both():
-                e1 = cp.to_host(pool, ids_out, host.tensor, slots_a)
-                e2 = cp.to_device(pool, ids_in, host.tensor, slots_b)
+                e1 = cp.to_host(pool, ids_o, host.buf, slots_a)
+                e2 = cp.to_device(pool, ids_i, host.buf, slots_b)
                 e1.synchronize()
                 e2.synchronize()
 
             res["copier_both"] = 2 * gb / _median_s(copier_both, repeat)
             # byte-exact round trip through the copier
-            cp.to_host(pool, ids_out[:64], host.tensor, slots_a[:64]).synchronize()
-            cp.to_device(pool, ids_in[:64], host.tensor, slots_a[:64]).synchronize()
-            ok = bool(torch.equal(pool[ids_out[:64]], pool[ids_in[:64]]))
+            cp.to_host(pool, ids_o[:64], host.buf, slots_a[:64]).synchronize()
+            cp.to_device(pool, ids_i[:64], host.buf, slots_a[:64]).synchronize()
+            ok = bool(torch.equal(pool[ids_o[:64]], pool[ids_i[:64]]))
             res["round_trip_exact"] = ok
             host.close()
             del host, slots_a, slots_b
@@ -148,37 +359,15 @@ def bench_gpu(batch_bytes: int, repeat: int) -> tuple[list, dict]:
             traceback.print_exc()
             res["copier_error"] = traceback.format_exc(limit=3)
         try:
-            # -- the engine: demotions then promotions of the whole batch ------------------------------
-            eng = TransferEngine(host_bytes=n * bb, cuda_device=0, staging_bytes=0)
+            eng = TransferEngine(host_bytes=2 * n * bb, cuda_device=0, staging_bytes=0)
             eng.add_class(0, bb, pool)
-            counter = [0]
-
-            def demote():
-                base = counter[0]
-                eng.submit([Move((0, base + i), Tier.DEVICE, Tier.HOST, b, bb) for i, b in enumerate(ids_out)])
-
-            def promote():
-                base = counter[0]
-                arrivals = eng.submit([Move((0, base + i), Tier.HOST, Tier.DEVICE, b, bb)
-                                       for i, b in enumerate(ids_in)])
-                assert eng.wait(arrivals) and all(a.ok for a in arrivals)
-                counter[0] += n
-
-            def cycle_s():
-                t0 = time.perf_counter()
-                demote()
-                t1 = time.perf_counter()
-                promote()
-                return t1 - t0, time.perf_counter() - t1
-
-            cycle_s()
-            times = [cycle_s() for _ in range(repeat)]
-            res["engine_d2h"] = gb / statistics.median(t[0] for t in times)
-            res["engine_h2d"] = gb / statistics.median(t[1] for t in times)
+            t = engine_times(eng, ids_out, ids_in, bb, repeat)
+            res["engine_d2h"], res["engine_h2d"], res["engine_both"] = gb / t["d2h"], gb / t["h2d"], 2 * gb / t["both"]
             eng.close()
             rows.append([f"engine {label}", "demote / promote", f"{res['engine_d2h']:.1f}",
-                         f"{res['engine_h2d']:.1f}", "",
-                         f"{res['engine_d2h'] / yard['d2h']:.2f} / {res['engine_h2d'] / yard['h2d']:.2f}"])
+                         f"{res['engine_h2d']:.1f}", f"{res['engine_both']:.1f}",
+                         f"{res['engine_d2h'] / yard['d2h']:.2f} / {res['engine_h2d'] / yard['h2d']:.2f} / "
+                         f"{res['engine_both'] / yard['both']:.2f}"])
         except Exception:  # noqa: BLE001
             traceback.print_exc()
             res["engine_error"] = traceback.format_exc(limit=3)
@@ -288,6 +477,11 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--skip-gpu", action="store_true")
     ap.add_argument("--skip-disk", action="store_true")
+    ap.add_argument("--cpu-engine", action="store_true",
+                    help="measure the engine's bookkeeping per block on the CPU (numpy copies for the device's); "
+                         "runs anyway when there is no GPU")
+    ap.add_argument("--cpu-blocks", default="2 MiB:512,32 KiB:32768",
+                    help="the CPU engine mode's batches, 'size:blocks,...' (default: 2 MiB x 512, 32 KiB x 32768)")
     args = ap.parse_args()
     payload: dict = {}
     gpu = False
@@ -306,6 +500,15 @@ def main() -> int:
         except Exception:  # noqa: BLE001
             traceback.print_exc()
             payload["gpu_error"] = traceback.format_exc(limit=5)
+    if args.cpu_engine or not gpu:
+        sizes = []
+        for item in args.cpu_blocks.split(","):
+            label, blocks = item.rsplit(":", 1)
+            num, unit = label.split()
+            sizes.append((label, int(num) * {"KiB": 1024, "MiB": MiB}[unit], int(blocks)))
+        rows, payload["cpu_engine"] = bench_cpu_engine(args.repeat, sizes)
+        print_table("engine path on the CPU (numpy copies for the device's), microseconds per block",
+                    ["path", "blocks", "way", "total", "copies", "bookkeeping", "GB/s"], rows)
     if not args.skip_disk:
         rows, payload["disk"] = bench_disk(args.disk_dir, int(args.disk_gib * GiB))
         print_table(f"disk tier in {args.disk_dir}, GB/s (dd with O_DIRECT as the yardstick)",

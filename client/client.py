@@ -24,7 +24,7 @@ import numpy as np
 from ._generated import kvpool_pb2 as pb
 from ._wire import I32, I64, U32, unpack
 from .connection import Connection
-from .errors import FailedPrecondition, InvalidArgument, KvpoolError, NotFound, Unavailable
+from .errors import FailedPrecondition, InvalidArgument, KvpoolError, NotFound, SessionExpired, Unavailable
 from .layout import Layout
 
 Tokens = Seq[int] | np.ndarray
@@ -139,6 +139,22 @@ def _token_list(values) -> list[int]:
     return _tokens(values).tolist()
 
 
+def _device_bus_id(device) -> str:
+    """PCI bus id of this client's GPU: ``device``, else torch's current device once CUDA is in use; "" if none.
+
+    The daemon binds the session to that GPU's pool (``kvpoold/server/pools.py``).
+    """
+    from kvpoold.memory.base import DeviceMismatch
+    from kvpoold.memory.cuda_ipc import client_bus_id
+
+    try:
+        return client_bus_id(device)
+    except DeviceMismatch as exc:
+        raise FailedPrecondition(str(exc)) from None
+    except ValueError as exc:  # not a device
+        raise InvalidArgument(str(exc)) from None
+
+
 class Client:
     """One attached model process.  Use ``kvpool.connect`` to make one."""
 
@@ -178,6 +194,7 @@ class Client:
             ),
         )
         try:
+            req.device_bus_id = _device_bus_id(device)  # a daemon serving several GPUs: this GPU's pool
             r = self._attach(req, timeout if reconnect else 0.0)
         except BaseException:
             self._conn.close()
@@ -190,6 +207,11 @@ class Client:
         self.backend = r.backend
         self.max_reserve_blocks = r.max_reserve_blocks
         self.grace_seconds = r.grace_seconds
+        # lease (issue 9): a background thread says "still here" when no call did for lease/3
+        self.lease_seconds = r.lease_seconds
+        self._last_call = time.monotonic()
+        self.session_expired = threading.Event()  # set when the daemon dropped this session (lease, operator)
+        self._stop_heartbeat = threading.Event()
         self._descriptor = {
             "kind": r.arena.kind, "nbytes": r.arena.nbytes, "handle": r.arena.handle,
             "device": r.arena.device, "device_id": r.arena.device_id, "fence": r.arena.fence,
@@ -200,6 +222,7 @@ class Client:
         first = next(self._watch)  # the stream is open once the daemon says "attached"
         assert first.kind == "attached", first
         threading.Thread(target=self._follow_watch, name="kvpool-watch", daemon=True).start()
+        threading.Thread(target=self._heartbeat, name="kvpool-heartbeat", daemon=True).start()
 
     # -- plumbing ----------------------------------------------------------------------
     def _attach(self, req, retry_for: float):
@@ -224,8 +247,43 @@ class Client:
         except Exception:  # noqa: BLE001 - the stream ends when either side closes
             pass
 
+    def _heartbeat(self) -> None:
+        """Keep the session's lease while the process lives, busy or idle.
+
+        Runs on its own thread and never takes ``self._lock``: a client whose
+        main thread is busy (long GPU work, GIL-heavy Python, a lock held for
+        seconds) still heartbeats, as Python threads take turns on the GIL.
+        Only a process that does not run at all (SIGSTOP, a hang in native
+        code holding the GIL) loses its lease.  With no lease (0) it asks
+        every few seconds whether the daemon has started using one since.
+        """
+        while True:
+            interval = self.lease_seconds / 3 if self.lease_seconds > 0 else 5.0
+            due = self._last_call + interval
+            if self._stop_heartbeat.wait(max(0.05, due - time.monotonic())):
+                return
+            if time.monotonic() < self._last_call + interval:
+                continue  # another call renewed the lease meanwhile
+            try:
+                r = self._conn.call("Heartbeat", pb.HeartbeatRequest(session=self._token),
+                                    timeout=max(1.0, interval))
+                self._last_call = time.monotonic()
+                self.lease_seconds = r.lease_seconds
+            except SessionExpired:
+                self.session_expired.set()
+                return
+            except KvpoolError as exc:
+                if exc.code == "UNIMPLEMENTED":
+                    return  # a daemon without leases
+                self._last_call = time.monotonic()  # daemon away or slow: try again in an interval
+            except Exception:  # noqa: BLE001 - e.g. the channel closed under us at exit
+                if self._closed:
+                    return
+                self._last_call = time.monotonic()
+
     def _call(self, method: str, request):
         self.rpcs += 1
+        self._last_call = time.monotonic()
         return self._conn.call(method, request)
 
     def _state(self, seq_id: int) -> _SeqState:
@@ -620,6 +678,7 @@ class Client:
         if self._closed:
             return
         self._closed = True
+        self._stop_heartbeat.set()
         try:
             self._conn.call("Detach", pb.DetachRequest(session=self._token), timeout=5.0)
         except KvpoolError:
@@ -654,6 +713,19 @@ def connect(
     restarting), retry the attach with exponential backoff (50 ms doubling to 2 s) for up
     to ``timeout`` seconds instead of failing at once.  A session does not survive a
     daemon restart: after one, calls answer ``SessionExpired``; connect again.
+
+    ``device``: the GPU this process runs on (``1``, ``"cuda:1"``, a ``torch.device``);
+    by default torch's current device once this process uses CUDA.  A daemon serving
+    several GPUs (``--devices 0,1``) gives the client the pool on that GPU (matched by
+    PCI bus id, so ``CUDA_VISIBLE_DEVICES`` may differ); a GPU it does not serve, or
+    none named while it serves several, is ``FailedPrecondition``.
+
+    Lease: while the process runs, a background thread keeps the session alive
+    (``lease_seconds``, told by the daemon).  A process that was frozen (SIGSTOP)
+    for longer than that has lost its session and its sequences: its next call
+    raises ``SessionExpired`` saying why, and ``client.session_expired`` is set.
+    ``reconnect=True`` does not hide this (the sequences and block tables the
+    process holds are gone); connect again and recompute.
     """
     return Client(address, name=name, layout=layout, timeout=timeout, flush_every=flush_every, device=device,
                   reconnect=reconnect)

@@ -232,6 +232,9 @@ class PagedModel:
     ) -> "PagedModel":
         """Attach to kvpoold with the model's layout; ``close()`` detaches."""
         layout = layout_for(model, model_id, revision=revision, block_size=block_size)
+        device = next(model.parameters()).device
+        if device.type == "cuda":  # the pool of the model's own GPU, whatever the current device is
+            connect_kwargs.setdefault("device", device)
         client = connect(address, name=name, layout=layout, **connect_kwargs)
         try:
             return cls(model, client, owns_client=True)

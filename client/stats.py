@@ -53,6 +53,8 @@ class TierStats:
     write_seconds: float = 0.0
     bytes_read: int = 0
     read_seconds: float = 0.0
+    failed_writes: int = 0  # faults (issue 9): writes that failed (EIO, ENOSPC, ...): those copies were dropped
+    failed_reads: int = 0  # reads that failed: not served, the owner recomputes
 
     @property
     def write_gbps(self) -> float:
@@ -62,6 +64,25 @@ class TierStats:
     @property
     def read_gbps(self) -> float:
         return self.bytes_read / self.read_seconds / 1e9 if self.read_seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class DeviceStats:
+    """One pool of a daemon serving several GPUs (``--devices 0,1``): one per GPU; one on the CPU backend."""
+
+    index: int  # position in --devices
+    device: int  # the daemon's CUDA ordinal; -1 on the CPU backend
+    bus_id: str  # PCI bus id of the GPU; "" on the CPU backend
+    pool_bytes: int
+    free_bytes: int
+    sequences: int
+    clients: int
+    classes: tuple[ClassStats, ...]
+    tiers: tuple[TierStats, ...]
+
+    @property
+    def name(self) -> str:
+        return f"cuda:{self.device}" if self.device >= 0 else "cpu"
 
 
 @dataclass(frozen=True)
@@ -78,13 +99,16 @@ class PoolStats:
     classes: tuple[ClassStats, ...]
     tiers: tuple[TierStats, ...]
     draining: bool = False  # no new attaches or sequences (kvpoolctl drain)
+    # one per pool (issue 4); ``classes``/``tiers`` above list every pool's, in this order
+    devices: tuple[DeviceStats, ...] = ()
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        for c, cs in zip(d["classes"], self.classes):
-            c["hit_rate"] = cs.hit_rate
-        for t, ts in zip(d["tiers"], self.tiers):
-            t["write_gbps"], t["read_gbps"] = ts.write_gbps, ts.read_gbps
+        for out, st in [(d, self)] + list(zip(d["devices"], self.devices)):
+            for c, cs in zip(out["classes"], st.classes):
+                c["hit_rate"] = cs.hit_rate
+            for t, ts in zip(out["tiers"], st.tiers):
+                t["write_gbps"], t["read_gbps"] = ts.write_gbps, ts.read_gbps
         return d
 
 
@@ -99,6 +123,7 @@ class ClientInfo:
     reserved_blocks: int
     connected: bool
     attached_seconds: float
+    device: str = ""  # the session's pool: "cuda:1 (0000:3B:00.0)" or "cpu"
 
 
 @dataclass(frozen=True)

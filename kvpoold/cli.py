@@ -18,12 +18,13 @@ from kvpoold.config import DEFAULT_CONFIG, DEFAULT_SOCKET, ConfigError, config_a
 EPILOG = """examples:
   kvpoold --socket /tmp/kvpool.sock --pool-bytes 2GiB        # CPU pool in shared memory
   kvpoold --backend cuda --gpu-memory-fraction 0.8           # GPU pool, shared over CUDA IPC
+  kvpoold --backend cuda --devices 0,1 --pool-bytes 40GiB    # one 40 GiB pool on each of two GPUs
   KVPOOL_POOL_BYTES=4GiB kvpoold --config ./kvpoold.toml
   kvpoold --check-config                                    # print the resolved settings
   kvpoold --metrics-port 9464 --max-blocks-per-session 4096  # Prometheus endpoint, a quota per client
 
 precedence: defaults < TOML file < KVPOOL_<KEY> environment variables < flags.
-signals: SIGHUP reloads the settings that can change live (log_level, grace_seconds,
+signals: SIGHUP reloads the settings that can change live (log_level, grace_seconds, lease_seconds,
   max_reserve_blocks, max_sessions, max_blocks_per_session, shutdown_timeout,
   admin_socket_mode, max_sequences_per_session, max_tokens_per_call) and logs the others as needing a restart; SIGTERM/SIGINT stop
   gracefully (clients are told and get shutdown_timeout seconds to detach).
@@ -42,9 +43,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=["cpu", "cuda"], help="where blocks live (default cpu)")
     p.add_argument("--pool-bytes", help="pool size, e.g. 2GiB (default: 1GiB on cpu, a fraction of free GPU memory on cuda)")
     p.add_argument("--gpu-memory-fraction", help="cuda: share of free GPU memory for the pool (default 0.9)")
-    p.add_argument("--devices", help="cuda: GPU ordinals, e.g. 0 or 0,1 (default 0)")
+    p.add_argument("--devices", help="cuda: GPU ordinals, e.g. 0 or 0,1 (default 0): one pool per GPU, each of "
+                                     "--pool-bytes/--gpu-memory-fraction, --host-bytes and --disk-bytes (in "
+                                     "<disk-dir>/gpuN with several); a client gets the pool of its GPU. "
+                                     "Ignored by the cpu backend (one pool)")
     p.add_argument("--chunk-bytes", help="unit memory moves between layouts in (default 2MiB)")
     p.add_argument("--grace-seconds", help="a vanished client's sequences are freed after this (default 5)")
+    p.add_argument("--lease-seconds",
+                   help="a session whose client made no call for this long is dropped: a frozen (SIGSTOPped, "
+                        "hung) client; the client library heartbeats every lease/3 (default 10; 0: off)")
     p.add_argument("--max-reserve-blocks", help="blocks a session may hold to assign locally (default 1024)")
     p.add_argument("--max-sessions", help="most sessions at once (default 1024)")
     p.add_argument("--shm-dir", help="cpu: shared-memory directory (default /dev/shm)")
@@ -76,7 +83,7 @@ FLAG_KEYS = (
     "grace_seconds", "max_reserve_blocks", "max_sessions", "shm_dir", "log_level",
     "socket_group", "admin_socket", "admin_socket_mode", "max_blocks_per_session", "shutdown_timeout",
     "metrics_port", "metrics_address",
-    "max_sequences_per_session", "max_tokens_per_call",  # limits (issue 9)
+    "max_sequences_per_session", "max_tokens_per_call", "lease_seconds",  # limits, lease (issue 9)
     "host_bytes", "disk_dir", "disk_bytes",  # tiers (issue 6)
 )
 

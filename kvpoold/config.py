@@ -55,10 +55,22 @@ def _bool(value: Any) -> bool:
 
 
 def _devices(value: Any) -> tuple[int, ...]:
-    items = value if isinstance(value, (list, tuple)) else str(value).split(",")
-    out = tuple(int(str(v).strip()) for v in items if str(v).strip() != "")
-    if not out or any(d < 0 for d in out):
+    """``0``, ``0,1``, ``[0, 1]`` -> (0, 1): the GPUs one daemon serves, one pool each (cuda backend)."""
+    if isinstance(value, bool):
         raise ValueError("expected GPU ordinals like 0 or 0,1")
+    if isinstance(value, int):
+        items = [value]
+    elif isinstance(value, (list, tuple)):
+        items = list(value)
+    else:
+        items = str(value).split(",")
+    texts = [str(v).strip() for v in items]
+    if not texts or any(not t.isdigit() for t in texts) or any(isinstance(v, bool) for v in items):
+        raise ValueError("expected GPU ordinals like 0 or 0,1 (comma-separated, no gaps, no ranges)")
+    out = tuple(int(t) for t in texts)
+    dup = sorted({d for d in out if out.count(d) > 1})
+    if dup:
+        raise ValueError(f"GPU {dup[0]} is listed twice: each GPU gets one pool")
     return out
 
 
@@ -77,7 +89,7 @@ class Config:
     backend: str = "cpu"  # cpu | cuda
     pool_bytes: int = 0  # 0: cpu -> 1 GiB, cuda -> gpu_memory_fraction of free memory
     gpu_memory_fraction: float = 0.9
-    devices: tuple[int, ...] = (0,)
+    devices: tuple[int, ...] = (0,)  # cuda: one pool per GPU (sizes per GPU); cpu: ignored, one pool
     chunk_bytes: int = 2 << 20  # the unit memory moves between layout classes in
     grace_seconds: float = 5.0  # a vanished client's sequences are freed after this
     max_reserve_blocks: int = 1024  # per session: blocks a client may assign locally
@@ -99,6 +111,7 @@ class Config:
     # -- limits (issue 9) --
     max_sequences_per_session: int = 0  # live sequences one session may hold; 0: no limit
     max_tokens_per_call: int = 0  # tokens one call may carry (create prompts, step tokens, lookup); 0: no limit
+    lease_seconds: float = 10.0  # a session that made no call (the client heartbeats) for this long is dropped; 0: off
 
     def effective_pool_bytes(self) -> int:
         return self.pool_bytes or (1 << 30)
@@ -133,6 +146,7 @@ def _gid(group: str) -> int:
 LIVE_KEYS = frozenset({
     "log_level", "grace_seconds", "max_reserve_blocks", "max_sessions", "max_blocks_per_session",
     "shutdown_timeout", "admin_socket_mode", "max_sequences_per_session", "max_tokens_per_call",
+    "lease_seconds",
 })
 
 
@@ -162,6 +176,7 @@ _PARSERS = {
     "shutdown_timeout": float,
     "max_sequences_per_session": int,
     "max_tokens_per_call": int,
+    "lease_seconds": float,
 }
 KEYS = tuple(f.name for f in fields(Config))
 assert set(KEYS) == set(_PARSERS)
@@ -183,6 +198,8 @@ def _validate(cfg: Config, sources: Mapping[str, str]) -> None:
         raise bad("pool_bytes", f"must hold at least one chunk ({cfg.chunk_bytes} bytes)")
     if cfg.grace_seconds < 0:
         raise bad("grace_seconds", "must be >= 0")
+    if not (cfg.lease_seconds == 0 or 0.3 <= cfg.lease_seconds <= 86400):
+        raise bad("lease_seconds", "must be 0 (no lease) or between 0.3 and 86400 seconds")
     if cfg.max_reserve_blocks < 0:
         raise bad("max_reserve_blocks", "must be >= 0")
     if cfg.max_sessions < 1:

@@ -127,24 +127,60 @@ def cli(ctx: click.Context, socket: str | None, admin_socket: str | None, config
     ctx.obj = _Ctx(socket, admin_socket, config, timeout)
 
 
+def devices_table(st) -> Table:
+    """One row per pool of a daemon serving several GPUs (``--devices 0,1``)."""
+    table = Table(title="pools (one per GPU)")
+    for col in ("device", "PCI bus id", "pool", "not assigned", "used", "cached", "clients", "sequences"):
+        table.add_column(col, justify="left" if col in ("device", "PCI bus id") else "right")
+    for d in st.devices:
+        used = sum(c.used_blocks * c.block_bytes for c in d.classes)
+        cached = sum(c.cached_blocks * c.block_bytes for c in d.classes)
+        table.add_row(d.name, d.bus_id or "-", human_bytes(d.pool_bytes), human_bytes(d.free_bytes),
+                      human_bytes(used), human_bytes(cached), str(d.clients), str(d.sequences))
+    return table
+
+
+def stats_view(st):
+    """``stats_table``; with several pools, the per-pool rows above it."""
+    if len(getattr(st, "devices", ())) > 1:
+        from rich.console import Group
+
+        return Group(devices_table(st), stats_table(st))
+    return stats_table(st)
+
+
 def stats_table(st) -> Table:
-    """One column per layout class (device tier) and per lower tier; one row per figure."""
+    """One column per layout class (device tier) and per lower tier; one row per figure.
+
+    With several pools (one per GPU) each column is one pool's class or tier, named by its GPU.
+    """
+    devices = tuple(getattr(st, "devices", ()))
+    several = len(devices) > 1
+    where = ""
+    if len(devices) == 1 and devices[0].device >= 0:
+        where = f" on {devices[0].name}" + (f" ({devices[0].bus_id})" if devices[0].bus_id else "")
+    elif several:
+        where = f" on {len(devices)} GPUs"
     table = Table(
-        title=f"kvpoold {st.version} · {st.backend} backend · pool {human_bytes(st.pool_bytes)} · "
+        title=f"kvpoold {st.version} · {st.backend} backend · pool {human_bytes(st.pool_bytes)}{where} · "
               f"up {st.uptime_seconds:.0f}s" + (" · DRAINING" if getattr(st, "draining", False) else ""),
         caption=f"{st.clients} clients · {st.sequences} sequences · {st.rpcs} calls · "
                 f"{human_bytes(st.free_bytes)} not assigned to a layout",
     )
     table.add_column("", style="bold")
-    for c in st.classes:
-        table.add_column(f"class {c.class_id} · device", justify="right")
-    lower = [t for t in st.tiers if t.capacity_bytes]
-    for t in lower:
-        table.add_column(f"{t.tier} tier", justify="right")
+    if several:
+        classes = [(f"{d.name} · class {c.class_id}", c) for d in devices for c in d.classes]
+        lower = [(f"{d.name} · {t.tier} tier", t) for d in devices for t in d.tiers if t.capacity_bytes]
+    else:
+        classes = [(f"class {c.class_id} · device", c) for c in st.classes]
+        lower = [(f"{t.tier} tier", t) for t in st.tiers if t.capacity_bytes]
+    for name, _ in classes + lower:
+        table.add_column(name, justify="right")
     blank = [""] * len(lower)
 
     def row(name, per_class, per_tier=None):
-        table.add_row(name, *[per_class(c) for c in st.classes], *(per_tier and [per_tier(t) for t in lower] or blank))
+        table.add_row(name, *[per_class(c) for _, c in classes],
+                      *(per_tier and [per_tier(t) for _, t in lower] or blank))
 
     row("layout", lambda c: c.geometry)
     row("models", lambda c: ", ".join(c.models))
@@ -173,6 +209,8 @@ def stats_table(st) -> Table:
     row("read from tier", lambda c: "", lambda t: f"{human_bytes(t.bytes_read)} · {t.read_gbps:.2f} GB/s")
     row("dropped / corrupt (blocks)", lambda c: f"{c.lost_blocks} lost",
         lambda t: f"{t.dropped_blocks} / {t.corrupt_blocks}")
+    row("failed writes / reads (blocks)", lambda c: "",  # faults (issue 9): I/O errors of the tier
+        lambda t: f"{getattr(t, 'failed_writes', 0)} / {getattr(t, 'failed_reads', 0)}")
     return table
 
 
@@ -195,7 +233,7 @@ def stats(obj: _Ctx, as_json: bool, watch: float | None) -> None:
         if as_json:
             _echo_json(st.to_dict())
         else:
-            Console().print(stats_table(st))
+            Console().print(stats_view(st))
         return
     try:
         if as_json:
@@ -206,7 +244,7 @@ def stats(obj: _Ctx, as_json: bool, watch: float | None) -> None:
 
         with Live(console=Console(), auto_refresh=False) as live:
             while True:
-                live.update(stats_table(obj.run(lambda c: c.stats())), refresh=True)
+                live.update(stats_view(obj.run(lambda c: c.stats())), refresh=True)
                 time.sleep(watch)
     except KeyboardInterrupt:
         pass
@@ -228,11 +266,14 @@ def clients(obj: _Ctx, as_json: bool) -> None:
         _echo_json([vars(r) for r in rows])
         return
     table = Table(title="clients")
-    for col in ("session", "name", "pid", "model", "class", "sequences", "reserved", "connected", "attached"):
+    gpus = any(r.device.startswith("cuda") for r in rows)  # the pool (GPU) of each session
+    for col in ("session", "name", "pid", "model", *(("device",) if gpus else ()), "class", "sequences",
+                "reserved", "connected", "attached"):
         table.add_column(col)
     for r in rows:
-        table.add_row(str(r.session_id), r.name, str(r.pid), r.model_id, str(r.class_id), str(r.sequences),
-                      str(r.reserved_blocks), "yes" if r.connected else "no", f"{r.attached_seconds:.0f}s")
+        table.add_row(str(r.session_id), r.name, str(r.pid), r.model_id, *((r.device,) if gpus else ()),
+                      str(r.class_id), str(r.sequences), str(r.reserved_blocks), "yes" if r.connected else "no",
+                      f"{r.attached_seconds:.0f}s")
     Console().print(table)
 
 
@@ -368,7 +409,7 @@ def config(obj: _Ctx, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.pass_obj
 def check(obj: _Ctx, as_json: bool) -> None:
-    """Verify the daemon's invariants (every block accounted for once, ref counts, sessions).
+    """Verify the daemon's invariants in every pool (every block accounted for once, ref counts, sessions).
 
     \b
     Examples:

@@ -21,7 +21,8 @@ looks at the class's free list, and that happens rarely and in bulk.
 from __future__ import annotations
 
 import heapq
-from collections import Counter
+from collections import Counter, deque
+from itertools import filterfalse
 from typing import Callable, Iterable
 
 from .errors import LayoutDoesNotFit, OutOfBlocks
@@ -83,7 +84,7 @@ class ClassPool:
         geometry: Geometry,
         budget: ChunkBudget,
         policy: str = "lru",
-        on_evict: Callable[[int, int, bytes], None] | None = None,
+        on_evict: Callable[[int, list[int], list[bytes]], None] | None = None,
     ) -> None:
         self.class_id = class_id
         self.geometry = geometry
@@ -110,6 +111,7 @@ class ClassPool:
         self._fresh = 0
         self.released: list[int] = []  # slots given back since the daemon last drained them
         self.taken: list[int] = []  # slots taken since the daemon last drained them
+        #: told (class id, blocks, hashes) of every batch of hashed blocks evicted, oldest first
         self.on_evict = on_evict
         self.evictions = 0
         budget.classes.append(self)
@@ -160,9 +162,10 @@ class ClassPool:
         if short > 0:  # other classes' empty slabs cost nothing to take
             budget.reclaim(self, -(-short // bps) * k, evict=False)
             short = self._take_slabs(short, gained)
-        while short > 0 and len(self.cached):  # then our own least useful cached blocks
-            gained.append(self._evict_one())
-            short -= 1
+        if short > 0 and len(self.cached):  # then our own least useful cached blocks
+            evicted = self._evict_many(short)
+            gained.extend(evicted)
+            short -= len(evicted)
         if short > 0:  # last, other classes' cached-only slabs
             budget.reclaim(self, -(-short // bps) * k, evict=True)
             short = self._take_slabs(short, gained)
@@ -193,23 +196,33 @@ class ClassPool:
                 short -= m * bps
         return short
 
-    def _evict_one(self) -> int:
-        block = self.cached.victim()
-        self._forget_hash(block)
-        return block
+    def _evict_many(self, n: int) -> list[int]:
+        """Evict up to ``n`` cached blocks, oldest first (one batch: the tiers plan their demotion at once)."""
+        blocks = self.cached.victims(n)
+        self._forget_hashes(blocks)
+        return blocks
 
-    def _forget_hash(self, block: int) -> None:
-        digest = self.hash_of.pop(block)
-        del self.by_hash[digest]
-        self.unwritten.pop(block, None)
-        self.evictions += 1
+    def _forget_hashes(self, blocks: list[int]) -> None:
+        if not blocks:
+            return
+        digests = list(map(self.hash_of.pop, blocks))
+        deque(map(self.by_hash.__delitem__, digests), 0)
+        if self.unwritten:
+            for b in blocks:
+                self.unwritten.pop(b, None)
+        self.evictions += len(blocks)
         if self.on_evict is not None:
-            self.on_evict(self.class_id, block, digest)
+            self.on_evict(self.class_id, blocks, digests)
 
     # -- holders --------------------------------------------------------------
     def share(self, ids: Iterable[int]) -> None:
         """One more holder for each held block (fork, prefix hit on a held block)."""
         extra = self.extra
+        if not isinstance(ids, list):
+            ids = list(ids)
+        if extra.keys().isdisjoint(ids) and len(set(ids)) == len(ids):
+            extra.update(dict.fromkeys(ids, 1))  # the common case (a batch's holds), in C
+            return
         for b in ids:
             extra[b] = extra.get(b, 0) + 1
 
@@ -220,8 +233,17 @@ class ClassPool:
         eviction order in that order, so a sequence's tail is evicted first.
         """
         extra, hash_of = self.extra, self.hash_of
-        if extra.keys().isdisjoint(ids) and hash_of.keys().isdisjoint(ids):
-            self.free.extend(ids)  # the common case, in C
+        if extra.keys().isdisjoint(ids):  # nobody else holds them: each becomes free or cached, in C
+            if hash_of.keys().isdisjoint(ids):
+                self.free.extend(ids)  # the common case
+                return
+            hashed = list(filter(hash_of.__contains__, ids))
+            self.cached.insert_many(hashed)
+            if len(hashed) < len(ids):
+                self.free.extend(filterfalse(hash_of.__contains__, ids))
+            return
+        if len(set(ids)) == len(ids) and list(map(extra.get, ids)).count(1) == len(ids):
+            deque(map(extra.__delitem__, ids), 0)  # one holder fewer of blocks held twice (a batch's holds)
             return
         cached, free = self.cached, self.free
         for b in ids:
@@ -272,6 +294,13 @@ class ClassPool:
     def lookup(self, digest: bytes) -> int | None:
         return self.by_hash.get(digest)
 
+    def acquire_many(self, blocks: list[int]) -> None:
+        """``acquire_cached`` of each block (distinct blocks)."""
+        revived = self.cached.present(blocks)
+        self.cached.remove_many(revived)
+        if len(revived) < len(blocks):
+            self.share(list(filterfalse(set(revived).__contains__, blocks)))
+
     def acquire_cached(self, block: int) -> None:
         """A prefix hit on ``block``: cached becomes held, held gains a holder."""
         if block in self.cached:
@@ -293,12 +322,23 @@ class ClassPool:
         self.hash_of[block] = digest
         return True
 
+    def register_many(self, blocks: list[int], digests: list[bytes], writer: int | None = None) -> list[int]:
+        """``register`` of each (block, hash) pair, in order; returns the blocks that got their hash."""
+        by_hash = self.by_hash
+        if len(set(digests)) != len(digests) or not by_hash.keys().isdisjoint(digests):
+            return [b for b, h in zip(blocks, digests) if self.register(b, h, writer)]
+        by_hash.update(zip(digests, blocks))
+        self.hash_of.update(zip(blocks, digests))
+        if writer is not None:
+            self.unwritten.update(dict.fromkeys(blocks, writer))
+        return blocks
+
     def drop_cached(self, max_blocks: int | None = None) -> int:
         """Evict cached blocks (oldest first) to the free list; returns how many."""
-        n = 0
-        while len(self.cached) and (max_blocks is None or n < max_blocks):
-            self.free.append(self._evict_one())
-            n += 1
+        n = len(self.cached) if max_blocks is None else min(max_blocks, len(self.cached))
+        if n <= 0:
+            return 0
+        self.free.extend(self._evict_many(n))
         return n
 
     # -- giving memory back ----------------------------------------------------
@@ -331,9 +371,8 @@ class ClassPool:
         if not chosen:
             return
         doomed = [b for b in self.cached if b // bps in chosen]
-        for b in doomed:
-            self.cached.remove(b)
-            self._forget_hash(b)
+        self.cached.remove_many(doomed)
+        self._forget_hashes(doomed)
         self.free = [b for b in self.free if b // bps not in chosen]
         self.free.sort(reverse=True)  # compact: later allocations take low slots first
         for slot in chosen:

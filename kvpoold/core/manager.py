@@ -19,7 +19,9 @@ cross a block boundary take a Python-level step.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Iterable, Mapping
 
 import numpy as np
@@ -40,7 +42,7 @@ from .results import (
     TierStats,
 )
 from .seq_table import SeqTable
-from .tiers import Key, Move, Tier, TierPlacement
+from .tiers import Key, MovePlan, Tier, TierPlacement
 
 _NO_CHANGE = ExtendResult()  # immutable, so one instance serves every unchanged step
 
@@ -117,9 +119,9 @@ class KVCacheManager:
         self._block_size = np.zeros(0, np.int64)  # class id -> block size
         self.seqs = SeqTable()
         self._owners: dict[int, _Owner] = {}
-        self._moves: list[Move] = []
-        #: swapped-out sequences: slot -> [(tier key, block hash or None)] per logical block
-        self._swapped: dict[int, list[tuple[Key, bytes | None]]] = {}
+        self._moves = MovePlan()  # planned tier moves, as columns (drained by the daemon after each call)
+        #: swapped-out sequences: slot -> (tier keys, block hashes or None), one each per logical block
+        self._swapped: dict[int, tuple[list[Key], list[bytes | None]]] = {}
         self._next_swap = 0
         #: per class, block -> holds taken by the daemon while bytes are in flight into the block
         self._holds: list[dict[int, int]] = []
@@ -150,16 +152,16 @@ class KVCacheManager:
             raise InvalidArgument(f"unknown layout class {class_id!r}")
         return self.classes[class_id]
 
-    def _on_evict(self, class_id: int, block: int, digest: bytes) -> None:
+    def _on_evict(self, class_id: int, blocks: list[int], digests: list[bytes]) -> None:
+        """A batch of cached blocks was evicted, oldest first: demote them (one plan for the batch)."""
         if self._track_moves:
-            moves = self.placement.demote((class_id, digest), self.classes[class_id].block_bytes, block)
-            if moves and moves[-1].dst is not None:
-                self._counters[class_id].demoted_blocks += 1
-            self._moves.extend(moves)
+            keys = list(zip(repeat(class_id), digests))
+            placed = self.placement.demote_many(self._moves, keys, self.classes[class_id].block_bytes, blocks)
+            self._counters[class_id].demoted_blocks += placed
 
-    def drain_moves(self) -> list[Move]:
-        """Tier moves planned since the last call (for the transfer engine)."""
-        out, self._moves = self._moves, []
+    def drain_moves(self) -> MovePlan:
+        """Tier moves planned since the last call, as columns (for the transfer engine)."""
+        out, self._moves = self._moves, MovePlan()
         return out
 
     def drain_slab_changes(self) -> list[tuple[str, int, int, int]]:
@@ -225,41 +227,31 @@ class KVCacheManager:
         bs = pool.block_size
         hashes = chain_hashes(root, packed, bs)
         # the longest cached prefix over every tier: a device block, or -1 for a lower-tier hit
-        matched: list[int] = []
-        lower: list[bytes] = []
-        placement = self.placement if self._track_moves else None
-        for h in hashes:
-            b = pool.by_hash.get(h)
-            if b is not None and not pool.visible(b, owner):
-                break  # another session is still writing it
-            if b is None:
-                if placement is None or placement.locate((class_id, h)) is None:
-                    break
-                b = -1
-                lower.append(h)
-            matched.append(b)
-        on_device = [b for b in matched if b >= 0]
+        matched, lower = self._match(pool, owner, hashes)
+        on_device = [b for b in matched if b >= 0] if lower else matched
         need = -(-len(packed) // bs) - len(on_device)
-        revived = sum(1 for b in on_device if b in pool.cached)
+        revived = len(pool.cached.present(on_device))
         avail = pool.obtainable(need + revived) - revived
         if avail < need:
             raise OutOfBlocks(need, avail)
         # -- apply --
-        for b in on_device:
-            pool.acquire_cached(b)
-        for h in lower:  # no victim of the demotions that the allocation below may cause
-            placement.pin((class_id, h))
+        pool.acquire_many(on_device)
+        placement = self.placement
+        lower_keys = list(zip(repeat(class_id), lower))
+        runs = placement.pin_many(lower_keys)  # no victim of the demotions that the allocation may cause
         fresh = pool.allocate(need)
         if lower:
-            take = iter(fresh[:len(lower)])
-            for i, h in enumerate(hashes[:len(matched)]):
-                if matched[i] < 0:
-                    b = next(take)
-                    self._moves.append(placement.take((class_id, h), b))
-                    pool.register(b, h)
-                    matched[i] = b
+            promoted = fresh[:len(lower)]
+            placement.take_many(self._moves, lower_keys, promoted, pinned=True, runs=runs)
+            pool.register_many(promoted, lower)
+            if len(lower) == len(matched):
+                matched = promoted
+            else:
+                arr = np.asarray(matched, np.int64)
+                arr[arr < 0] = promoted
+                matched = arr.tolist()
             fresh = fresh[len(lower):]
-        unconfirmed = [b for h, b in zip(hashes[len(matched):], fresh) if pool.register(b, h, writer=owner)]
+        unconfirmed = pool.register_many(fresh[:len(hashes) - len(matched)], hashes[len(matched):], writer=owner)
         c = self._counters[class_id]
         c.prefix_queries += 1
         c.prefix_hits += bool(matched)
@@ -272,10 +264,38 @@ class KVCacheManager:
                        hashes[-1] if hashes else root, len(matched) * bs)
         rest = packed[len(hashes) * bs:]
         t.tail[seq_id & 0xFFFFFFFF, : len(rest)] = rest
-        for b in unconfirmed:
-            t.add_unconfirmed(seq_id & 0xFFFFFFFF, b)
+        t.add_unconfirmed_many(seq_id & 0xFFFFFFFF, unconfirmed)
         state.seqs.add(seq_id)
         return self._info(seq_id & 0xFFFFFFFF)
+
+    def _match(self, pool: ClassPool, owner: int, hashes: list[bytes]) -> tuple[list[int], list[bytes]]:
+        """The longest prefix of ``hashes`` cached on some tier that ``owner`` may use.
+
+        Returns its device blocks (-1 where a lower tier holds the block) and the hashes of those
+        lower-tier blocks, in order.  One C-level lookup per tier for the whole prompt.
+        """
+        n = len(hashes)
+        on_dev = list(map(pool.by_hash.get, hashes))
+        if self._track_moves:
+            keys = list(zip(repeat(pool.class_id), hashes))
+            hit = np.fromiter(map(pool.by_hash.__contains__, hashes), np.bool_, n)
+            for index in self.placement.lower:
+                if len(index):
+                    hit |= np.fromiter(map(index._sizes.__contains__, keys), np.bool_, n)
+        else:
+            hit = np.fromiter(map(pool.by_hash.__contains__, hashes), np.bool_, n)
+        miss = np.flatnonzero(~hit)
+        length = int(miss[0]) if len(miss) else n
+        matched = on_dev[:length]
+        if pool.unwritten and not pool.unwritten.keys().isdisjoint(matched):
+            for i, b in enumerate(matched):  # another session may still be writing some of them
+                if b is not None and not pool.visible(b, owner):
+                    matched = matched[:i]
+                    break
+        if matched.count(None) == 0:
+            return matched, []
+        lower = [h for h, b in zip(hashes, matched) if b is None]
+        return [-1 if b is None else b for b in matched], lower
 
     def extend(self, owner: int, items: Mapping[int, object] | Iterable[ExtendItem]) -> ExtendResult:
         """Append tokens to many sequences in one call; returns only what changed.
@@ -602,8 +622,8 @@ class KVCacheManager:
                 pool.unregister_unwritten(t.take_unconfirmed(slot), owner)
             pool.release(blocks[::-1])
             released += len(blocks)
-            for key, _ in self._swapped.pop(slot, ()):  # a swapped-out sequence: its copies go
-                self._moves.append(self.placement.drop(key))
+            if slot in self._swapped:  # a swapped-out sequence: its copies go
+                self.placement.drop_many(self._moves, self._swapped.pop(slot)[0], pinned=True)
             t.remove(slot)
             self._owners[owner].seqs.discard(int(seq_id))
         return released
@@ -632,9 +652,9 @@ class KVCacheManager:
                 raise WrongState(f"sequence {int(seq_id)} is already swapped out")
         if not self.placement.enabled:
             raise WrongState("no host or disk tier to swap to: start kvpoold with --host-bytes or --disk-bytes")
-        sizes = [self.classes[int(t.cls[s])].block_bytes for s in slots for _ in t.blocks[s]]
-        if not self.placement.can_pin(sizes):
-            raise OutOfBlocks(self.placement.charge_pinned(sizes), self.placement.pinned_room(),
+        runs = self.placement.runs(self.classes[int(t.cls[s])].block_bytes for s in slots for _ in t.blocks[s])
+        if not self.placement.can_pin_runs(runs):
+            raise OutOfBlocks(self.placement.charge_pinned_runs(runs), self.placement.pinned_room(),
                               "lower-tier bytes to swap to")
         # -- apply --
         per_tier = [0, 0]
@@ -643,16 +663,12 @@ class KVCacheManager:
             pool = self.classes[c]
             blocks = t.blocks[slot]
             pool.confirm(t.take_unconfirmed(slot), owner)  # a swap-out comes after the sequence ran
-            entries = []
-            for b in blocks:
-                key = (c, self._next_swap)
-                self._next_swap += 1
-                moves = self.placement.place_pinned(key, pool.block_bytes, b)
-                per_tier[moves[-1].dst - 1] += 1
-                self._moves.extend(moves)
-                entries.append((key, pool.hash_of.get(b)))
+            keys = list(zip(repeat(c), range(self._next_swap, self._next_swap + len(blocks))))
+            self._next_swap += len(blocks)
+            for i, n in enumerate(self.placement.place_pinned_many(self._moves, keys, pool.block_bytes, blocks)):
+                per_tier[i] += n
+            self._swapped[slot] = (keys, list(map(pool.hash_of.get, blocks)))
             pool.release(blocks[::-1])
-            self._swapped[slot] = entries
             t.blocks[slot] = []
             t.unflag_shared(np.array([slot]))
             t.set_swapped(slot, True)
@@ -679,38 +695,42 @@ class KVCacheManager:
             raise InvalidArgument("one swap-in call takes sequences of one layout class only")
         c = classes.pop()
         pool = self.classes[c]
-        plan: list[list[int]] = []
-        revive: set[int] = set()
+        plan: list[list[int]] = []  # per sequence, the device block of each hash found there, else -1
+        on_device: list[int] = []
         for slot in slots:
-            row = []
-            for _, h in self._swapped[slot]:
-                b = pool.by_hash.get(h, -1) if h is not None else -1
-                if b >= 0 and b in pool.cached:
-                    revive.add(b)
-                row.append(b)
+            row = list(map(pool.by_hash.get, self._swapped[slot][1], repeat(-1)))  # None is no hash: -1
+            if row.count(-1) < len(row):
+                on_device.extend(b for b in row if b >= 0)
             plan.append(row)
-        need = sum(1 for row in plan for b in row if b < 0)
-        avail = pool.obtainable(need + len(revive)) - len(revive)
+        need = sum(row.count(-1) for row in plan)
+        revive = len(set(pool.cached.present(on_device)))
+        avail = pool.obtainable(need + revive) - revive
         if avail < need:
             raise OutOfBlocks(need, avail)
         # -- apply --
-        for row in plan:
-            for b in row:
-                if b >= 0:
-                    pool.acquire_cached(b)
-        fresh = iter(pool.allocate(need))  # the swap copies are pinned: no victim of its demotions
+        for b in on_device:  # rare (a swap-in soon after the swap-out): a block hashed twice is shared twice
+            pool.acquire_cached(b)
+        fresh = pool.allocate(need)  # the swap copies are pinned: no victim of its demotions
+        used = 0
         out = []
         for slot, row in zip(slots, plan):
-            blocks = []
-            for (key, h), b in zip(self._swapped.pop(slot), row):
-                if b >= 0:
-                    self._moves.append(self.placement.drop(key))
-                else:
-                    b = next(fresh)
-                    self._moves.append(self.placement.take(key, b))
-                    if h is not None:
-                        pool.register(b, h)
-                blocks.append(b)
+            keys, hashes = self._swapped.pop(slot)
+            if row.count(-1) == len(row):  # every block comes back from below
+                blocks = fresh[used:used + len(row)]
+                self.placement.take_many(self._moves, keys, blocks, pinned=True)
+            else:
+                blocks = list(row)
+                copy = [i for i, b in enumerate(row) if b < 0]
+                for i, b in zip(copy, fresh[used:used + len(copy)]):
+                    blocks[i] = b
+                self.placement.drop_many(self._moves, [k for k, b in zip(keys, row) if b >= 0], pinned=True)
+                self.placement.take_many(self._moves, [keys[i] for i in copy], [blocks[i] for i in copy], pinned=True)
+                hashes = [hashes[i] for i in copy]
+            copied = blocks if len(hashes) == len(blocks) else [blocks[i] for i in copy]
+            used += len(copied)
+            if hashes.count(None) < len(hashes):
+                named = [(b, h) for b, h in zip(copied, hashes) if h is not None]
+                pool.register_many([b for b, _ in named], [h for _, h in named])
             t.blocks[slot] = blocks
             t.set_swapped(slot, False)
             self._counters[c].swapped_in_blocks += len(blocks)
@@ -726,18 +746,36 @@ class KVCacheManager:
         """
         pool = self.class_pool(class_id)
         blocks = list(blocks)
-        for b in blocks:
-            if b in pool.cached or not pool.owns(b):
-                raise InvalidArgument(f"block {b} is not held: only held blocks take a transfer hold")
+        if not self._all_held(pool, blocks):
+            for b in blocks:
+                if b in pool.cached or not pool.owns(b):
+                    raise InvalidArgument(f"block {b} is not held: only held blocks take a transfer hold")
         holds = self._holds[class_id]
         pool.share(blocks)
+        if holds.keys().isdisjoint(blocks) and len(set(blocks)) == len(blocks):
+            holds.update(dict.fromkeys(blocks, 1))  # a batch's holds, in C
+            return
         for b in blocks:
             holds[b] = holds.get(b, 0) + 1
+
+    @staticmethod
+    def _all_held(pool: ClassPool, blocks: list[int]) -> bool:
+        """Whether every block is an int in an owned slab and not cached (checked per batch, not per block)."""
+        if not blocks:
+            return True
+        if not all(type(b) is int for b in blocks) or not pool.cached.isdisjoint(blocks):
+            return False
+        arr = np.asarray(blocks, np.int64)
+        return bool((arr >= 0).all()) and bool(np.isin(arr // pool.blocks_per_slab, list(pool.slots)).all())
 
     def release_holds(self, class_id: int, blocks: Iterable[int]) -> None:
         pool = self.class_pool(class_id)
         blocks = list(blocks)
         holds = self._holds[class_id]
+        if len(set(blocks)) == len(blocks) and list(map(holds.get, blocks)).count(1) == len(blocks):
+            deque(map(holds.__delitem__, blocks), 0)  # a batch's holds, one each: in C
+            pool.release(blocks)
+            return
         count: dict[int, int] = {}
         for b in blocks:
             count[b] = count.get(b, 0) + 1
@@ -793,7 +831,7 @@ class KVCacheManager:
         tier = self.placement.locate(key)
         if tier is None or self.placement.index(tier).is_pinned(key):
             return False
-        self.placement.drop(key)
+        self.placement.drop(None, key)
         self.placement.index(tier).dropped += 1
         return True
 
@@ -966,8 +1004,9 @@ class KVCacheManager:
             if t.swapped[slot]:
                 assert not blocks, f"sequence {seq_id}: swapped out but holds device blocks"
                 entries = self._swapped.get(slot)
-                assert entries is not None and len(entries) == -(-ntok // bs), f"sequence {seq_id}: swap copies"
-                for key, _ in entries:
+                assert entries is not None and len(entries[0]) == len(entries[1]) == -(-ntok // bs), (
+                    f"sequence {seq_id}: swap copies")
+                for key in entries[0]:
                     tier = self.placement.locate(key)
                     assert tier is not None and self.placement.index(tier).is_pinned(key), (
                         f"sequence {seq_id}: swap copy {key} is not pinned in a lower tier")
@@ -994,7 +1033,7 @@ class KVCacheManager:
                 holders[c][b] = holders[c].get(b, 0) + n
         assert set(self._swapped) <= set(live.tolist()), "a swap record of a freed sequence"
         assert t.nswapped == len(self._swapped) == int(np.count_nonzero(t.swapped[live])), "swapped count is off"
-        swap_keys = {k for entries in self._swapped.values() for k, _ in entries}
+        swap_keys = {k for keys, _ in self._swapped.values() for k in keys}
         pinned = set().union(*(index.pinned_keys() for index in self.placement.lower))
         assert pinned == swap_keys, "pinned lower-tier entries differ from the swapped sequences' copies"
         assert sum(len(s.seqs) for s in self._owners.values()) == t.live

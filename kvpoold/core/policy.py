@@ -1,12 +1,16 @@
 """Eviction policies: pure objects that only order keys.
 
 A policy never owns memory; the pool or tier index asks it which key to give
-up next.  New policies (LFU, ARC, ...) implement the same five methods.
+up next.  New policies (LFU, ARC, ...) implement the same methods.  The
+``*_many`` ones act on a batch (an eviction pass, a swap, a promotion is
+thousands of keys) with one C-level call each, and mean exactly the same as
+the single-key methods applied in order.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from itertools import islice, repeat
 from typing import Generic, Hashable, Iterator, TypeVar
 
 K = TypeVar("K", bound=Hashable)
@@ -29,6 +33,33 @@ class LRUPolicy(Generic[K]):
     def remove(self, key: K) -> None:
         """A key stops being evictable (reused, or dropped by its owner)."""
         del self._order[key]
+
+    def insert_many(self, keys) -> None:
+        """``insert`` of each key, in order (keys not present yet)."""
+        deque(map(self._order.__setitem__, keys, repeat(None)), 0)  # faster than update() for an OrderedDict
+
+    def present(self, keys) -> list[K]:
+        """The keys that are evictable here, in the given order."""
+        return list(filter(self._order.__contains__, keys))
+
+    def isdisjoint(self, keys) -> bool:
+        """Whether none of the keys is evictable here."""
+        return self._order.keys().isdisjoint(keys)
+
+    def remove_many(self, keys) -> None:
+        """``remove`` of each key, in order; KeyError at the first one not here (the ones before it are gone)."""
+        deque(map(self._order.__delitem__, keys), 0)
+
+    def victims(self, n: int) -> list[K]:
+        """Remove and return the ``n`` keys ``victim`` would give next, in that order."""
+        order = self._order
+        if n >= len(order):
+            out = list(order)
+            order.clear()
+            return out
+        out = list(islice(order, n))
+        deque(map(order.__delitem__, out), 0)
+        return out
 
     def touch(self, key: K) -> None:
         self._order.move_to_end(key)

@@ -166,6 +166,8 @@ class TierStats:
     write_seconds: float = 0.0
     bytes_read: int = 0
     read_seconds: float = 0.0
+    failed_writes: int = 0  # faults (issue 9): blocks whose write failed (the copy was dropped)
+    failed_reads: int = 0  # blocks whose read failed (not served; the owner recomputes)
 
 
 @dataclass(frozen=True)

@@ -133,6 +133,18 @@ class SeqTable:
         else:
             lst.append(block)
 
+    def add_unconfirmed_many(self, slot: int, blocks: list[int]) -> None:
+        """``add_unconfirmed`` of each block, in order."""
+        if not blocks:
+            return
+        lst = self.unconfirmed[slot]
+        if lst is None:
+            self.unconfirmed[slot] = list(blocks)
+            self.has_unconfirmed[slot] = True
+            self.n_unconfirmed += 1
+        else:
+            lst.extend(blocks)
+
     def take_unconfirmed(self, slot: int) -> list[int]:
         """The slot's unconfirmed blocks, now cleared."""
         lst = self.unconfirmed[slot]

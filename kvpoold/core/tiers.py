@@ -24,12 +24,30 @@ device evicts it.
 Every move names the device block it reads or writes (``block``), so that the
 transfer engine needs nothing else; the plan order is an executable order:
 room is made (victims moved down or dropped) before a key is placed.
+
+Moves are recorded as columns (``MovePlan``: one row per block, no object per
+block), because a demotion, promotion or swap batch is tens of thousands of
+blocks and the transfer engine works on whole columns (numpy masks and
+gathers); ``Move`` objects are made only when someone iterates a plan.
+
+The bulk paths (``demote_many``, ``place_pinned_many``, ``take_many``,
+``drop_many``, ``pin_many``) do the same as the single-key methods applied
+key by key, with a few C-level dict operations and one row append per batch
+instead of Python work per block: a batch of blocks of one class has one
+size, so bytes are charged per batch, and the victims that make room are the
+same oldest-first prefix of the LRU order that key-by-key placement would pop.
+Only the row order inside a plan may differ (victims' moves come before the
+batch that takes their room), and it stays an executable order.
 """
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 from enum import IntEnum
+from itertools import groupby
+
+import numpy as np
 
 from .policy import make_policy
 
@@ -58,6 +76,79 @@ class Move:
     dst: Tier | None
     block: int = -1
     nbytes: int = 0
+
+
+#: ``MovePlan.dst`` of a drop (the bytes are freed, not moved)
+DROP = -1
+
+
+class MovePlan:
+    """Planned moves as columns: row ``i`` moves ``keys[i]`` from ``src[i]`` to ``dst[i]``.
+
+    ``dst`` is ``DROP`` (-1) for a drop, ``block`` the device block read or
+    written (-1 otherwise), ``nbytes`` the block's size.  Rows are appended
+    in plan order (an executable order); ``columns`` gives them as numpy
+    arrays for the transfer engine (the numbers are kept in one
+    ``array.array``, so that costs no conversion per row).  Iterating yields ``Move`` objects (made
+    then: tests and tools, not the daemon's path).
+    """
+
+    __slots__ = ("keys", "_nums")
+
+    def __init__(self) -> None:
+        self.keys: list = []
+        self._nums = array("q")  # src, dst, block, nbytes per row: one ``extend`` per row
+
+    def add(self, key: Key, src: int, dst: int, block: int, nbytes: int) -> None:
+        self.keys.append(key)
+        self._nums.extend((src, dst, block, nbytes))
+
+    def add_many(self, keys: list, src: int, dst: int, blocks, nbytes) -> None:
+        """Rows for ``keys`` (``blocks``, ``nbytes``: a number for every row, or one per row)."""
+        m = len(keys)
+        if not m:
+            return
+        rows = np.empty((m, 4), np.int64)
+        rows[:, 0] = src
+        rows[:, 1] = dst
+        rows[:, 2] = blocks
+        rows[:, 3] = nbytes
+        self.keys.extend(keys)
+        self._nums.frombytes(rows.tobytes())
+
+    @classmethod
+    def of(cls, moves) -> "MovePlan":
+        """A plan from ``Move`` objects (or another plan, returned as it is)."""
+        if isinstance(moves, MovePlan):
+            return moves
+        plan = cls()
+        for mv in moves:
+            plan.add(mv.key, int(mv.src), DROP if mv.dst is None else int(mv.dst), mv.block, mv.nbytes)
+        return plan
+
+    def columns(self) -> tuple[list, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(keys, src, dst, block, nbytes), the four numeric columns as int64 arrays."""
+        nums = np.frombuffer(self._nums, np.int64).reshape(-1, 4) if self.keys else np.zeros((0, 4), np.int64)
+        return self.keys, nums[:, 0].copy(), nums[:, 1].copy(), nums[:, 2].copy(), nums[:, 3].copy()
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __iter__(self):
+        nums = self._nums
+        for i, key in enumerate(self.keys):
+            src, dst, block, nbytes = nums[4 * i:4 * i + 4]
+            yield Move(key, Tier(src), None if dst == DROP else Tier(dst), block, nbytes)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return list(self)[i]
+        i = range(len(self.keys))[i]
+        src, dst, block, nbytes = self._nums[4 * i:4 * i + 4]
+        return Move(self.keys[i], Tier(src), None if dst == DROP else Tier(dst), block, nbytes)
+
+    def __repr__(self) -> str:
+        return f"MovePlan({len(self)} moves)"
 
 
 class TierIndex:
@@ -112,6 +203,51 @@ class TierIndex:
             self._order.insert(key)
         self.blocks_in += 1
 
+    def add_many(self, keys: list, nbytes: int, pinned: bool = False) -> None:
+        """``add`` of each key, in order: blocks of one size, charged once for the batch."""
+        m = len(keys)
+        c = self.charge(nbytes) * m
+        assert self.used + c <= self.capacity
+        new = dict.fromkeys(keys, nbytes)
+        before = len(self._sizes)
+        self._sizes.update(new)  # the stored hashes: no key is hashed again
+        assert len(new) == m and len(self._sizes) == before + m, "a key added twice"
+        self.used += c
+        if pinned:
+            self.pinned += c
+        else:
+            self._order.insert_many(new)
+        self.blocks_in += m
+
+    def remove_many(self, keys: list, pinned: bool | None = None) -> list[int]:
+        """``remove`` of each key (distinct keys); returns their sizes.
+
+        ``pinned`` True: the caller knows every key is pinned (a swapped sequence's copies, blocks pinned
+        for promotion), which saves a pass over the keys; None: found out here.
+        """
+        sizes = list(map(self._sizes.pop, keys))
+        total = self._charges(sizes)
+        self.used -= total
+        if pinned:
+            self.pinned -= total
+            return sizes
+        evictable = self._order.present(keys)
+        self._order.remove_many(evictable)
+        if len(evictable) < len(keys):
+            if evictable:
+                size_of = dict(zip(keys, sizes))
+                total -= self._charges(list(map(size_of.__getitem__, evictable)))
+            self.pinned -= total
+        return sizes
+
+    def _charges(self, sizes: list[int]) -> int:
+        """Bytes blocks of these sizes take here (one multiplication when they share a size)."""
+        if not sizes:
+            return 0
+        if sizes.count(sizes[0]) == len(sizes):
+            return self.charge(sizes[0]) * len(sizes)
+        return sum(map(self.charge, sizes))
+
     def remove(self, key: Key) -> int:
         nbytes = self._sizes.pop(key)
         c = self.charge(nbytes)
@@ -127,6 +263,20 @@ class TierIndex:
             self._order.remove(key)
             self.pinned += self.charge(self._sizes[key])
 
+    def pin_many(self, keys: list) -> None:
+        """``pin`` of each key (of this tier)."""
+        order = self._order
+        before = len(order)
+        try:
+            order.remove_many(keys)  # the common case: every one is evictable
+            evictable = keys
+        except KeyError:  # some were pinned already: the ones before the first of those went
+            gone = before - len(order)
+            rest = order.present(keys[gone:])
+            order.remove_many(rest)
+            evictable = keys[:gone] + rest
+        self.pinned += self._charges(list(map(self._sizes.__getitem__, evictable)))
+
     def unpin(self, key: Key) -> None:
         if key in self._sizes and key not in self._order:
             self._order.insert(key)
@@ -141,6 +291,22 @@ class TierIndex:
         nbytes = self._sizes.pop(key)
         self.used -= self.charge(nbytes)
         return key, nbytes
+
+    def pop_victims(self, need: int) -> tuple[list, list[int]]:
+        """Pop the fewest oldest evictable entries whose charges reach ``need`` bytes: (keys, sizes).
+
+        The same entries, in the same order, as ``pop_victim`` until ``need`` bytes are free.
+        """
+        sizes, charge = self._sizes, self.charge
+        got = count = 0
+        for key in self._order:
+            if got >= need:
+                break
+            got += charge(sizes[key])
+            count += 1
+        keys = self._order.victims(count)
+        self.used -= got
+        return keys, list(map(sizes.pop, keys))
 
     def keys(self):
         """Evictable keys oldest first, then the pinned ones."""
@@ -183,24 +349,60 @@ class TierPlacement:
                 return index.tier
         return None
 
-    def demote(self, key: Key, nbytes: int, block: int = -1) -> list[Move]:
-        """Plan the moves for a cached block the device evicts; the plan is already recorded."""
+    def demote(self, plan: MovePlan, key: Key, nbytes: int, block: int = -1) -> bool:
+        """Record a cached block the device evicts; its moves go to ``plan``.
+
+        True if it was placed in a lower tier (False: already there, or dropped).
+        """
         for index in self.lower:
             if key in index:
                 index.touch(key)
-                return []
-        return self._place(key, nbytes, Tier.DEVICE, 0, block, pinned=False)
+                return False
+        return self._place(plan, key, nbytes, Tier.DEVICE, 0, block, pinned=False) != DROP
+
+    def demote_many(self, plan: MovePlan, keys: list, nbytes: int, blocks) -> int:
+        """``demote`` of each key in order (blocks of one size); returns how many were placed."""
+        lower = self.lower
+        if all(not index._sizes or index._sizes.keys().isdisjoint(keys) for index in lower):  # all new
+            return self._place_many(plan, keys, nbytes, Tier.DEVICE, 0, blocks, pinned=False)
+        placed = 0
+        run_keys: list = []
+        run_blocks: list = []
+        for key, b in zip(keys, blocks):
+            if run_keys and any(key in index for index in lower):
+                # the keys before this one are placed first: that may push it out of the tiers
+                placed += self._place_many(plan, run_keys, nbytes, Tier.DEVICE, 0, run_blocks, pinned=False)
+                run_keys, run_blocks = [], []
+            for index in lower:
+                if key in index:
+                    index.touch(key)
+                    break
+            else:
+                run_keys.append(key)
+                run_blocks.append(b)
+        if run_keys:
+            placed += self._place_many(plan, run_keys, nbytes, Tier.DEVICE, 0, run_blocks, pinned=False)
+        return placed
+
+    @staticmethod
+    def runs(sizes) -> list[tuple[int, int]]:
+        """(size, count) of each run of equal sizes, in order."""
+        return [(n, sum(1 for _ in g)) for n, g in groupby(sizes)]
 
     def can_pin(self, sizes: list[int]) -> bool:
         """Whether blocks of these sizes could all be placed pinned (e.g. a swap-out)."""
+        return self.can_pin_runs(self.runs(sizes))
+
+    def can_pin_runs(self, runs: list[tuple[int, int]]) -> bool:
+        """``can_pin`` of ``count`` blocks of ``nbytes`` for each (nbytes, count), in order."""
         room = [index.room() for index in self.lower]
-        for nbytes in sizes:
-            for level in range(len(room)):
-                c = self.lower[level].charge(nbytes)
-                if room[level] >= c:
-                    room[level] -= c
-                    break
-            else:
+        for nbytes, count in runs:
+            for level, index in enumerate(self.lower):  # the highest tier first, as placement goes
+                c = index.charge(nbytes)
+                k = min(count, max(0, room[level]) // c)
+                room[level] -= k * c
+                count -= k
+            if count:
                 return False
         return True
 
@@ -208,31 +410,88 @@ class TierPlacement:
         """Bytes blocks of these sizes take in the host tier (for messages)."""
         return sum(self.lower[0].charge(n) for n in sizes)
 
+    def charge_pinned_runs(self, runs: list[tuple[int, int]]) -> int:
+        return sum(self.lower[0].charge(n) * count for n, count in runs)
+
     def pinned_room(self) -> int:
         return sum(max(0, index.room()) for index in self.lower)
 
-    def place_pinned(self, key: Key, nbytes: int, block: int) -> list[Move]:
-        """Copy a device block into the highest tier with room, pinned (callers check ``can_pin``)."""
-        moves = self._place(key, nbytes, Tier.DEVICE, 0, block, pinned=True)
-        assert moves[-1].dst is not None, "place_pinned without room: check can_pin first"
-        return moves
+    def place_pinned(self, plan: MovePlan, key: Key, nbytes: int, block: int) -> Tier:
+        """Copy a device block into the highest tier with room, pinned (callers check ``can_pin``).
 
-    def _place(self, key: Key, nbytes: int, src: Tier, level: int, block: int, pinned: bool) -> list[Move]:
-        while level < len(self.lower) and self.lower[level].room() < self.lower[level].charge(nbytes):
+        Returns the tier it is placed in.
+        """
+        dst = self._place(plan, key, nbytes, Tier.DEVICE, 0, block, pinned=True)
+        assert dst != DROP, "place_pinned without room: check can_pin first"
+        return Tier(dst)
+
+    def place_pinned_many(self, plan: MovePlan, keys: list, nbytes: int, blocks) -> list[int]:
+        """``place_pinned`` of each key in order (blocks of one size); returns blocks placed per lower tier."""
+        tally = [0] * len(self.lower)
+        placed = self._place_many(plan, keys, nbytes, Tier.DEVICE, 0, blocks, pinned=True, tally=tally)
+        assert placed == len(keys), "place_pinned_many without room: check can_pin first"
+        return tally
+
+    def _place_many(self, plan: MovePlan, keys: list, nbytes: int, src: Tier, level: int, blocks, pinned: bool,
+                    tally: list[int] | None = None) -> int:
+        """``_place`` of each key in order (one size; ``blocks`` a list or one number); returns how many were
+        placed (not dropped).
+
+        A chunk of ``room // charge`` keys fits in one tier once every evictable entry there is gone, so the
+        victims that key-by-key placement pops for it are a prefix of the entries present before the chunk:
+        they are popped at once, placed below (in runs of one size), and the chunk added at once.
+        """
+        lower = self.lower
+        m = len(keys)
+        start = placed = 0
+        one = not isinstance(blocks, list)
+        while start < m:
+            while level < len(lower) and lower[level].room() < lower[level].charge(nbytes):
+                level += 1
+            if level == len(lower):
+                rest = keys[start:] if start else keys
+                if src != Tier.DEVICE:
+                    self.index(src).dropped += len(rest)
+                plan.add_many(rest, src, DROP, blocks if one else blocks[start:], nbytes)
+                return placed
+            index = lower[level]
+            c = index.charge(nbytes)
+            k = min(m - start, index.room() // c)
+            need = index.used + k * c - index.capacity
+            if need > 0:
+                vkeys, vsizes = index.pop_victims(need)
+                i = 0
+                for vbytes, count in self.runs(vsizes):
+                    self._place_many(plan, vkeys[i:i + count], vbytes, index.tier, level + 1, -1, pinned=False)
+                    i += count
+            chunk = keys if k == m else keys[start:start + k]
+            index.add_many(chunk, nbytes, pinned)
+            plan.add_many(chunk, src, index.tier, blocks if one or k == m else blocks[start:start + k], nbytes)
+            if tally is not None:
+                tally[level] += k
+            placed += k
+            start += k
+        return placed
+
+    def _place(self, plan: MovePlan, key: Key, nbytes: int, src: Tier, level: int, block: int,
+               pinned: bool) -> int:
+        """Place ``key`` at ``level`` or below, making room first; returns the tier (or ``DROP``)."""
+        lower = self.lower
+        while level < len(lower) and lower[level].room() < lower[level].charge(nbytes):
             level += 1
-        if level == len(self.lower):
+        if level == len(lower):
             if src != Tier.DEVICE:
                 self.index(src).dropped += 1
-            return [Move(key, src, None, block, nbytes)]
-        index = self.lower[level]
+            plan.add(key, src, DROP, block, nbytes)
+            return DROP
+        index = lower[level]
         c = index.charge(nbytes)
-        moves: list[Move] = []
         while index.used + c > index.capacity:
             victim, vbytes = index.pop_victim()
-            moves.extend(self._place(victim, vbytes, index.tier, level + 1, -1, pinned=False))
+            self._place(plan, victim, vbytes, index.tier, level + 1, -1, pinned=False)
         index.add(key, nbytes, pinned)
-        moves.append(Move(key, src, index.tier, block, nbytes))
-        return moves
+        plan.add(key, src, index.tier, block, nbytes)
+        return index.tier
 
     def pin(self, key: Key) -> None:
         for index in self.lower:
@@ -246,25 +505,73 @@ class TierPlacement:
                 index.unpin(key)
                 return
 
-    def take(self, key: Key, block: int) -> Move:
+    def _by_index(self, keys: list) -> list[tuple[TierIndex, list]]:
+        """The keys in runs of one lower tier each, in order (KeyError for a key in none)."""
+        for index in self.lower:  # the common case: all in one tier
+            if all(map(index._sizes.__contains__, keys)):
+                return [(index, keys)] if keys else []
+        out: list[tuple[TierIndex, list]] = []
+        for key in keys:
+            for index in self.lower:
+                if key in index:
+                    break
+            else:
+                raise KeyError(key)
+            if out and out[-1][0] is index:
+                out[-1][1].append(key)
+            else:
+                out.append((index, [key]))
+        return out
+
+    def pin_many(self, keys: list) -> list[tuple[TierIndex, list]]:
+        """``pin`` of each key (every one in a lower tier); returns them in runs of one tier (for ``take_many``)."""
+        runs = self._by_index(keys)
+        for index, run in runs:
+            index.pin_many(run)
+        return runs
+
+    def take_many(self, plan: MovePlan, keys: list, blocks: list[int], pinned: bool | None = None,
+                  runs: list[tuple[TierIndex, list]] | None = None) -> None:
+        """``take`` of each key into the device block at the same position.
+
+        ``pinned`` True: every key is pinned (see ``TierIndex.remove_many``); ``runs``: ``pin_many``'s answer
+        for these keys.
+        """
+        i = 0
+        for index, run in self._by_index(keys) if runs is None else runs:
+            sizes = index.remove_many(run, pinned)
+            index.blocks_out += len(run)
+            plan.add_many(run, index.tier, Tier.DEVICE, blocks[i:i + len(run)], sizes)
+            i += len(run)
+
+    def drop_many(self, plan: MovePlan | None, keys: list, pinned: bool | None = None) -> None:
+        """``drop`` of each key (``pinned`` as for ``take_many``)."""
+        for index, run in self._by_index(keys):
+            sizes = index.remove_many(run, pinned)
+            if plan is not None:
+                plan.add_many(run, index.tier, DROP, -1, sizes)
+
+    def take(self, plan: MovePlan, key: Key, block: int) -> Tier:
         """Take ``key`` out of its lower tier into device block ``block`` (promotion, swap-in)."""
         for index in self.lower:
             if key in index:
                 nbytes = index.remove(key)
                 index.blocks_out += 1
-                return Move(key, index.tier, Tier.DEVICE, block, nbytes)
+                plan.add(key, index.tier, Tier.DEVICE, block, nbytes)
+                return index.tier
         raise KeyError(key)
 
-    def promote(self, key: Key, block: int = -1) -> Tier:
-        """Forget ``key`` in its lower tier (its bytes are going back up)."""
-        return self.take(key, block).src
+    def drop(self, plan: MovePlan | None, key: Key) -> Tier:
+        """Forget ``key`` and free its bytes (a freed swapped sequence, a lost block).
 
-    def drop(self, key: Key) -> Move:
-        """Forget ``key`` and free its bytes (a freed swapped sequence, a lost block)."""
+        ``plan`` None: only forget it (its bytes are gone already).
+        """
         for index in self.lower:
             if key in index:
                 nbytes = index.remove(key)
-                return Move(key, index.tier, None, -1, nbytes)
+                if plan is not None:
+                    plan.add(key, index.tier, DROP, -1, nbytes)
+                return index.tier
         raise KeyError(key)
 
     def check(self) -> None:

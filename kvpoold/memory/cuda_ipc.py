@@ -114,6 +114,44 @@ def bus_id(device: int) -> str:
     return _rt().deviceGetPCIBusId(device).upper()
 
 
+def client_bus_id(device=None) -> str:
+    """PCI bus id of the GPU this process works on: ``device``, else torch's current device; "" if none.
+
+    Sent at attach so that a daemon serving several GPUs binds the session to
+    that GPU's pool.  Without ``device``, torch's current device counts only
+    once this process uses CUDA through torch (``torch.cuda.is_initialized()``,
+    e.g. after ``torch.cuda.set_device`` or a model moved to the GPU): the
+    attach itself neither imports torch nor starts CUDA.  An explicit
+    ``device`` this process cannot see raises ``DeviceMismatch``; without
+    CuPy the answer is "" (the daemon decides; mapping a CUDA pool needs CuPy
+    anyway and says so).
+    """
+    import sys
+
+    if device is not None and str(device) == "cpu":
+        return ""
+    index = _device_index(device)  # None for None and "cuda"
+    if index is None:
+        torch = sys.modules.get("torch")
+        try:
+            if torch is None or not torch.cuda.is_initialized():
+                return ""
+            return bus_id(torch.cuda.current_device())
+        except Exception:  # noqa: BLE001 - no usable CUDA or CuPy here: the process names no GPU
+            return ""
+    try:
+        count = _rt().getDeviceCount()
+    except BackendUnavailable:
+        return ""
+    except Exception as e:  # noqa: BLE001 - CUDARuntimeError: no driver, no GPU
+        raise DeviceMismatch(f"device={device!r}: no usable CUDA GPU in this process ({e})") from None
+    if not 0 <= index < count:
+        vis = os.environ.get("CUDA_VISIBLE_DEVICES")
+        raise DeviceMismatch(f"device={device!r}: this process sees {count} GPU(s)"
+                             + (f" (CUDA_VISIBLE_DEVICES={vis!r})" if vis is not None else ""))
+    return bus_id(index)
+
+
 def device_memory(device: int) -> tuple[int, int]:
     """(free, total) bytes on ``device``."""
     with _cupy().cuda.Device(device):

@@ -2,7 +2,8 @@
 
 Start-up order: take the sockets' lock files (a second daemon on the same
 socket stops here with a clear message), remove what a crashed predecessor
-left (stale sockets, shared-memory segments), create the backend, bind the
+left (stale sockets, shared-memory segments), create one pool per device
+(``--devices``: a backend, core and tiers each; see ``pools``), bind the
 normal socket (``socket_mode``, ``socket_group``: who may attach) and the admin
 socket (``admin_socket_mode``: who may evict, drain, look at other sessions),
 each served by its own gRPC server over the same ``PoolService`` and with the
@@ -37,8 +38,8 @@ from grpc_reflection.v1alpha import reflection
 from kvpool._generated import kvpool_pb2 as pb
 from kvpoold.config import LIVE_KEYS, Config, ConfigError, changed_keys
 from kvpoold.memory import make_backend
-from kvpoold.memory.base import Backend
 
+from .pools import disk_dir_for
 from .sd import Notifier
 from .service import PoolService
 from .tiers import DiskTierError
@@ -96,13 +97,15 @@ class SocketLock:
             self._fd = None
 
 
-def pool_bytes_for(config: Config, backend: Backend) -> int:
+def pool_bytes_for(config: Config, device: int | None = None) -> int:
+    """One pool's size: ``--pool-bytes``, else (cuda) ``--gpu-memory-fraction`` of what ``device`` has free."""
     if config.pool_bytes:
         return config.pool_bytes
     if config.backend == "cuda":
         from kvpoold.memory.cuda_ipc import pool_bytes_for_fraction
 
-        return pool_bytes_for_fraction(config.devices[0], config.gpu_memory_fraction, align=config.chunk_bytes)
+        device = config.devices[0] if device is None else device
+        return pool_bytes_for_fraction(device, config.gpu_memory_fraction, align=config.chunk_bytes)
     return config.effective_pool_bytes()
 
 
@@ -120,16 +123,51 @@ def check_cpu_room(config: Config, pool_bytes: int) -> None:
         )
 
 
-def check_gpu_room(config: Config, pool_bytes: int) -> None:
+def check_gpu_room(config: Config, pool_bytes: int, device: int | None = None) -> None:
     """Refuse a GPU pool larger than the device's free memory, before any client attaches."""
     from kvpoold.memory.cuda_ipc import device_memory
 
-    free, total = device_memory(config.devices[0])
+    device = config.devices[0] if device is None else device
+    free, total = device_memory(device)
     if pool_bytes > free:
         raise StartupError(
-            f"a pool of {pool_bytes} bytes does not fit on GPU {config.devices[0]} ({free} of {total} bytes free); "
-            "use a smaller --pool-bytes or --gpu-memory-fraction"
+            f"a pool of {pool_bytes} bytes does not fit on GPU {device} ({free} of {total} bytes free); "
+            "use a smaller --pool-bytes or --gpu-memory-fraction (both are per GPU)"
         )
+
+
+def open_pools(config: Config, service: PoolService, instance: str, backend_kwargs: dict) -> None:
+    """One pool per device of ``--devices`` (cuda), or the one CPU pool.
+
+    Sizes apply per device.  Any failure raises ``StartupError``; the caller
+    closes the service, which releases the pools made so far (their device
+    memory, fences and pinned host memory).
+    """
+    devices = config.devices if config.backend == "cuda" else (-1,)
+    if config.backend != "cuda" and config.devices != (0,):
+        log.warning("devices %s: ignored by the %s backend, which has one pool", list(config.devices), config.backend)
+    for device in devices:
+        where = f" on GPU {device}" if device >= 0 else ""
+        try:
+            backend = make_backend(config.backend, instance=instance, device=max(device, 0), **backend_kwargs)
+        except Exception as exc:  # noqa: BLE001 - turned into one clear start-up line
+            raise StartupError(f"{exc}" if len(devices) == 1 else f"GPU {device}: {exc}") from None
+        try:
+            pool_bytes = pool_bytes_for(config, device if device >= 0 else None)
+            if config.backend == "cpu":
+                check_cpu_room(config, pool_bytes)
+            else:
+                check_gpu_room(config, pool_bytes, device)
+        except BaseException:
+            backend.close()
+            raise
+        try:
+            service.add_pool(backend, pool_bytes, device=device,
+                             disk_dir=disk_dir_for(config, device, len(devices)))
+        except DiskTierError as exc:  # tiers (issue 6): a disk directory that cannot be used
+            raise StartupError(f"{exc}{where}" if len(devices) > 1 else str(exc)) from None
+        except ValueError as exc:  # the same GPU twice (two ordinals, one bus id)
+            raise StartupError(str(exc)) from None
 
 
 class _Listener:
@@ -185,11 +223,6 @@ async def serve(config: Config, ready=None, reload: Callable[[], Config] | None 
     SIGHUP; the settings in ``LIVE_KEYS`` change at once, the others are
     logged as needing a restart.
     """
-    if len(config.devices) > 1:
-        raise StartupError(
-            f"one kvpoold serves one GPU; run one daemon per GPU (devices {list(config.devices)}), "
-            "each with its own --socket (e.g. the kvpoold@N systemd template)"
-        )
     admin_path = config.admin_socket_path()
     locks = [SocketLock(config.socket)] + ([SocketLock(admin_path)] if admin_path else [])
     service = None
@@ -211,20 +244,9 @@ async def serve(config: Config, ready=None, reload: Callable[[], Config] | None 
 
             for name in remove_stale_segments(instance, config.shm_dir):
                 log.warning("removed shared memory left by a previous daemon: %s", name)
-        try:
-            backend = make_backend(config.backend, instance=instance, device=config.devices[0], **kwargs)
-        except Exception as exc:  # noqa: BLE001 - turned into one clear start-up line
-            raise StartupError(str(exc)) from None
-        pool_bytes = pool_bytes_for(config, backend)
-        if config.backend == "cpu":
-            check_cpu_room(config, pool_bytes)
-        else:
-            check_gpu_room(config, pool_bytes)
-        try:
-            service = PoolService(config, backend, pool_bytes)
-        except DiskTierError as exc:  # tiers (issue 6): a disk directory that cannot be used
-            backend.close()
-            raise StartupError(str(exc)) from None
+        service = PoolService(config)
+        open_pools(config, service, instance, kwargs)  # one per GPU of --devices; closed below on failure
+        pool_bytes = sum(p.pool_bytes for p in service.pools)
         loop = asyncio.get_running_loop()
 
         if config.metrics_port:
@@ -260,11 +282,20 @@ async def serve(config: Config, ready=None, reload: Callable[[], Config] | None 
             tasks.append(asyncio.create_task(_watchdog(notifier)))
         extra = (f" admin_socket={admin_path}" if admin_path else "") + \
                 (f" metrics=http://{config.metrics_address}:{metrics.port}/metrics" if metrics else "")
+        if len(service.pools) > 1:
+            extra += " devices=" + ",".join(f"{p.device}@{p.bus_id}" for p in service.pools)  # ordinal@bus id
+            for p in service.pools:
+                log.info("pool %d: %s, %d bytes", p.index, p.name, p.pool_bytes)
+        elif config.backend == "cuda":
+            only = service.pools.pools[0]
+            extra += f" devices={only.device}@{only.bus_id}"
         log.info("kvpoold %s ready: socket=%s backend=%s pool=%d bytes%s", service.version, config.socket,
                  config.backend, pool_bytes, extra)
         print(f"kvpoold ready socket={config.socket} backend={config.backend} pool_bytes={pool_bytes}{extra}",
               flush=True)
-        notifier.ready(f"serving {config.backend} pool of {pool_bytes} bytes on {config.socket}")
+        what = f"{len(service.pools)} {config.backend} pools of {pool_bytes // len(service.pools)} bytes" \
+            if len(service.pools) > 1 else f"{config.backend} pool of {pool_bytes} bytes"
+        notifier.ready(f"serving {what} on {config.socket}")
         if ready is not None:
             ready()
         await stop.wait()
@@ -301,7 +332,7 @@ async def serve(config: Config, ready=None, reload: Callable[[], Config] | None 
         if metrics is not None:
             metrics.close()
         if service is not None:
-            service.close()  # flushes the tiers (flush_tiers), then releases the arenas
+            service.close()  # every pool: flushes its tiers, then releases its arenas and device memory
         for listener in listeners:
             listener.remove()
         for lock in reversed(locks):
@@ -328,15 +359,13 @@ def _reload(service: PoolService, listeners: list[_Listener], reload: Callable[[
         applied = replace(new, **{k: getattr(old, k) for k in fixed})
         if "log_level" in live:
             logging.getLogger().setLevel(getattr(logging, new.log_level.upper()))
-        if "max_reserve_blocks" in live:
-            service.manager.max_reserve_blocks = new.max_reserve_blocks
         if "max_sessions" in live:
             service.sessions.max_sessions = new.max_sessions
         if "admin_socket_mode" in live:
             for listener in listeners:
                 if listener.admin:
                     os.chmod(listener.path, new.admin_socket_mode)
-        service.config = applied
+        service.config = applied  # every pool reads it (max_reserve_blocks, quotas, limits)
         if live:
             log.warning("reload: changed %s", ", ".join(f"{k} {getattr(old, k)!r} -> {getattr(new, k)!r}"
                                                        for k in live))
@@ -356,9 +385,12 @@ async def _watchdog(notifier: Notifier) -> None:
 
 
 async def _reap_forever(service: PoolService) -> None:
+    """Every REAP_INTERVAL_S: drop sessions whose lease ran out (frozen clients), then vanished ones."""
     while True:
         await asyncio.sleep(REAP_INTERVAL_S)
         try:
+            for session, reason in service.sessions.lapsed(service.config.lease_seconds):  # issue 9
+                service.drop(session, reason)
             service.reap()
         except Exception:  # noqa: BLE001 - the reaper must survive a bad session
             log.exception("reaper failed")

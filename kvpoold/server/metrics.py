@@ -7,34 +7,37 @@ daemon's one concurrency rule — state is touched only on the loop — holds.
 RPC latency is measured by a gRPC server interceptor, one histogram series
 per method; it is installed only when metrics are enabled.
 
-Series (``class_id`` is a layout class, ``tier`` device/host/disk):
+Series (``device`` is a pool: the daemon's CUDA ordinal of one of ``--devices``,
+or ``cpu``; ``class_id`` a layout class of that pool; ``tier`` device/host/disk):
 
-=======================================  ========  ==============================
-kvpool_info{version,backend}             gauge     1
-kvpool_pool_bytes                        gauge     device pool size
-kvpool_pool_unassigned_bytes             gauge     not yet given to a class
-kvpool_class_blocks{class_id,state}      gauge     used / reserved / cached / free
-kvpool_class_block_bytes{class_id}       gauge
-kvpool_tier_capacity_bytes{tier}         gauge
-kvpool_tier_used_bytes{tier}             gauge
-kvpool_tier_blocks{tier}                 gauge
-kvpool_tier_<figure>_total{tier}         counter   transfers from the tiers' stats: blocks_in,
-                                                   blocks_out, bytes_written, bytes_read, ...
-kvpool_class_<figure>_total{class_id}    counter   promoted/demoted/swapped blocks, ...
-kvpool_tier_pinned_bytes{tier},
-kvpool_class_swapped_sequences{class_id} gauge
-kvpool_prefix_queries_total{class_id}    counter   lookups and creates
-kvpool_prefix_hits_total{class_id}       counter   of those, with a cached prefix
-kvpool_prefix_query_tokens_total         counter
-kvpool_prefix_hit_tokens_total           counter
-kvpool_cow_copies_total{class_id}        counter   copy-on-write copies
-kvpool_evictions_total{class_id}         counter   cached blocks dropped
-kvpool_sessions{state}                   gauge     connected / disconnected
-kvpool_sequences                         gauge
-kvpool_draining                          gauge     1 while drained
-kvpool_rpc_duration_seconds{method}      histogram unary calls
-kvpool_rpcs_total{method,code}           counter   by status code
-=======================================  ========  ==============================
+=================================================  ========  ==============================
+kvpool_info{version,backend}                       gauge     1
+kvpool_device_info{device,bus_id}                  gauge     1 per pool (PCI bus id of its GPU)
+kvpool_pool_bytes{device}                          gauge     device pool size
+kvpool_pool_unassigned_bytes{device}               gauge     not yet given to a class
+kvpool_class_blocks{device,class_id,state}         gauge     used / reserved / cached / free
+kvpool_class_block_bytes{device,class_id}          gauge
+kvpool_tier_capacity_bytes{device,tier}            gauge
+kvpool_tier_used_bytes{device,tier}                gauge
+kvpool_tier_blocks{device,tier}                    gauge
+kvpool_tier_<figure>_total{device,tier}            counter   transfers from the tiers' stats: blocks_in,
+                                                             blocks_out, bytes_written, bytes_read, ...
+kvpool_class_<figure>_total{device,class_id}       counter   promoted/demoted/swapped blocks, ...
+kvpool_tier_pinned_bytes{device,tier},
+kvpool_class_swapped_sequences{device,class_id}    gauge
+kvpool_prefix_queries_total{device,class_id}       counter   lookups and creates
+kvpool_prefix_hits_total{device,class_id}          counter   of those, with a cached prefix
+kvpool_prefix_query_tokens_total{device,class_id}  counter
+kvpool_prefix_hit_tokens_total{device,class_id}    counter
+kvpool_cow_copies_total{device,class_id}           counter   copy-on-write copies
+kvpool_evictions_total{device,class_id}            counter   cached blocks dropped
+kvpool_sessions{state}                             gauge     connected / disconnected
+kvpool_pool_sessions{device}                       gauge     sessions bound to the pool
+kvpool_sequences{device}                           gauge
+kvpool_draining                                    gauge     1 while drained
+kvpool_rpc_duration_seconds{method}                histogram unary calls
+kvpool_rpcs_total{method,code}                     counter   by status code
+=================================================  ========  ==============================
 
 plus prometheus-client's ``process_*`` series.
 """
@@ -59,9 +62,18 @@ LATENCY_BUCKETS = (
 SCRAPE_TIMEOUT_S = 5.0
 
 
+def _device_label(pool) -> str:
+    """The ``device`` label of a pool's series: the daemon's CUDA ordinal, or ``cpu``."""
+    return str(pool.device) if pool.device >= 0 else "cpu"
+
+
 def pool_families(service) -> list:
-    """Every pool, prefix-cache and session series, read from the service (call on the event loop)."""
-    st = service.stats()
+    """Every pool, prefix-cache and session series, read from the service (call on the event loop).
+
+    Pool series carry a ``device`` label: one pool per GPU of ``--devices``
+    (``cpu`` on the CPU backend); ``class_id`` is a class of that pool.
+    """
+    pools = service.stats()
     out = []
 
     def gauge(name, doc, labels=(), rows=()):
@@ -77,32 +89,40 @@ def pool_families(service) -> list:
         out.append(c)
 
     gauge("kvpool_info", "kvpoold version and backend", ("version", "backend"),
-          [((service.version, service.backend.name), 1)])
-    gauge("kvpool_pool_bytes", "device pool size in bytes", rows=[((), st.pool_bytes)])
-    gauge("kvpool_pool_unassigned_bytes", "pool bytes not owned by any layout class",
-          rows=[((), st.free_chunks * st.chunk_bytes)])
-    classes = st.classes
-    cls = [str(c.class_id) for c in classes]
-    gauge("kvpool_class_blocks", "device blocks of a layout class by state", ("class_id", "state"), [
-        row for k, c in zip(cls, classes) for row in (
-            ((k, "used"), c.used_blocks - c.reserved_blocks),
-            ((k, "reserved"), c.reserved_blocks),
-            ((k, "cached"), c.cached_blocks),
-            ((k, "free"), c.free_blocks),
+          [((service.version, service.backend_name), 1)])
+    gauge("kvpool_device_info", "one pool per device: its PCI bus id", ("device", "bus_id"),
+          [((_device_label(p), p.bus_id), 1) for p, _ in pools])
+    gauge("kvpool_pool_bytes", "device pool size in bytes", ("device",),
+          [((_device_label(p),), st.pool_bytes) for p, st in pools])
+    gauge("kvpool_pool_unassigned_bytes", "pool bytes not owned by any layout class", ("device",),
+          [((_device_label(p),), st.free_chunks * st.chunk_bytes) for p, st in pools])
+    # (device label, class id label, ClassStats) and (device label, TierStats) over every pool
+    classes = [(_device_label(p), str(c.class_id), c) for p, st in pools for c in st.classes]
+    gauge("kvpool_class_blocks", "device blocks of a layout class by state", ("device", "class_id", "state"), [
+        row for d, k, c in classes for row in (
+            ((d, k, "used"), c.used_blocks - c.reserved_blocks),
+            ((d, k, "reserved"), c.reserved_blocks),
+            ((d, k, "cached"), c.cached_blocks),
+            ((d, k, "free"), c.free_blocks),
         )
     ])
-    gauge("kvpool_class_block_bytes", "bytes per block of a layout class", ("class_id",),
-          [((k,), c.block_bytes) for k, c in zip(cls, classes)])
+    gauge("kvpool_class_block_bytes", "bytes per block of a layout class", ("device", "class_id"),
+          [((d, k), c.block_bytes) for d, k, c in classes])
 
-    device_blocks = sum(c.used_blocks + c.cached_blocks for c in classes)
-    device_used = sum((c.used_blocks + c.cached_blocks) * c.block_bytes for c in classes)
-    tiers = [("device", st.pool_bytes, device_used, device_blocks)]
-    tiers += [(t.tier, t.capacity_bytes, t.used_bytes, t.blocks) for t in st.tiers]
-    gauge("kvpool_tier_capacity_bytes", "capacity of a tier in bytes", ("tier",), [((t[0],), t[1]) for t in tiers])
-    gauge("kvpool_tier_used_bytes", "bytes of a tier holding blocks", ("tier",), [((t[0],), t[2]) for t in tiers])
-    gauge("kvpool_tier_blocks", "blocks held in a tier", ("tier",), [((t[0],), t[3]) for t in tiers])
-    _extra_series("tier", "tier", st.tiers, [t.tier for t in st.tiers], gauge, counter)
-    _extra_series("class", "class_id", classes, cls, gauge, counter)
+    tiers = []
+    for p, st in pools:
+        d = _device_label(p)
+        blocks = sum(c.used_blocks + c.cached_blocks for c in st.classes)
+        used = sum((c.used_blocks + c.cached_blocks) * c.block_bytes for c in st.classes)
+        tiers.append((d, "device", st.pool_bytes, used, blocks))
+        tiers += [(d, t.tier, t.capacity_bytes, t.used_bytes, t.blocks) for t in st.tiers]
+    labels = ("device", "tier")
+    gauge("kvpool_tier_capacity_bytes", "capacity of a tier in bytes", labels, [(t[:2], t[2]) for t in tiers])
+    gauge("kvpool_tier_used_bytes", "bytes of a tier holding blocks", labels, [(t[:2], t[3]) for t in tiers])
+    gauge("kvpool_tier_blocks", "blocks held in a tier", labels, [(t[:2], t[4]) for t in tiers])
+    lower = [(_device_label(p), t) for p, st in pools for t in st.tiers]
+    _extra_series("tier", "tier", [t for _, t in lower], [(d, t.tier) for d, t in lower], gauge, counter)
+    _extra_series("class", "class_id", [c for _, _, c in classes], [(d, k) for d, k, _ in classes], gauge, counter)
 
     for name, attr, doc in (
         ("kvpool_prefix_queries", "prefix_queries", "prefix-cache queries (lookups and creates)"),
@@ -112,13 +132,15 @@ def pool_families(service) -> list:
         ("kvpool_cow_copies", "cow_copies", "copy-on-write block copies"),
         ("kvpool_evictions", "evictions", "cached blocks evicted"),
     ):
-        counter(name, doc, ("class_id",), [((k,), getattr(c, attr)) for k, c in zip(cls, classes)])
+        counter(name, doc, ("device", "class_id"), [((d, k), getattr(c, attr)) for d, k, c in classes])
 
     sessions = list(service.sessions)
     connected = sum(1 for s in sessions if s.connected)
     gauge("kvpool_sessions", "attached client sessions", ("state",),
           [(("connected",), connected), (("disconnected",), len(sessions) - connected)])
-    gauge("kvpool_sequences", "live sequences", rows=[((), st.sequences)])
+    gauge("kvpool_pool_sessions", "sessions bound to a device's pool", ("device",),
+          [((_device_label(p),), p.sessions) for p, _ in pools])
+    gauge("kvpool_sequences", "live sequences", ("device",), [((_device_label(p),), st.sequences) for p, st in pools])
     gauge("kvpool_draining", "1 while the daemon is drained (no new attaches or sequences)",
           rows=[((), int(bool(getattr(service, "draining", False))))])
     return out
@@ -136,6 +158,8 @@ _LEVELS = {"pinned_bytes", "swapped_sequences"}  # gauges; every other extra fig
 def _extra_series(kind: str, label: str, rows, keys, gauge, counter) -> None:
     """Numeric figures of the core's tier and class stats beyond the known ones.
 
+    ``keys``: (device label, tier or class id label) of each row.
+
     The tier work keeps transfer and swap figures there (``blocks_in``,
     ``bytes_written``, ``promoted_blocks``, ``swapped_out_blocks``...): running
     totals, exported as counters ``kvpool_<kind>_<figure>_total``; the few
@@ -150,8 +174,8 @@ def _extra_series(kind: str, label: str, rows, keys, gauge, counter) -> None:
         if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
             continue
         emit = gauge if f.name in _LEVELS else counter
-        emit(f"kvpool_{kind}_{f.name}", f"{kind} figure {f.name}", (label,),
-             [((k,), v) for k, v in zip(keys, values)])
+        emit(f"kvpool_{kind}_{f.name}", f"{kind} figure {f.name}", ("device", label),
+             [(k, v) for k, v in zip(keys, values)])
 
 
 class PoolCollector:

@@ -1,8 +1,10 @@
-"""The daemon's state: the core, the arenas that hold block bytes, the sessions.
+"""The daemon's state: its pools (one per device), the sessions, drain and shutdown.
 
 Everything here is called from the event loop only (the daemon's single
 concurrency rule), so no locks are needed.  No gRPC types appear: the
-servicer converts messages into these calls and results back.
+servicer converts messages into these calls and results back.  The memory
+of each device (core, arenas, tiers) lives in a ``pools.DevicePool``; a
+session is bound to one pool at attach and each of its calls goes there.
 """
 
 from __future__ import annotations
@@ -15,13 +17,13 @@ import numpy as np
 
 from kvpoold import __version__
 from kvpoold.config import Config
-from kvpoold.core import Geometry, InvalidArgument, KVCacheManager, WrongState
+from kvpoold.core import Geometry, InvalidArgument, WrongState
 from kvpoold.core.results import ExtendResult, LookupResult, PoolStats, SequenceInfo
-from kvpoold.memory.base import Arena, ArenaDescriptor, Backend
+from kvpoold.memory.base import ArenaDescriptor
 
-from .access import Draining, Limits, Quotas
+from .access import Draining
+from .pools import DevicePool, PoolSet
 from .sessions import Session, SessionRegistry
-from .tiers import TIER_ALIGN, Tiers
 
 log = logging.getLogger("kvpoold")
 
@@ -32,6 +34,7 @@ class AttachResult:
     descriptor: ArenaDescriptor
     num_blocks: int
     block_bytes: int
+    pool: DevicePool
 
 
 @dataclass(frozen=True)
@@ -42,50 +45,50 @@ class StepResult:
 
 
 class PoolService:
-    def __init__(self, config: Config, backend: Backend, pool_bytes: int) -> None:
-        self.config = config
-        self.backend = backend
-        self.manager = KVCacheManager(
-            pool_bytes,
-            chunk_bytes=config.chunk_bytes,
-            host_bytes=config.host_bytes,
-            disk_bytes=config.disk_bytes,
-            policy=config.eviction_policy,
-            max_reserve_blocks=config.max_reserve_blocks,
-            tier_align=TIER_ALIGN,
-        )
-        self.tiers = Tiers(config, self.manager, backend.name)  # issue 6: host and disk tiers, transfers
-        self.sessions = SessionRegistry(config.max_sessions)
-        self.arenas: dict[int, Arena] = {}
-        self.models: dict[int, set[str]] = {}
+    """The sessions and the pools; routes each session's calls to the pool it was bound to at attach.
+
+    Pools are added by the start-up code (``add_pool``), one per device.
+    """
+
+    def __init__(self, config: Config) -> None:
+        self._config = config
+        self.pools = PoolSet()
+        self.sessions = SessionRegistry(config.max_sessions)  # one registry: ids unique, max_sessions global
         self.started = time.time()
         self.rpcs = 0
         self.closing = False
         self.draining = False  # kvpoolctl drain: no new attaches or sequences; running ones go on
-        self.quotas = Quotas(self)  # per-session limits (access.py), checked before the core allocates
-        self.limits = Limits(self)  # issue 9: sequences per session, tokens per call
 
-    # -- memory -----------------------------------------------------------------
-    def _sync_memory(self) -> list:
-        """After every state change: run the planned tier copies and commit/release slabs.
+    @property
+    def config(self) -> Config:
+        return self._config
 
-        Device reads (demotions, swap-outs) finish first, then slabs are
-        committed and released, then device writes (promotions, swap-ins)
-        start; those still in flight are returned (``tiers.Tiers.sync``).
-        """
+    @config.setter
+    def config(self, config: Config) -> None:
+        """SIGHUP: every pool reads the new live settings too (quotas, limits, reserves)."""
+        self._config = config
+        for pool in self.pools:
+            pool.config = config
+            pool.manager.max_reserve_blocks = config.max_reserve_blocks
 
-        def apply_slabs():
-            for kind, cls, offset, nbytes in self.manager.drain_slab_changes():
-                arena = self.arenas[cls]
-                if kind == "take":
-                    arena.commit(offset, nbytes)
-                else:
-                    arena.release(offset, nbytes)
+    def add_pool(self, backend, pool_bytes: int, **kwargs) -> DevicePool:
+        """A device's pool (``pools.DevicePool``'s arguments); on failure nothing of it stays."""
+        try:
+            pool = DevicePool(self._config, backend, pool_bytes, index=len(self.pools), **kwargs)
+        except BaseException:
+            backend.close()
+            raise
+        try:
+            return self.pools.add(pool)
+        except BaseException:
+            pool.close()
+            raise
 
-        return self.tiers.sync(apply_slabs)
+    def pool_of(self, session: Session) -> DevicePool:
+        return self.pools.of(session)
 
     # -- sessions -----------------------------------------------------------------
-    def attach(self, name: str, layout: dict, pid: int) -> AttachResult:
+    def attach(self, name: str, layout: dict, pid: int, device_bus_id: str = "") -> AttachResult:
         if self.closing:
             raise WrongState("the daemon is shutting down")
         if self.draining:
@@ -99,34 +102,25 @@ class PoolService:
         )
         revision = layout.get("revision", "")
         model_key = f"{model_id}@{revision}" if revision else model_id
-        known = self.manager.class_of(geometry) in self.arenas  # classes of the disk tier have no arena
-        if not known and self.arenas and not self.backend.supports_many_classes:
-            raise InvalidArgument(
-                f"the {self.backend.name} backend serves one layout class; this daemon already serves "
-                f"{self.manager.classes[next(iter(self.arenas))].geometry.describe()}"
-            )
-        cid = self.manager.register_class(geometry)
-        pool = self.manager.classes[cid]
-        if cid not in self.arenas:
-            # if this fails, the class stays registered but owns nothing; a later attach retries
-            self.arenas[cid] = self.backend.create_arena(f"c{cid}", pool.num_block_ids * pool.block_bytes)
-            self.tiers.add_arena(cid, self.arenas[cid], pool)
+        pool = self.pools.choose(device_bus_id)
+        cid, descriptor, num_blocks, block_bytes = pool.open_class(geometry)
         session = self.sessions.add(name or "client", pid, model_key, cid)
-        self.models.setdefault(cid, set()).add(model_key)
-        log.info("attach: session %d (%s, pid %d) model %s class %d %s",
-                 session.id, session.name, session.pid, model_key, cid, geometry.describe())
-        return AttachResult(session, self.arenas[cid].descriptor, pool.num_block_ids, pool.block_bytes)
+        self.pools.bind(session.id, pool)
+        pool.models.setdefault(cid, set()).add(model_key)
+        log.info("attach: session %d (%s, pid %d) model %s on %s class %d %s", session.id, session.name,
+                 session.pid, model_key, pool.name, cid, geometry.describe())
+        return AttachResult(session, descriptor, num_blocks, block_bytes, pool)
 
     def session(self, token: bytes) -> Session:
         return self.sessions.get(token)
 
     def drop(self, session: Session, reason: str) -> int:
-        released = self.manager.drop_owner(session.id)
-        self.tiers.forget_owner(session.id)
+        pool = self.pools.of(session)
+        released = pool.drop_owner(session.id)
         self.sessions.remove(session)
-        self._sync_memory()
-        log.info("session %d (%s, pid %d) dropped: %s; %d blocks released",
-                 session.id, session.name, session.pid, reason, released)
+        self.pools.unbind(session.id)
+        log.info("session %d (%s, pid %d) dropped: %s; %d blocks released on %s",
+                 session.id, session.name, session.pid, reason, released, pool.name)
         return released
 
     def reap(self) -> int:
@@ -136,27 +130,12 @@ class PoolService:
             self.drop(s, reason)
         return len(expired)
 
-    # -- sequence calls -----------------------------------------------------------
+    # -- sequence calls: the session's pool -----------------------------------------
     def create(self, session: Session, prompts: list[tuple[np.ndarray, str]]) -> list[SequenceInfo]:
         """Create several sequences; on an error none of them remains."""
         if self.draining:
             raise Draining("new sequences")
-        self.limits.check_tokens(sum(len(t) for t, _ in prompts))
-        self.limits.check_sequences(session, len(prompts))
-        self.quotas.check_create(session, [len(t) for t, _ in prompts])
-        self.tiers.take_recent()  # this call's arrivals start from here
-        out: list[SequenceInfo] = []
-        try:
-            for tokens, extra_key in prompts:
-                out.append(self.manager.create(session.id, session.class_id, session.model_key, tokens, extra_key))
-                self._sync_memory()  # promotions start now and hold their blocks (a later failure frees safely)
-        except BaseException:
-            if out:
-                self.manager.free(session.id, [s.seq_id for s in out])
-            raise
-        finally:
-            self._sync_memory()
-        return out
+        return self.pools.of(session).create(session, prompts)
 
     def step(
         self,
@@ -171,74 +150,70 @@ class PoolService:
         reserve_return: list[int],
     ) -> StepResult:
         """One scheduler step: extends, then frees, then reserve changes; validated first."""
-        m, owner, cls = self.manager, session.id, session.class_id
-        self.limits.check_tokens(len(tokens))
-        self.quotas.check_step(session, seq_ids, counts, len(tokens), free_ids)
-        m.check_free(owner, free_ids)
-        m.check_reserve_return(owner, cls, reserve_return)
-        try:
-            result = m.extend_columns(owner, seq_ids, counts, tokens, claim_counts, claims)
-            released = m.free(owner, free_ids) if free_ids else 0
-            if free_ids:
-                self.tiers.forget(owner, free_ids)
-            if reserve_return:
-                released += m.return_reserve(owner, cls, reserve_return)
-            added = m.grant_reserve(owner, cls, self.quotas.reserve_target(session, reserve_target)) \
-                if reserve_target else ()
-        finally:
-            self._sync_memory()
+        result, added, released = self.pools.of(session).step(
+            session, seq_ids, counts, tokens, claim_counts, claims, free_ids, reserve_target, reserve_return)
         return StepResult(result, added, released)
 
     def fork(self, session: Session, seq_ids: list[int]) -> list[SequenceInfo]:
         if self.draining:
             raise Draining("new sequences (fork)")
-        for i in seq_ids:  # validate all first: fork itself cannot fail afterwards
-            self.manager.sequence(session.id, i)
-        self.limits.check_sequences(session, len(seq_ids))
-        self.quotas.check_fork(session, seq_ids)
-        return [self.manager.fork(session.id, i) for i in seq_ids]
+        return self.pools.of(session).fork(session, seq_ids)
 
     # -- tiers (issue 6) ---------------------------------------------------------------
+    def tiers_of(self, session: Session):
+        """The tiers of the session's pool (arrivals, waits)."""
+        return self.pools.of(session).tiers
+
     def swap_out(self, session: Session, seq_ids: list[int]) -> tuple[int, int]:
         """(blocks copied to host, to disk); the device reads are done when this returns.
 
         Callers first wait for bytes still arriving into these sequences' blocks
         (``tiers.arrivals_of``): a block is read only once it is whole.
         """
-        try:
-            return self.manager.swap_out(session.id, seq_ids)
-        finally:
-            self._sync_memory()
+        return self.pools.of(session).swap_out(session, seq_ids)
 
     def swap_in(self, session: Session, seq_ids: list[int]) -> list[SequenceInfo]:
         """New page tables; the copies into them may still be arriving (``tiers.track``)."""
-        self.quotas.check_swap_in(session, seq_ids)  # its blocks count against the quota again
-        self.tiers.take_recent()
-        try:
-            return self.manager.swap_in(session.id, seq_ids)
-        finally:
-            self._sync_memory()
+        return self.pools.of(session).swap_in(session, seq_ids)
 
     def lookup(self, session: Session, tokens: np.ndarray, extra_key: str) -> LookupResult:
-        self.limits.check_tokens(len(tokens))
-        return self.manager.lookup(session.class_id, session.model_key, tokens, extra_key, owner=session.id)
+        return self.pools.of(session).lookup(session, tokens, extra_key)
 
     def sequences(self, session: Session) -> list[SequenceInfo]:
-        return self.manager.sequences(session.id)
+        return self.pools.of(session).manager.sequences(session.id)
 
     def detach(self, session: Session) -> int:
         return self.drop(session, "detached")
 
-    # -- operators ------------------------------------------------------------------
-    def stats(self) -> PoolStats:
-        self.tiers.poll()
-        return self.tiers.decorate(self.manager.stats())
+    # -- operators: every pool ----------------------------------------------------------
+    def stats(self) -> list[tuple[DevicePool, PoolStats]]:
+        """Each pool with its figures, in ``--devices`` order."""
+        return [(pool, pool.stats()) for pool in self.pools]
+
+    def owners(self) -> dict[int, tuple[int, int]]:
+        """Session id -> (sequences, reserved blocks), over every pool."""
+        out: dict[int, tuple[int, int]] = {}
+        for pool in self.pools:
+            out.update(pool.manager.owners())
+        return out
+
+    @property
+    def live_sequences(self) -> int:
+        return sum(pool.manager.seqs.live for pool in self.pools)
 
     def evict(self, class_id: int | None, max_blocks: int | None) -> int:
-        try:
-            return self.manager.evict_cached(class_id, max_blocks)
-        finally:
-            self._sync_memory()
+        """Drop cached blocks, oldest first, pool by pool (``class_id``: that class in every pool that has it)."""
+        pools = list(self.pools)
+        if class_id is not None:
+            having = [p for p in pools if 0 <= class_id < len(p.manager.classes)]
+            pools = having or pools[:1]  # none has it: the core's error names the class
+        evicted = 0
+        for pool in pools:
+            left = None if max_blocks is None else max_blocks - evicted
+            if left is not None and left <= 0 and evicted:
+                break
+            evicted += pool.evict(class_id, left)
+        return evicted
 
     def reset(self) -> tuple[int, int, int]:
         """Operator reset: drop every session and every cached block; returns (sessions, released, evicted).
@@ -251,35 +226,35 @@ class PoolService:
         return len(sessions), released, evicted
 
     def check(self) -> tuple[bool, str]:
-        """Run the core's invariant checks and the session cross-checks."""
+        """Run every pool's invariant checks and the session cross-checks."""
+        ids = {s.id for s in self.sessions}
         try:
-            self.manager.check_invariants()
-            owners = set(self.manager.owners())
-            ids = {s.id for s in self.sessions}
-            stray = owners - ids
-            assert not stray, f"state held by ended sessions {sorted(stray)}"
+            bound: set[int] = set()
+            for pool in self.pools:
+                mine = {s.id for s in self.sessions if self.pools.of(s) is pool}
+                pool.check(mine)
+                bound |= mine
+            assert bound == ids, f"sessions bound to no pool: {sorted(ids - bound)}"
         except AssertionError as exc:
             return False, str(exc) or "invariant violated"
-        return True, f"{len(ids)} sessions, {self.manager.seqs.live} sequences: all invariants hold"
+        where = f" in {len(self.pools)} pools" if len(self.pools) > 1 else ""
+        return True, f"{len(ids)} sessions, {self.live_sequences} sequences{where}: all invariants hold"
 
     def flush_tiers(self) -> None:
-        """Shutdown hook: persist what must survive a restart (the disk tier's index).
-
-        Called by ``close`` while the arenas are still mapped, after the clients
-        were told and given ``shutdown_timeout`` to detach.
-        """
-        self.tiers.close()  # finishes the copies in flight, fsyncs the disk tier's data and index
+        """Shutdown hook: persist what must survive a restart (every pool's disk tier index)."""
+        for pool in self.pools:
+            pool.tiers.close()
 
     def close(self) -> None:
-        try:
-            self.flush_tiers()
-        except Exception:  # noqa: BLE001 - the arenas must still be released
-            log.exception("flushing the tiers at shutdown failed")
-        for arena in self.arenas.values():
-            arena.close()
-        self.arenas.clear()
-        self.backend.close()
+        """Flush every pool's tiers, then release its arenas and backend (device memory)."""
+        self.pools.close()
 
     @property
     def version(self) -> str:
         return __version__
+
+    @property
+    def backend_name(self) -> str:
+        """``cpu`` or ``cuda``: every pool has the same backend."""
+        return self.pools.pools[0].backend.name if len(self.pools) else self._config.backend
+

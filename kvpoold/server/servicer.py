@@ -114,6 +114,16 @@ def _tokens(data: bytes) -> np.ndarray:
     return unpack(data, U32, "tokens")
 
 
+def _device_stats(pool, st) -> pb.DeviceStats:
+    """One pool's figures (issue 4: one pool per GPU)."""
+    return pb.DeviceStats(
+        index=pool.index, device=pool.device, bus_id=pool.bus_id, pool_bytes=st.pool_bytes,
+        free_bytes=st.free_chunks * st.chunk_bytes, sequences=st.sequences, clients=pool.sessions,
+        classes=[pb.ClassStats(models=sorted(pool.models.get(c.class_id, ())), **asdict(c)) for c in st.classes],
+        tiers=[pb.TierStats(**asdict(t)) for t in st.tiers],
+    )
+
+
 class KVPoolServicer(pb_grpc.KVPoolServicer):
     def __init__(self, service: PoolService, shutdown: asyncio.Event, admin: bool = False) -> None:
         self.service = service
@@ -135,7 +145,7 @@ class KVPoolServicer(pb_grpc.KVPoolServicer):
             "num_kv_heads": lay.num_kv_heads, "head_dim": lay.head_dim, "dtype": lay.dtype,
             "block_size": lay.block_size,
         }
-        r = self.service.attach(request.name, layout, request.pid)
+        r = self.service.attach(request.name, layout, request.pid, request.device_bus_id)
         d = r.descriptor
         return pb.AttachReply(
             session=r.session.token,
@@ -148,8 +158,9 @@ class KVPoolServicer(pb_grpc.KVPoolServicer):
             max_reserve_blocks=self.service.config.max_reserve_blocks,
             grace_seconds=self.service.config.grace_seconds,
             daemon_version=self.service.version,
-            backend=self.service.backend.name,
+            backend=r.pool.backend.name,
             max_blocks_per_session=self.service.config.max_blocks_per_session,
+            lease_seconds=self.service.config.lease_seconds,
         )
 
     async def Watch(self, request, context):
@@ -169,6 +180,12 @@ class KVPoolServicer(pb_grpc.KVPoolServicer):
             await asyncio.Event().wait()  # stay open: the session lives until it detaches or the server stops
         finally:
             registry.stream_closed(session)
+
+    @_unary
+    def Heartbeat(self, request):
+        """Lease (issue 9): looking the session up renews it (``SessionRegistry.get``)."""
+        self.service.session(request.session)
+        return pb.HeartbeatReply(lease_seconds=self.service.config.lease_seconds)
 
     @_unary
     def Detach(self, request):
@@ -239,28 +256,27 @@ class KVPoolServicer(pb_grpc.KVPoolServicer):
 
     @_unary
     def Stats(self, request):
-        st = self.service.stats()
         svc = self.service
+        devices = [_device_stats(pool, st) for pool, st in svc.stats()]  # one per pool (issue 4)
         return pb.StatsReply(
-            backend=svc.backend.name,
-            pool_bytes=st.pool_bytes,
-            chunk_bytes=st.chunk_bytes,
-            free_bytes=st.free_chunks * st.chunk_bytes,
-            sequences=st.sequences,
+            backend=svc.backend_name,
+            pool_bytes=sum(d.pool_bytes for d in devices),
+            chunk_bytes=svc.config.chunk_bytes,
+            free_bytes=sum(d.free_bytes for d in devices),
+            sequences=sum(d.sequences for d in devices),
             clients=len(svc.sessions),
             uptime_seconds=time.time() - svc.started,
-            classes=[
-                pb.ClassStats(models=sorted(svc.models.get(c.class_id, ())), **asdict(c)) for c in st.classes
-            ],
-            tiers=[pb.TierStats(**asdict(t)) for t in st.tiers],
+            classes=[c for d in devices for c in d.classes],
+            tiers=[t for d in devices for t in d.tiers],
             version=svc.version,
             rpcs=svc.rpcs,
             draining=svc.draining,
+            devices=devices,
         )
 
     @_unary
     def Clients(self, request):
-        owners = self.service.manager.owners()
+        owners = self.service.owners()
         now = time.time()
         out = []
         for s in self.service.sessions:
@@ -268,7 +284,7 @@ class KVPoolServicer(pb_grpc.KVPoolServicer):
             out.append(pb.ClientInfo(
                 session_id=s.id, name=s.name, pid=s.pid, model_id=s.model_key, class_id=s.class_id,
                 sequences=nseq, reserved_blocks=reserved, connected=s.connected,
-                attached_seconds=now - s.attached_at,
+                attached_seconds=now - s.attached_at, device=self.service.pool_of(s).name,
             ))
         return pb.ClientsReply(clients=out)
 
@@ -291,8 +307,8 @@ class KVPoolServicer(pb_grpc.KVPoolServicer):
         if svc.draining == request.resume:
             svc.draining = not request.resume
             log.info("%s: %d sessions, %d sequences", "draining" if svc.draining else "drain ended",
-                     len(svc.sessions), svc.manager.seqs.live)
-        return pb.DrainReply(draining=svc.draining, sessions=len(svc.sessions), sequences=svc.manager.seqs.live)
+                     len(svc.sessions), svc.live_sequences)
+        return pb.DrainReply(draining=svc.draining, sessions=len(svc.sessions), sequences=svc.live_sequences)
 
     @_unary
     def Reset(self, request):
@@ -309,7 +325,7 @@ class KVPoolServicer(pb_grpc.KVPoolServicer):
     # -- tiers (issue 6) -------------------------------------------------------------------------
     def _arrivals_reply(self, session, infos, no_wait: bool, reply, swap_in: bool):
         """Reply now (``no_wait``, or nothing in flight), or once the sequences' bytes arrived."""
-        tiers = self.service.tiers
+        tiers = self.service.tiers_of(session)
         tracked = tiers.track(session.id, infos, swap_in=swap_in, recent=tiers.take_recent())
         inflight = [a for t in tracked for _, a in t.arrivals if not a.done]
         if no_wait or not inflight:
@@ -319,6 +335,7 @@ class KVPoolServicer(pb_grpc.KVPoolServicer):
 
         async def when_arrived():
             await tiers.wait(inflight)
+            self.service.session(session.token)  # issue 9: dropped meanwhile (lease): UNAUTHENTICATED, not tables
             return reply(sequences=[_tracked_table(t) for t in tiers.settled(session.id, tracked)])
 
         return when_arrived()
@@ -327,7 +344,7 @@ class KVPoolServicer(pb_grpc.KVPoolServicer):
     def SwapOut(self, request):
         session = self.service.session(request.session)
         ids = list(request.seq_ids)
-        tiers = self.service.tiers
+        tiers = self.service.tiers_of(session)
 
         def swap():
             host, disk = self.service.swap_out(session, ids)
@@ -340,6 +357,7 @@ class KVPoolServicer(pb_grpc.KVPoolServicer):
 
         async def when_arrived():  # a block is copied out only once its own bytes are complete
             await tiers.wait(inflight)
+            self.service.session(request.session)  # issue 9: still attached after the wait
             return swap()
 
         return when_arrived()
@@ -354,7 +372,7 @@ class KVPoolServicer(pb_grpc.KVPoolServicer):
     def Wait(self, request):
         session = self.service.session(request.session)
         ids = list(request.seq_ids)
-        tiers = self.service.tiers
+        tiers = self.service.tiers_of(session)
 
         def reply():
             return pb.WaitReply(sequences=[_tracked_table(t) for t in tiers.finish(session.id, ids)])
@@ -365,6 +383,7 @@ class KVPoolServicer(pb_grpc.KVPoolServicer):
 
         async def when_arrived():
             await tiers.wait(inflight)
+            self.service.session(request.session)  # issue 9: still attached after the wait
             return reply()
 
         return when_arrived()

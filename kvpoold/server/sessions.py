@@ -6,6 +6,19 @@ kept for ``grace_seconds`` (a client may reconnect its stream in that time)
 and then dropped: its sequences and reserve are freed, its cached blocks stay
 cached.  The client's pid is checked with psutil as well, so a killed process
 is noticed even while a half-open stream lingers.
+
+**Lease.** A frozen client (SIGSTOPped, hung in a debugger, a VM paused)
+keeps its socket and its pid: neither check above ever fires, and server
+keep-alive pings do not close the connection either (they are answered by
+the kernel's socket buffers, not the process).  So every session also holds a
+lease of ``lease_seconds``: any call that names the session renews it (``get``),
+and the client library sends a ``Heartbeat`` when it made no other call for a
+third of the lease, from its own thread, without the client's lock (a client
+busy with long GPU work or GIL-heavy Python keeps its lease).  A session whose
+last call is older than the lease is dropped at once (no grace on top: the
+grace is for a dropped stream).  Its next call, if the process ever resumes,
+answers UNAUTHENTICATED with the reason ("session N ended: no call for 10s
+(lease_seconds); attach again").  ``lease_seconds = 0`` turns leases off.
 """
 
 from __future__ import annotations
@@ -13,6 +26,7 @@ from __future__ import annotations
 import os
 import secrets
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import psutil
@@ -32,6 +46,8 @@ class Session:
     attached_at: float = field(default_factory=time.time)
     streams: int = 0
     lost_since: float | None = None  # monotonic time the last stream dropped (or attach)
+    last_seen: float = 0.0  # monotonic time of the session's last call (its lease runs from here)
+    end_reason: str = ""  # why the reaper dropped it (told to a client that calls afterwards)
 
     @property
     def connected(self) -> bool:
@@ -46,13 +62,19 @@ def process_started(pid: int) -> float | None:
         return None
 
 
+STALL_SECONDS = 1.0  # a gap between lease checks this long means the daemon stalled, not its clients
+ENDED_REMEMBERED = 4096  # dropped sessions whose reason a late call is told (oldest forgotten first)
+
+
 class SessionRegistry:
     def __init__(self, max_sessions: int, clock=time.monotonic) -> None:
         self.max_sessions = max_sessions
         self._clock = clock
         self._by_token: dict[bytes, Session] = {}
         self._by_id: dict[int, Session] = {}
+        self._ended: OrderedDict[bytes, str] = OrderedDict()  # token -> "session N ended: why"
         self._next_id = 1
+        self._last_lease_check = clock()
 
     def __len__(self) -> int:
         return len(self._by_token)
@@ -69,15 +91,19 @@ class SessionRegistry:
             pid_started=process_started(pid), model_key=model_key, class_id=class_id,
             lost_since=self._clock(),  # until its Watch stream opens
         )
+        s.last_seen = self._clock()
         self._next_id += 1
         self._by_token[s.token] = s
         self._by_id[s.id] = s
         return s
 
     def get(self, token: bytes) -> Session:
+        """The live session of ``token``; every call goes through here, so this renews its lease."""
         s = self._by_token.get(token)
         if s is None:
-            raise UnknownSession("unknown or expired session: attach again")
+            why = self._ended.get(token) if isinstance(token, bytes) else None
+            raise UnknownSession(f"{why}; attach again" if why else "unknown or expired session: attach again")
+        s.last_seen = self._clock()
         return s
 
     def by_id(self, session_id: int) -> Session:
@@ -87,7 +113,10 @@ class SessionRegistry:
         return s
 
     def remove(self, s: Session) -> None:
-        self._by_token.pop(s.token, None)
+        if self._by_token.pop(s.token, None) is not None and s.end_reason:
+            self._ended[s.token] = f"session {s.id} ended: {s.end_reason}"
+            while len(self._ended) > ENDED_REMEMBERED:
+                self._ended.popitem(last=False)
         self._by_id.pop(s.id, None)
 
     def stream_opened(self, s: Session) -> None:
@@ -105,7 +134,30 @@ class SessionRegistry:
         out = []
         for s in list(self._by_token.values()):
             if s.pid_started is not None and process_started(s.pid) != s.pid_started:
-                out.append((s, f"process {s.pid} is gone"))
+                s.end_reason = f"process {s.pid} is gone"
             elif s.lost_since is not None and now - s.lost_since >= grace_seconds:
-                out.append((s, f"no keep-alive stream for {grace_seconds:g}s"))
+                s.end_reason = f"no keep-alive stream for {grace_seconds:g}s"
+            else:
+                continue
+            out.append((s, s.end_reason))
+        return out
+
+    def lapsed(self, lease_seconds: float) -> list[tuple[Session, str]]:
+        """Sessions whose lease ran out (no call for ``lease_seconds``), with the reason; none when 0."""
+        if not lease_seconds:
+            return []
+        now = self._clock()
+        stalled = now - self._last_lease_check > max(lease_seconds / 3, STALL_SECONDS)
+        self._last_lease_check = now
+        if stalled:  # the daemon itself did not run (stopped, suspended): the heartbeats may be queued
+            for s in self._by_token.values():
+                s.last_seen = max(s.last_seen, now)
+            return []
+        out = []
+        for s in list(self._by_token.values()):
+            idle = now - s.last_seen
+            if idle >= lease_seconds:
+                s.end_reason = f"no call or heartbeat for {idle:.1f}s (lease_seconds={lease_seconds:g}): " \
+                               "the client was frozen or hung"
+                out.append((s, s.end_reason))
         return out

@@ -3,11 +3,14 @@
 ``PoolService`` owns one ``Tiers``.  After every core call the service's
 ``_sync_memory`` hands the call's planned moves to the transfer engine
 (``sync``); the device blocks that bytes are still flowing into (promotions,
-swap-ins) get a transfer hold in the core and an entry in ``arriving`` until
-their ``Arrival`` is done.  A sequence that a call returns with such blocks
-gets a *pending record*; ``Create``/``SwapIn`` either await it before
-replying (the default) or reply at once with the positions still arriving,
-and the client awaits them later with ``Wait``.
+swap-ins) come back as one ``Arrivals`` batch per layout class.  Their blocks
+get a transfer hold in the core and are marked in a per-class array
+(block -> batch) until the batch is done: one completion per batch, and the
+batch's per-block state answers "which blocks are still arriving".  A
+sequence that a call returns with such blocks gets a *pending record*;
+``Create``/``SwapIn`` either await its batches before replying (the default)
+or reply at once with the positions still arriving, and the client awaits
+them later with ``Wait``.
 
 A block whose bytes failed to arrive (a bad checksum on disk, an I/O error)
 loses its hash in the core (no prefix hit finds it again) and every pending
@@ -24,11 +27,14 @@ import dataclasses
 import logging
 import os
 from dataclasses import dataclass
+from functools import partial
+
+import numpy as np
 
 from kvpoold.core import Geometry, KvpoolError, Tier
 from kvpoold.core.results import PoolStats, SequenceInfo
 from kvpoold.core.tiers import TIER_ALIGN
-from kvpoold.transfer import DiskTierError, TransferEngine
+from kvpoold.transfer import Arrivals, DiskTierError, TransferEngine
 
 log = logging.getLogger("kvpoold")
 
@@ -51,30 +57,75 @@ class Tracked:
     """A sequence a call returned, and the bytes it still waits for."""
 
     info: SequenceInfo
-    arrivals: list  # (position in the block table, Arrival)
+    #: per batch its blocks wait on: (positions in the block table, Arrivals, indices in the batch)
+    parts: list
     valid_tokens: int  # tokens whose KV is there (or arriving) as far as is known now
 
     @property
+    def arrivals(self) -> list:
+        """(positions, batch) per batch; a caller waits for the batches not ``done``."""
+        return [(pos, a) for pos, a, _ in self.parts]
+
+    @property
     def arriving(self) -> list[int]:
-        return [pos for pos, a in self.arrivals if not a.done]
+        """Positions in the block table whose bytes are still on their way."""
+        out: list[int] = []
+        for pos, a, idx in self.parts:
+            if not a.done:
+                out.extend(pos[a.state[idx] == Arrivals.ARRIVING].tolist())
+        return sorted(out)
+
+
+class _Found:
+    """Where blocks sit in a set of batches: block -> (batch, index in it), by sorting (no dict per block)."""
+
+    def __init__(self, batches: list) -> None:
+        self.batches = batches
+        if batches:
+            blocks = np.concatenate([a.blocks for a in batches])
+            which = np.repeat(np.arange(len(batches)), [len(a) for a in batches])
+            index = np.concatenate([np.arange(len(a)) for a in batches])
+        else:
+            blocks = which = index = np.zeros(0, np.int64)
+        order = np.argsort(blocks, kind="stable")
+        self.blocks, self.which, self.index = blocks[order], which[order], index[order]
+
+    def find(self, table: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(positions of ``table`` found, their batch numbers, their indices); the latest batch wins."""
+        if not len(self.blocks) or not len(table):
+            z = np.zeros(0, np.int64)
+            return z, z, z
+        at = np.searchsorted(self.blocks, table, side="right") - 1
+        hit = (at >= 0) & (self.blocks[np.maximum(at, 0)] == table)
+        pos = np.flatnonzero(hit)
+        return pos, self.which[at[pos]], self.index[at[pos]]
 
 
 class Tiers:
-    def __init__(self, config, manager, backend_name: str) -> None:
+    def __init__(self, config, manager, backend_name: str, *, device: int | None = None,
+                 disk_dir: str | None = None) -> None:
+        """One pool's tiers: ``device`` is its GPU (default the first of ``--devices``), ``disk_dir``
+        its disk tier's directory (default ``resolve_disk_dir(config.disk_dir)``; a daemon serving
+        several GPUs gives each pool its own subdirectory, ``pools.disk_dir_for``)."""
         self.manager = manager
         self.engine: TransferEngine | None = None
-        self.arriving: dict[tuple[int, int], object] = {}  # (class id, block) -> Arrival
+        #: per class: block -> the serial of the batch its bytes are arriving in (-1: none)
+        self.batch_of: dict[int, np.ndarray] = {}
+        self.batches: dict[int, tuple[Arrivals, np.ndarray, np.ndarray]] = {}  # serial -> (batch, held, sorter)
+        self._serial = 0
         self.pending: dict[tuple[int, int], Tracked] = {}  # (owner, seq id) -> what it waits for
-        self.recent: list = []  # the arrivals of the calls since ``take_recent``
+        self.recent: list = []  # the batches of the calls since ``take_recent``
         self._scheduled = False
         self._loop: asyncio.AbstractEventLoop | None = None
         if not manager.placement.enabled:
             return
-        disk_dir = resolve_disk_dir(config.disk_dir) if config.disk_bytes else ""
+        if disk_dir is None:
+            disk_dir = resolve_disk_dir(config.disk_dir)
+        disk_dir = disk_dir if config.disk_bytes else ""
         if config.disk_bytes and not disk_dir:
             raise DiskTierError(f"--disk-bytes needs a directory: give --disk-dir (or create the systemd state "
                                 f"directory {STATE_DIRECTORY})")
-        cuda = config.devices[0] if backend_name == "cuda" else None
+        cuda = (config.devices[0] if device is None else device) if backend_name == "cuda" else None
         self.engine = TransferEngine(config.host_bytes, disk_dir or None, config.disk_bytes, cuda_device=cuda)
         self.engine.on_lost = self._lost
         if self.engine.disk is not None:
@@ -120,6 +171,7 @@ class Tiers:
             return
         tensor = arena.as_tensor("uint8", (pool.num_block_ids, pool.block_bytes))
         self.engine.add_class(class_id, pool.block_bytes, tensor)
+        self.batch_of[class_id] = np.full(pool.num_block_ids, -1, np.int64)
         disk = self.engine.disk
         if disk is not None and class_id not in disk.gid_of:
             disk.bind(class_id, disk.layout_id(self._geometry_dict(pool.geometry)))
@@ -147,39 +199,50 @@ class Tiers:
             apply_slabs()
 
         try:
-            arrivals = self.engine.submit(moves, between)
+            batches = self.engine.submit(moves, between)
         finally:
             if not applied:
                 apply_slabs()
-        by_class: dict[int, list[int]] = {}
-        for a in arrivals:
-            if a.done:
-                if not a.ok:
-                    self._failed(a)
-                continue
-            self.arriving[(a.class_id, a.block)] = a
-            by_class.setdefault(a.class_id, []).append(a.block)
-            a.waiters.append(self._arrived)
-        for cid, blocks in by_class.items():
-            self.manager.hold_blocks(cid, blocks)
-        self.recent.extend(arrivals)
-        return arrivals
+        for a in batches:
+            self._start(a)
+        self.recent.extend(batches)
+        return batches
+
+    def _start(self, a: Arrivals) -> None:
+        """A batch started: hold its blocks still arriving until it is done."""
+        self._failed(a)  # blocks whose copy was missing fail at once
+        if a.done:
+            return
+        held = a.blocks[a.arriving()]
+        serial = self._serial
+        self._serial += 1
+        self.batches[serial] = (a, held, np.argsort(a.blocks, kind="stable"))
+        self.batch_of[a.class_id][held] = serial
+        self.manager.hold_blocks(a.class_id, held.tolist())
+        a.waiters.append(partial(self._arrived, serial))
 
     def take_recent(self) -> list:
-        """The arrivals started since the last call of this (one service call's, when called around it)."""
+        """The batches started since the last call of this (one service call's, when called around it)."""
         out, self.recent = self.recent, []
         return out
 
-    def _arrived(self, a) -> None:
-        self.arriving.pop((a.class_id, a.block), None)
-        if not a.ok:
-            self._failed(a)
-        self.manager.release_holds(a.class_id, [a.block])
+    def _arrived(self, serial: int, a: Arrivals) -> None:
+        _, held, _ = self.batches.pop(serial)
+        self.batch_of[a.class_id][held] = -1
+        self._failed(a)
+        self.manager.release_holds(a.class_id, held.tolist())
 
-    def _failed(self, a) -> None:
+    def _failed(self, a: Arrivals) -> None:
+        """Forget the hashes of the batch's failed blocks not handled yet (their owners recompute them)."""
+        for i in a.failed().tolist():
+            if i not in a.digests:
+                self._fail_block(a, i)
+
+    def _fail_block(self, a: Arrivals, i: int) -> None:
+        block = int(a.blocks[i])
         log.warning("tiers: the bytes of block %d (class %d) did not arrive (%s): its owners recompute it",
-                    a.block, a.class_id, "bad checksum" if a.corrupt else "lost")
-        a.digest = self.manager.invalidate_block(a.class_id, a.block)
+                    block, a.class_id, "bad checksum" if a.state[i] == Arrivals.CORRUPT else "lost")
+        a.digests[i] = self.manager.invalidate_block(a.class_id, block)
 
     def _lost(self, key) -> None:
         if self.manager.forget_lower(key):
@@ -189,49 +252,82 @@ class Tiers:
     def track(self, owner: int, infos: list[SequenceInfo], *, swap_in: bool = False,
               recent: list | None = None) -> list[Tracked]:
         """What each returned sequence still waits for (records the pending ones)."""
-        recent_by_block = {(a.class_id, a.block): a for a in (recent or ())}
+        found: dict[int, _Found] = {}
+        for a in recent or ():
+            found.setdefault(a.class_id, []).append(a)
+        found = {cid: _Found(batches) for cid, batches in found.items()}
         out = []
         for info in infos:
             bs = self.manager.classes[info.class_id].block_size
             base = info.num_tokens if swap_in else info.num_cached_tokens
-            arrivals = []
             limit = -(-base // bs)
-            for pos, b in enumerate(info.block_table[:limit]):
-                a = recent_by_block.get((info.class_id, b)) or self.arriving.get((info.class_id, b))
-                if a is not None:
-                    arrivals.append((pos, a))
-            t = Tracked(info, arrivals, base)
+            t = Tracked(info, self._parts(info.class_id, np.asarray(info.block_table[:limit], np.int64),
+                                          found.get(info.class_id)), base)
             self._settle(owner, t)
             if t.arriving:
                 self.pending[(owner, info.seq_id)] = t
             out.append(t)
         return out
 
+    def _parts(self, cid: int, table: np.ndarray, recent: _Found | None) -> list:
+        """(positions, batch, indices) of the batches that ``table``'s blocks wait on: this call's, then any in flight."""
+        parts = []
+        rest = np.ones(len(table), bool)
+        if recent is not None:
+            pos, which, index = recent.find(table)
+            rest[pos] = False
+            for w in np.unique(which).tolist():
+                sel = which == w
+                parts.append((pos[sel], recent.batches[w], index[sel]))
+        batch_of = self.batch_of.get(cid)
+        if batch_of is not None and rest.any():
+            pos = np.flatnonzero(rest)
+            serials = batch_of[table[pos]]
+            inflight = serials >= 0
+            pos, serials = pos[inflight], serials[inflight]
+            for s in np.unique(serials).tolist():
+                a, _, order = self.batches[s]
+                p = pos[serials == s]
+                index = order[np.searchsorted(a.blocks[order], table[p])]
+                parts.append((p, a, index))
+        return parts
+
     def _settle(self, owner: int, t: Tracked) -> None:
-        """Count the failed arrivals; the owner is told now, so the hashes it rewrites come back."""
+        """Count the failed blocks; the owner is told now, so the hashes it rewrites come back."""
         bs = self.manager.classes[t.info.class_id].block_size
-        for pos, a in t.arrivals:
-            if a.done and not a.ok:
-                t.valid_tokens = min(t.valid_tokens, pos * bs)
-                if a.digest is not None:
+        for pos, a, idx in t.parts:
+            bad = np.flatnonzero(a.state[idx] >= Arrivals.LOST)
+            if not len(bad):
+                continue
+            t.valid_tokens = min(t.valid_tokens, int(pos[bad].min()) * bs)
+            for j in bad.tolist():
+                i = int(idx[j])
+                if i not in a.digests:  # failed while the rest of its batch still runs
+                    self._fail_block(a, i)
+                digest = a.digests[i]
+                if digest is not None:
                     try:
-                        self.manager.register_block(owner, t.info.seq_id, a.block, a.digest)
+                        self.manager.register_block(owner, t.info.seq_id, int(a.blocks[i]), digest)
                     except KvpoolError:
                         continue  # freed meanwhile: the hash stays forgotten
-                    a.digest = None
+                    a.digests[i] = None
 
     def arrivals_of(self, owner: int, seq_ids) -> list:
-        """Every arrival the sequences' blocks wait for (theirs and shared ones)."""
+        """Every batch the sequences' blocks wait for (theirs and shared ones)."""
         out = []
         for sid in seq_ids:
             t = self.pending.get((owner, sid))
             if t is not None:
-                out.extend(a for _, a in t.arrivals if not a.done)
+                out.extend(a for _, a, _ in t.parts if not a.done)
             try:
                 info = self.manager.sequence(owner, sid)
             except KvpoolError:
                 continue
-            out.extend(a for b in info.block_table if (a := self.arriving.get((info.class_id, b))) is not None)
+            batch_of = self.batch_of.get(info.class_id)
+            if batch_of is None or not info.block_table:
+                continue
+            serials = np.unique(batch_of[np.asarray(info.block_table, np.int64)])
+            out.extend(self.batches[s][0] for s in serials.tolist() if s >= 0)
         return out
 
     def forget(self, owner: int, seq_ids) -> None:
@@ -285,7 +381,7 @@ class Tiers:
         self.engine.notify = notify
 
     async def wait(self, arrivals) -> None:
-        """Until every arrival is done (the loop keeps serving other calls meanwhile)."""
+        """Until every batch is done (the loop keeps serving other calls meanwhile)."""
         pending = [a for a in arrivals if not a.done]
         if not pending or self.engine is None:
             return
@@ -325,7 +421,8 @@ class Tiers:
                 continue
             tiers.append(dataclasses.replace(
                 t, corrupt_blocks=m["corrupt"], bytes_written=m["bytes_written"], write_seconds=m["write_seconds"],
-                bytes_read=m["bytes_read"], read_seconds=m["read_seconds"]))
+                bytes_read=m["bytes_read"], read_seconds=m["read_seconds"],
+                failed_writes=m.get("failed_writes", 0), failed_reads=m.get("failed_reads", 0)))
         return dataclasses.replace(stats, tiers=tuple(tiers))
 
     def close(self) -> None:

@@ -1,14 +1,15 @@
 """Block copies between tiers: the transfer engine and the host and disk stores.
 
-``TransferEngine`` runs the core's planned ``Move``s on real bytes (batched,
-asynchronous, with completion tracking); ``HostStore`` holds tier 1 (pinned
-host memory on a GPU machine), ``DiskStore`` tier 2 (files with checksums and
-an index that survives restarts).  Nothing here knows about gRPC.
+``TransferEngine`` runs the core's planned moves (``MovePlan`` columns) on
+real bytes (batched, asynchronous, with one completion per batch);
+``HostStore`` holds tier 1 (pinned host memory on a GPU machine),
+``DiskStore`` tier 2 (files with checksums and an index that survives
+restarts).  Nothing here knows about gRPC.
 """
 
 from .disk import DiskStore, DiskTierError
-from .engine import Arrival, TransferEngine
+from .engine import Arrivals, CpuCopier, TransferEngine
 from .host import HostStore
 from .meter import Meter, Meters
 
-__all__ = ["Arrival", "DiskStore", "DiskTierError", "HostStore", "Meter", "Meters", "TransferEngine"]
+__all__ = ["Arrivals", "CpuCopier", "DiskStore", "DiskTierError", "HostStore", "Meter", "Meters", "TransferEngine"]

@@ -7,15 +7,18 @@ a batch goes through a device staging buffer instead:
 
 * device -> host: ONE gather launch (``kvpool.kernels.block_copy``) packs the
   blocks into the staging buffer at HBM speed, then one DMA per *run* of
-  consecutive host slots (the slot allocator hands out the lowest free slots,
-  so a batch is usually one run) copies it to pinned memory;
+  consecutive host slots (the slot allocator hands a batch ascending slots,
+  so a batch is usually one run or a few) copies it to pinned memory;
 * host -> device: the DMAs first, then ONE scatter launch.
 
-Each direction has its own stream and staging buffer, so a swap-out and a
-swap-in overlap (the two DMA directions use separate copy engines).  Batches
-larger than the staging buffer go in pieces, in stream order.  Callers get a
-CUDA event per batch: device reads are complete when it has fired, and so are
-device writes.
+Both directions run the same loop (``_copy``); each has its own stream and
+staging buffer, so a swap-out and a swap-in overlap (the two DMA directions
+use separate copy engines).  Batches larger than the staging buffer go in
+pieces, in stream order.  Callers get a CUDA event per batch: device reads
+are complete when it has fired, and so are device writes.
+
+Host memory is given as a numpy uint8 buffer plus one byte offset per block
+(``run_bounds`` finds the runs), so the caller keeps no object per block.
 """
 
 from __future__ import annotations
@@ -25,14 +28,20 @@ import numpy as np
 DEFAULT_STAGING = 64 << 20  # per direction, on the GPU, taken on first use
 
 
-def runs(offsets, size: int) -> list[tuple[int, int]]:
-    """[i0, i1) index ranges whose host offsets follow each other by ``size`` (offset < 0: alone)."""
+def run_bounds(offsets, size: int, piece: int | None = None) -> list[tuple[int, int]]:
+    """[i0, i1) index ranges whose offsets follow each other by ``size``.
+
+    With ``piece``, a range also ends at every multiple of ``piece`` (the
+    staging buffer's capacity in blocks), so that no range spans two pieces.
+    """
     off = np.asarray(offsets, np.int64)
-    if off.size == 0:
+    n = off.size
+    if n == 0:
         return []
-    joined = (off[1:] == off[:-1] + size) & (off[1:] >= 0) & (off[:-1] >= 0)
-    starts = np.flatnonzero(~joined) + 1
-    bounds = [0, *starts.tolist(), off.size]
+    cut = np.flatnonzero(off[1:] != off[:-1] + size) + 1
+    if piece is not None and piece < n:
+        cut = np.union1d(cut, np.arange(piece, n, piece))
+    bounds = [0, *cut.tolist(), n]
     return list(zip(bounds[:-1], bounds[1:]))
 
 
@@ -54,64 +63,46 @@ class CudaCopier:
             buf = self._stage[which] = self.torch.empty(need, dtype=self.torch.uint8, device=self.device)
         return buf
 
-    @staticmethod
-    def _host_views(host_tensor, slots, bb: int):
-        """Per run: (i0, i1, host tensor of (i1 - i0) * bb bytes)."""
-        import torch
+    def to_host(self, pool, ids, host: np.ndarray, offsets):
+        """Copy ``pool[ids[i]]`` into ``host[offsets[i]:]``; returns the CUDA event of the batch."""
+        return self._copy(pool, ids, host, offsets, out=True)
 
-        offsets = [s.offset for s in slots]
-        out = []
-        for i0, i1 in runs(offsets, bb):
-            if offsets[i0] >= 0:
-                out.append((i0, i1, host_tensor[offsets[i0]:offsets[i0] + (i1 - i0) * bb]))
-            else:  # a temporary buffer: not part of the pinned store
-                out.append((i0, i1, torch.from_numpy(slots[i0].view[:bb])))
-        return out
+    def to_device(self, pool, ids, host: np.ndarray, offsets):
+        """Copy ``host[offsets[i]:]`` into ``pool[ids[i]]``; returns the CUDA event of the batch."""
+        return self._copy(pool, ids, host, offsets, out=False)
 
-    def to_host(self, pool, ids: list[int], host_tensor, slots):
-        """Copy ``pool[ids[i]]`` into ``slots[i]`` (host slots); returns the CUDA event of the batch."""
-        from kvpool.kernels.block_copy import gather_blocks
+    def _copy(self, pool, ids, host: np.ndarray, offsets, out: bool):
+        """One gather (out) or scatter (in) launch per staging piece, one DMA per run of host slots."""
+        from kvpool.kernels.block_copy import gather_blocks, scatter_blocks
 
         torch = self.torch
         bb = pool.shape[1]
-        stage = self._staging("out", bb)
+        ids = np.asarray(ids, np.int64)
+        offsets = np.asarray(offsets, np.int64)
+        stream = self.out_stream if out else self.in_stream
+        stage = self._staging("out" if out else "in", bb)
         cap = stage.numel() // bb
-        views = self._host_views(host_tensor, slots, bb)
-        with torch.cuda.stream(self.out_stream):
+        host_t = torch.from_numpy(host)  # no copy: page-locked memory stays page-locked
+        ranges = run_bounds(offsets, bb, cap)
+        starts = offsets[[i0 for i0, _ in ranges]].tolist() if ranges else []
+        with torch.cuda.stream(stream):
+            k = 0
             for start in range(0, len(ids), cap):
                 stop = min(len(ids), start + cap)
                 rows = stage[:(stop - start) * bb].view(stop - start, bb)
-                gather_blocks(pool, np.asarray(ids[start:stop], np.int64), rows, stream=self.out_stream, check=False)
-                for i0, i1, dst in views:
-                    lo, hi = max(i0, start), min(i1, stop)
-                    if lo >= hi:
-                        continue
-                    d = dst[(lo - i0) * bb:(hi - i0) * bb]
-                    d.copy_(rows[lo - start:hi - start].reshape(-1), non_blocking=True)
+                if out:
+                    gather_blocks(pool, ids[start:stop], rows, stream=stream, check=False)
+                while k < len(ranges) and ranges[k][0] < stop:
+                    i0, i1 = ranges[k]
+                    h = host_t[starts[k]:starts[k] + (i1 - i0) * bb]
+                    d = rows[i0 - start:i1 - start].reshape(-1)
+                    if out:
+                        h.copy_(d, non_blocking=True)
+                    else:
+                        d.copy_(h, non_blocking=True)
+                    k += 1
+                if not out:
+                    scatter_blocks(pool, ids[start:stop], rows, stream=stream, check=False)
             ev = torch.cuda.Event()
-            ev.record(self.out_stream)
-        return ev
-
-    def to_device(self, pool, ids: list[int], host_tensor, slots):
-        """Copy ``slots[i]`` (host) into ``pool[ids[i]]``; returns the CUDA event of the batch."""
-        from kvpool.kernels.block_copy import scatter_blocks
-
-        torch = self.torch
-        bb = pool.shape[1]
-        stage = self._staging("in", bb)
-        cap = stage.numel() // bb
-        views = self._host_views(host_tensor, slots, bb)
-        with torch.cuda.stream(self.in_stream):
-            for start in range(0, len(ids), cap):
-                stop = min(len(ids), start + cap)
-                rows = stage[:(stop - start) * bb].view(stop - start, bb)
-                for i0, i1, src in views:
-                    lo, hi = max(i0, start), min(i1, stop)
-                    if lo >= hi:
-                        continue
-                    rows[lo - start:hi - start].reshape(-1).copy_(src[(lo - i0) * bb:(hi - i0) * bb],
-                                                                 non_blocking=True)
-                scatter_blocks(pool, np.asarray(ids[start:stop], np.int64), rows, stream=self.in_stream, check=False)
-            ev = torch.cuda.Event()
-            ev.record(self.in_stream)
+            ev.record(stream)
         return ev

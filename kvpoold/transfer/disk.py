@@ -38,6 +38,17 @@ aligned to 4 KiB go through an ``O_DIRECT`` descriptor where the file system
 allows it (large aligned writes, no page-cache copy), others through a
 buffered one.  The bookkeeping (entries, slots, the log) is touched only by
 the event loop's thread: workers report through ``post``.
+
+**Faults.** A write that fails (EIO, ENOSPC: a file system fuller than
+``--disk-bytes`` assumed, EFBIG) loses only that copy: the entry is forgotten,
+its slot freed, and ``failed_writes`` counts the blocks; the caller learns it
+through ``on_done(False)`` (a demoted cached block is then simply not cached;
+a block a sequence holds on the device is never touched by the disk tier).  A
+read that fails counts in ``failed_reads`` and reports failure like a bad
+checksum: the promoted or swapped-in block is recomputed by its owner.  The
+write and read calls pass through the failpoints ``disk.write`` and
+``disk.read`` (``kvpoold/faults.py``), off unless ``KVPOOLD_FAILPOINTS`` arms
+them.
 """
 
 from __future__ import annotations
@@ -54,6 +65,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import xxhash
 
+from kvpoold import faults
+
 from .meter import Meters
 from .slots import SlotAllocator
 
@@ -67,6 +80,8 @@ REC_BYTES = _REC.size + _CRC.size
 ADD, DEL = 1, 2
 MAX_BATCH_BYTES = 64 << 20
 MAX_BATCH_ITEMS = 256
+_FAIL_WRITE = faults.point("disk.write")  # None unless KVPOOLD_FAILPOINTS arms it
+_FAIL_READ = faults.point("disk.read")
 
 
 class DiskTierError(RuntimeError):
@@ -195,6 +210,11 @@ class DiskStore:
         self.direct = direct
         self.corrupt = 0  # blocks whose checksum failed on read
         self.lost = 0  # blocks whose write or read failed
+        self.failed_writes = 0  # blocks whose write raised (EIO, ENOSPC, EFBIG, ...): the copy was dropped
+        self.failed_reads = 0  # blocks whose read raised: not served, the owner recomputes
+        self.index_errors = 0  # appends to index.log that failed (rewritten whole at the next sync)
+        self._index_stale = False
+        faults.announce()
         try:
             os.makedirs(self.directory, mode=0o700, exist_ok=True)
         except OSError as exc:
@@ -414,6 +434,8 @@ class DiskStore:
                 e.checksum = checksum(view[:e.nbytes])
             bufs = [view[:f.stride] if view.nbytes >= f.stride else view for _, _, view, _ in job]
             direct = f.dfd is not None and all(_aligned(b) for b in bufs)
+            if _FAIL_WRITE is not None:
+                _FAIL_WRITE()
             try:
                 _pwritev_all(f.dfd if direct else f.fd, bufs, job[0][1].offset)
             except OSError as exc:
@@ -430,7 +452,8 @@ class DiskStore:
 
     def _written(self, job: list, error) -> None:
         if error is not None:
-            log.error("disk tier: writing %d blocks failed: %s", len(job), error)
+            self.failed_writes += len(job)
+            log.error("disk tier: writing %d blocks failed (their copies are dropped): %s", len(job), error)
         for key, e, _, on_done in job:
             e.pins -= 1
             current = self.entries.get(key) is e
@@ -486,11 +509,14 @@ class DiskStore:
         f = self.files[job[0][1].gid]
         bufs = [view[:e.nbytes] for _, e, view, _ in job]
         results = [(False, False)] * len(job)
+        read_error = False
         if all(e.ok for _, e, _, _ in job):
             self.meters.disk_read.start()
             nbytes = 0
             try:
                 direct = f.dfd is not None and all(_aligned(b) for b in bufs)
+                if _FAIL_READ is not None:
+                    _FAIL_READ()
                 try:
                     _preadv_all(f.dfd if direct else f.fd, bufs, job[0][1].offset)
                 except OSError as exc:
@@ -504,14 +530,18 @@ class DiskStore:
                     nbytes += e.nbytes if ok else 0
             except Exception as exc:  # noqa: BLE001 - reported through the completion
                 log.error("disk tier: reading %d blocks failed: %s", len(job), exc)
+                results = [(False, False)] * len(job)
+                read_error = True
             self.meters.disk_read.stop(nbytes, len(job))
         elif len(job) > 1:  # a write failed: the others one by one
             for item in job:
                 self._read_job([item])
             return
-        self.post(lambda: self._read_done(job, results))
+        self.post(lambda: self._read_done(job, results, read_error))
 
-    def _read_done(self, job: list, results: list) -> None:
+    def _read_done(self, job: list, results: list, read_error: bool = False) -> None:
+        if read_error:
+            self.failed_reads += len(job)
         for (key, e, _, on_done), (ok, corrupt) in zip(job, results):
             if corrupt:
                 self.corrupt += 1
@@ -545,14 +575,27 @@ class DiskStore:
             e.logged = True
 
     def _flush_log(self) -> None:
+        """Append the queued records; an index that cannot be written is rewritten at the next sync.
+
+        A lost or torn record costs at most blocks after a restart (a torn tail
+        is ignored; a stale ADD fails its checksum), never a wrong block, so a
+        full or failing disk must not stop the completions that call this.
+        """
         if self._logbuf:
             data, self._logbuf = bytes(self._logbuf), bytearray()
-            view = memoryview(data)
-            while view:
-                view = view[os.write(self._log_fd, view):]
-            live = sum(1 for e in self.entries.values() if e.logged)
-            if self._log_records > 4 * live + 4096:
-                self._compact()
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(self._log_fd, view):]
+                live = sum(1 for e in self.entries.values() if e.logged)
+                if self._log_records > 4 * live + 4096 or self._index_stale:
+                    self._compact()
+                    self._index_stale = False
+            except OSError as exc:
+                self.index_errors += 1
+                self._index_stale = True
+                log.error("disk tier: writing the index %s failed (%s): it is rewritten at the next sync",
+                          self._index_path, exc)
 
     # -- shutdown ----------------------------------------------------------------------------------------
     def drain(self) -> None:
@@ -564,6 +607,9 @@ class DiskStore:
     def sync(self) -> None:
         """Make everything written so far durable: data first, then the index."""
         self._flush_log()
+        if self._index_stale:
+            self._compact()  # may raise again: the caller logs it; the next start replays what is there
+            self._index_stale = False
         for f in self.files.values():
             if f.fd is not None:
                 os.fdatasync(f.fd)

@@ -1,35 +1,47 @@
 """The transfer engine: runs the core's tier moves on real bytes.
 
-The core plans ``Move``s (``KVCacheManager.drain_moves``) in an executable
-order; ``submit`` runs the moves of one daemon call:
+The core plans moves as columns (``MovePlan``, from
+``KVCacheManager.drain_moves``) in an executable order; ``submit`` runs the
+moves of one daemon call, a batch at a time (numpy masks pick the kinds of
+moves; slots, keys and copies are handled per batch, never with an object
+per block):
 
-1. **Device reads** (demotions, swap-outs: device block -> host slot, or ->
-   host staging -> disk) are batched and *complete before* ``submit``
-   returns: on the GPU one gather launch plus DMAs, then a stream
-   synchronize; on the CPU memcpys.  The daemon replies to its client only
-   after that, and a client learns that a block was handed out again only
-   from a reply, so no block is reused before its bytes were copied out.
-   A move that depends on a pending device read (the same key pushed on to
-   disk in the same call) flushes the batch first.
-2. Lower-tier moves (host -> disk, drops) run in plan order; disk writes are
-   asynchronous (an I/O thread pool) and their host slot stays pinned until
-   they are done.
+1. **Lower-tier moves** (host -> disk, drops) run in plan order; disk writes
+   are asynchronous (an I/O thread pool) and their host slot is freed when
+   they are done.  A drop frees its host slot at once, so the device reads
+   below find room.  A lower-tier move of a key that an earlier device read
+   of the same call places (the same key pushed on to disk) flushes those
+   device reads first.
+2. **Device reads** (demotions, swap-outs: device block -> host slot, or ->
+   host staging -> disk), per layout class: one batch of host slots
+   (ascending offsets: a few runs), one copy, and one ``put_many`` of the
+   keys made while the copy runs.  They *complete before* ``submit``
+   returns: on the GPU one gather launch plus one DMA per run, then a stream
+   synchronize; on the CPU numpy copies.  The daemon replies to its client only after that, and a client
+   learns that a block was handed out again only from a reply, so no block is
+   reused before its bytes were copied out.
 3. ``between()``: the daemon commits and releases slabs here (after the
    device reads, before device writes into newly taken slabs).
 4. **Device writes** (promotions, swap-ins: host slot or disk -> device
-   block) start last and may finish later: each gets an ``Arrival``.  The
-   daemon holds the block (``KVCacheManager.hold_blocks``) until its arrival
-   is done, so it is never freed or handed out while bytes are in flight, and
-   a caller that uses it waits for the arrival first.
+   block) start last and may finish later.  Each layout class's writes form
+   one ``Arrivals`` batch: one completion for the batch, and a per-block
+   state the daemon answers "which blocks are still arriving" from.  The
+   daemon holds the blocks (``KVCacheManager.hold_blocks``) until the batch
+   is done, so none is freed or handed out while bytes are in flight, and a
+   caller that uses them waits for the batch first.
 
-Slots of the host tier and of the disk files are reused only when no copy
-reads or writes them any more (pins).  When the host buffer has no free slot
-the engine waits for copies in flight to finish (backpressure), and only when
-nothing is in flight uses a temporary buffer.
+When the host buffer has no free slot the engine waits for copies in flight
+to finish (backpressure), and only when nothing is in flight uses a
+temporary buffer.
 
 Completions come from worker threads (disk I/O, the CUDA event watcher)
 through one queue; they run on the caller's thread in ``poll`` (the daemon's
 event loop: ``notify`` wakes it), so the bookkeeping is single-threaded.
+
+The copier moves the bytes between a class's pool and host memory:
+``CudaCopier`` on a GPU, ``CpuCopier`` (numpy) for a pool in host memory.
+A copier's ``to_host``/``to_device`` return an event to wait for (the GPU:
+the engine's watcher thread waits) or None when the copy is already done.
 """
 
 from __future__ import annotations
@@ -39,12 +51,15 @@ import gc
 import logging
 import queue
 import threading
-from collections import defaultdict
+from functools import partial
 
-from kvpoold.core.tiers import Move, Tier
+import numpy as np
 
+from kvpoold.core.tiers import DROP, MovePlan, Tier
+
+from .cuda import run_bounds
 from .disk import DiskStore
-from .host import HostStore, Slot
+from .host import HostStore
 from .meter import Meters
 
 log = logging.getLogger("kvpoold")
@@ -53,16 +68,17 @@ DEFAULT_STAGING_CPU = 32 << 20
 DEFAULT_STAGING_GPU = 256 << 20
 GC_PAUSE_MOVES = 256  # batches this large run with the cyclic GC paused (see _gc_paused)
 
+_DEVICE, _HOST, _DISK = int(Tier.DEVICE), int(Tier.HOST), int(Tier.DISK)
+
 
 @contextlib.contextmanager
 def _gc_paused(n: int):
     """Pause the cyclic garbage collector around a large batch.
 
-    A batch makes a few Python objects per block (moves, slots, arrivals);
-    with a daemon's worth of long-lived objects, the collections that those
-    allocations trigger cost more than the bookkeeping itself (measured: 1.5
-    vs 2-5 us per block).  Nothing here makes cycles; the collector catches
-    up after the batch.
+    A batch makes few Python objects, but a daemon holds many long-lived ones
+    (keys, index entries), and a collection triggered in the middle of a batch
+    costs more than the batch's own bookkeeping.  Nothing here makes cycles;
+    the collector catches up after the batch.
     """
     if n < GC_PAUSE_MOVES or not gc.isenabled():
         yield
@@ -74,29 +90,89 @@ def _gc_paused(n: int):
         gc.enable()
 
 
-class Arrival:
-    """Bytes on their way into one device block."""
+class Arrivals:
+    """Bytes on their way into a batch of device blocks of one layout class.
 
-    __slots__ = ("class_id", "block", "done", "ok", "corrupt", "waiters", "digest")
+    ``state[i]`` says how block ``blocks[i]`` stands: ``ARRIVING``, ``OK``,
+    ``LOST`` (its copy was missing or its read failed) or ``CORRUPT`` (a bad
+    checksum on disk).  The waiters run once, when the last block is settled.
+    """
 
-    def __init__(self, class_id: int, block: int) -> None:
+    ARRIVING, OK, LOST, CORRUPT = 0, 1, 2, 3
+
+    __slots__ = ("class_id", "blocks", "state", "left", "waiters", "digests")
+
+    def __init__(self, class_id: int, blocks: np.ndarray) -> None:
         self.class_id = class_id
-        self.block = block
-        self.digest = None  # the daemon keeps the hash a failed block lost here
-        self.done = False
-        self.ok = False
-        self.corrupt = False
+        self.blocks = np.asarray(blocks, np.int64)
+        self.state = np.zeros(len(self.blocks), np.int8)
+        self.left = len(self.blocks)
         self.waiters: list = []
+        self.digests: dict[int, bytes | None] = {}  # index -> the hash a failed block lost (the daemon's)
 
-    def finish(self, ok: bool, corrupt: bool = False) -> None:
-        self.done, self.ok, self.corrupt = True, ok, corrupt
-        waiters, self.waiters = self.waiters, []
-        for w in waiters:
-            w(self)
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def done(self) -> bool:
+        return self.left == 0
+
+    @property
+    def ok(self) -> bool:
+        """Done, and every block arrived."""
+        return self.left == 0 and not (self.state != self.OK).any()
+
+    def failed(self) -> np.ndarray:
+        """Indices of the blocks whose bytes did not arrive."""
+        return np.flatnonzero(self.state >= self.LOST)
+
+    def arriving(self) -> np.ndarray:
+        """Indices of the blocks still arriving."""
+        return np.flatnonzero(self.state == self.ARRIVING)
+
+    def settle(self, index, state: int) -> None:
+        """Blocks ``index`` (indices, a slice or a mask) are settled as ``state``."""
+        st = self.state
+        n = int(np.count_nonzero(st[index] == self.ARRIVING))
+        assert n == len(st[index]), "a block of this batch was settled twice"
+        st[index] = state
+        self.left -= n
+        if n and self.left == 0:
+            waiters, self.waiters = self.waiters, []
+            for w in waiters:
+                w(self)
 
     def __repr__(self) -> str:
-        state = "arriving" if not self.done else "ok" if self.ok else "corrupt" if self.corrupt else "lost"
-        return f"Arrival(class {self.class_id}, block {self.block}, {state})"
+        return (f"Arrivals(class {self.class_id}, {len(self)} blocks, {self.left} arriving, "
+                f"{len(self.failed())} failed)")
+
+
+class CpuCopier:
+    """Copies between a pool in host memory (numpy rows) and host slots, with numpy; done on return."""
+
+    @staticmethod
+    def to_host(rows: np.ndarray, ids: np.ndarray, host: np.ndarray, offsets: np.ndarray):
+        bb = rows.shape[1]
+        for i0, i1 in run_bounds(offsets, bb):
+            o = int(offsets[i0])
+            np.take(rows, ids[i0:i1], axis=0, out=host[o:o + (i1 - i0) * bb].reshape(i1 - i0, bb))
+        return None
+
+    @staticmethod
+    def to_device(rows: np.ndarray, ids: np.ndarray, host: np.ndarray, offsets: np.ndarray):
+        bb = rows.shape[1]
+        for i0, i1 in run_bounds(offsets, bb):
+            o = int(offsets[i0])
+            rows[ids[i0:i1]] = host[o:o + (i1 - i0) * bb].reshape(i1 - i0, bb)
+        return None
+
+
+def _pick(keys: list, idx: np.ndarray) -> list:
+    """``[keys[i] for i in idx]``, a list slice when ``idx`` is a range (a batch usually is)."""
+    n = len(idx)
+    if n and int(idx[-1]) - int(idx[0]) == n - 1:
+        return keys[int(idx[0]):int(idx[-1]) + 1]
+    return [keys[i] for i in idx.tolist()]
 
 
 class _Class:
@@ -104,14 +180,44 @@ class _Class:
 
     def __init__(self, block_bytes: int, pool) -> None:
         self.block_bytes = block_bytes
-        self.pool = pool  # torch uint8 [num_blocks, block_bytes] over the arena, or None
-        self.rows = None if pool is None or pool.is_cuda else pool.numpy()
+        self.pool = pool  # torch uint8 [num_blocks, block_bytes] over the arena (or numpy rows), or None
+        if pool is None or isinstance(pool, np.ndarray):
+            self.rows = pool
+        else:
+            self.rows = None if pool.is_cuda else pool.numpy()
+
+    @property
+    def target(self):
+        """What the copier copies to and from: numpy rows in host memory, else the device tensor."""
+        return self.rows if self.rows is not None else self.pool
+
+
+class _DiskBatch:
+    """Disk writes of one batch from host slots: each slot is freed when its write is done."""
+
+    __slots__ = ("engine", "left")
+
+    def __init__(self, engine: "TransferEngine", n: int) -> None:
+        self.engine = engine
+        self.left = n
+        engine._inflight += 1
+
+    def written(self, offset: int, ok: bool, key) -> None:
+        eng = self.engine
+        if offset >= 0:
+            eng.host.slots.free(offset)
+        if not ok:
+            eng._lost(key)
+        self.left -= 1
+        if self.left == 0:
+            eng._inflight -= 1
 
 
 class TransferEngine:
     def __init__(self, host_bytes: int = 0, disk_dir: str | None = None, disk_bytes: int = 0, *,
                  cuda_device: int | None = None, staging_bytes: int | None = None, io_threads: int = 4,
-                 direct: bool = True) -> None:
+                 direct: bool = True, copier=None) -> None:
+        """``copier`` replaces the default one (``CudaCopier`` with ``cuda_device``, else ``CpuCopier``)."""
         self.meters = Meters()
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self.notify = None  # called (from any thread) after a completion was queued
@@ -122,15 +228,13 @@ class TransferEngine:
         self.host = HostStore(host_bytes, staging_bytes, cuda_device)
         self.disk = DiskStore(disk_dir, disk_bytes, post=self.post, meters=self.meters, io_threads=io_threads,
                               direct=direct) if disk_dir and disk_bytes else None
-        self.copier = None
-        self._watch_q: queue.SimpleQueue | None = None
-        if cuda_device is not None:
+        if copier is None and cuda_device is not None:
             from .cuda import CudaCopier
 
-            self.copier = CudaCopier(cuda_device)
-            self._watch_q = queue.SimpleQueue()
-            self._watcher = threading.Thread(target=self._watch, name="kvpool-cuda-events", daemon=True)
-            self._watcher.start()
+            copier = CudaCopier(cuda_device)
+        self.copier = copier if copier is not None else CpuCopier()
+        self._watch_q: queue.SimpleQueue | None = None
+        self._watcher: threading.Thread | None = None
         self.classes: dict[int, _Class] = {}
 
     # -- plumbing ---------------------------------------------------------------------------------
@@ -158,14 +262,13 @@ class TransferEngine:
     def poll(self) -> int:
         """Run the completions queued so far; returns how many."""
         n = 0
-        with _gc_paused(self._q.qsize() * GC_PAUSE_MOVES):  # a completion often finishes a whole batch
-            while True:
-                try:
-                    fn = self._q.get_nowait()
-                except queue.Empty:
-                    return n
-                fn()
-                n += 1
+        while True:
+            try:
+                fn = self._q.get_nowait()
+            except queue.Empty:
+                return n
+            fn()
+            n += 1
 
     def _wait_one(self, timeout: float | None = None) -> bool:
         """Block until one completion ran; False if nothing is in flight (or the timeout passed)."""
@@ -179,12 +282,11 @@ class TransferEngine:
         return True
 
     def wait(self, arrivals, timeout: float | None = None) -> bool:
-        """Block until every arrival is done (tests, benchmarks; the daemon awaits instead)."""
-        with _gc_paused(len(arrivals)):
-            for a in arrivals:
-                while not a.done:
-                    if not self._wait_one(timeout):
-                        return False
+        """Block until every batch is done (tests, benchmarks; the daemon awaits instead)."""
+        for a in arrivals:
+            while not a.done:
+                if not self._wait_one(timeout):
+                    return False
         return True
 
     def idle(self) -> bool:
@@ -196,7 +298,7 @@ class TransferEngine:
             pass
 
     def _watch(self) -> None:
-        """Wait for CUDA events in order and report them (a thread: nothing else blocks on the GPU)."""
+        """Wait for copy events in order and report them (a thread: nothing else blocks on the GPU)."""
         while True:
             item = self._watch_q.get()
             if item is None:
@@ -208,58 +310,97 @@ class TransferEngine:
                 meter.stop(nbytes, blocks)
                 self.post(fn)
 
-    def _host_slot(self, nbytes: int) -> Slot:
-        while True:
-            slot = self.host.alloc(nbytes)
-            if slot is not None:
-                return slot
+    def _watch_put(self, item) -> None:
+        if self._watcher is None:
+            self._watch_q = queue.SimpleQueue()
+            self._watcher = threading.Thread(target=self._watch, name="kvpool-copy-events", daemon=True)
+            self._watcher.start()
+        self._watch_q.put(item)
+
+    def _host_slots(self, nbytes: int, n: int) -> list[tuple[np.ndarray, np.ndarray, int]]:
+        """Host room for ``n`` blocks: [(buffer, offsets, count)], the store's slots then, rarely, a temporary.
+
+        When the store is full, waits for copies in flight to free slots.
+        """
+        host = self.host
+        got = host.alloc_many(nbytes, n)
+        while len(got) < n:
             if self.disk is not None:
                 self.disk.flush()  # queued disk jobs must run for their slots to come back
             if not self._wait_one():  # nothing in flight will free one
-                return self.host.temp(nbytes)
+                break
+            got += host.alloc_many(nbytes, n - len(got))
+        parts = [(host.buf, np.asarray(got, np.int64), len(got))] if got else []
+        if len(got) < n:
+            k = n - len(got)
+            buf, stride = host.temp(nbytes, k)
+            parts.append((buf, np.arange(k, dtype=np.int64) * stride, k))
+        return parts
 
     # -- a call's moves ------------------------------------------------------------------------------
-    def submit(self, moves: list[Move], between=None) -> list[Arrival]:
-        """Run one call's moves (module docstring); returns the arrivals of its device writes."""
-        with _gc_paused(len(moves)):
-            return self._submit(moves, between)
+    def submit(self, moves, between=None) -> list[Arrivals]:
+        """Run one call's moves (module docstring); returns one ``Arrivals`` per class with device writes.
 
-    def _submit(self, moves: list[Move], between) -> list[Arrival]:
-        outs: list[Move] = []
-        out_keys: set = set()
-        writes: list[Move] = []
-        for mv in moves:
-            if mv.dst == Tier.DEVICE:
-                writes.append(mv)
-                continue
-            if mv.src == Tier.DEVICE:
-                if mv.dst is not None:
-                    outs.append(mv)
-                    out_keys.add(mv.key)
-                continue
-            if mv.key in out_keys:
-                self._flush_out(outs)
-                outs, out_keys = [], set()
-            if mv.dst is None:
-                self._drop(mv)
-            else:
-                self._host_to_disk(mv)
-        if outs:
-            self._flush_out(outs)
+        ``moves`` is a ``MovePlan`` (or ``Move`` objects, converted).
+        """
+        plan = MovePlan.of(moves)
+        with _gc_paused(len(plan)):
+            return self._submit(plan, between)
+
+    def _submit(self, plan: MovePlan, between) -> list[Arrivals]:
+        keys, src, dst, block, nbytes = plan.columns()
+        to_dev = dst == _DEVICE
+        from_dev = src == _DEVICE
+        outs = np.flatnonzero(from_dev & (dst != DROP))
+        lower = np.flatnonzero(~from_dev & ~to_dev)
+        done_outs = 0  # outs[:done_outs] are copied already
+        if len(lower):
+            out_at: dict = {}  # key -> its first device read in this call
+            if len(outs):
+                ol = outs.tolist()
+                out_at = dict(zip([keys[i] for i in reversed(ol)], reversed(ol)))
+            pop = self.host.entries.pop
+            freed: list[int] = []
+            batch = _DiskBatch(self, 1) if self.disk is not None else None  # 1: still submitting
+            sl, dl, nl = src.tolist(), dst.tolist(), nbytes.tolist()
+            for i in lower.tolist():
+                key = keys[i]
+                j = out_at.get(key)
+                if j is not None and j < i and done_outs < len(outs) and outs[done_outs] < i:
+                    upto = int(np.searchsorted(outs, i))
+                    self.host.free_many(freed)
+                    freed = []
+                    self._flush_out(keys, dst, block, outs[done_outs:upto])
+                    done_outs = upto
+                s, d = sl[i], dl[i]
+                if s == _HOST:
+                    off = pop(key, -1)
+                    if d == DROP:
+                        if off >= 0:
+                            freed.append(off)
+                    elif off < 0 or batch is None:
+                        if off >= 0:
+                            freed.append(off)
+                        self._lost(key)
+                    else:
+                        batch.left += 1
+                        self.disk.write(key, self.host.buf[off:off + self.host.stride(nl[i])], nl[i],
+                                        partial(batch.written, off))
+                elif s == _DISK and d == DROP and self.disk is not None:
+                    self.disk.drop(key)
+            self.host.free_many(freed)
+            if batch is not None:
+                batch.written(-1, True, None)  # submitted: the last write's completion ends the batch
+        if done_outs < len(outs):
+            self._flush_out(keys, dst, block, outs[done_outs:])
         if self.disk is not None:
             self.disk.flush()
         if between is not None:
             between()
-        arrivals = self._device_in(writes) if writes else []
+        arrivals = self._device_in(keys, src, block, np.flatnonzero(to_dev)) if to_dev.any() else []
         if self.disk is not None:
             self.disk.flush()
         return arrivals
-
-    def _drop(self, mv: Move) -> None:
-        if mv.src == Tier.HOST:
-            self.host.drop(mv.key)
-        elif mv.src == Tier.DISK and self.disk is not None:
-            self.disk.drop(mv.key)
 
     def _lost(self, key) -> None:
         try:
@@ -267,136 +408,185 @@ class TransferEngine:
         except Exception:  # noqa: BLE001 - a completion must not break the loop
             log.exception("reporting a lost block failed")
 
-    def _to_disk(self, key, slot: Slot, nbytes: int) -> None:
-        """Write a host slot's bytes to disk as ``key``; the slot is freed when the write is done."""
-        host = self.host
-        host.pin(slot)
-        host.release(slot)
+    def _by_class(self, keys: list, idx: np.ndarray) -> dict[int, np.ndarray]:
+        """``idx`` split by the layout class of its keys (usually one)."""
+        if len(self.classes) == 1:
+            return {next(iter(self.classes)): idx}
+        c = np.asarray([keys[i][0] for i in idx.tolist()], np.int64)
+        return {int(cid): idx[c == cid] for cid in np.unique(c)}
 
-        def done(ok, key):
-            host.unpin(slot)
-            if not ok:
-                self._lost(key)
-
-        self.disk.write(key, slot.view, nbytes, self._tracked(done))
-
-    def _host_to_disk(self, mv: Move) -> None:
-        slot = self.host.pop(mv.key)
-        if slot is None or self.disk is None:
-            self._lost(mv.key)
+    def _flush_out(self, keys: list, dst: np.ndarray, block: np.ndarray, outs: np.ndarray) -> None:
+        """Device reads: copy blocks to host slots (the host tier's, or staging for the disk), per class."""
+        if not len(outs):
             return
-        self._to_disk(mv.key, slot, mv.nbytes)
-
-    def _flush_out(self, outs: list[Move]) -> None:
-        """Device reads: copy each block to a host slot (the host tier's, or staging for the disk)."""
-        groups: dict[int, list[Move]] = defaultdict(list)
-        for mv in outs:
-            groups[mv.key[0]].append(mv)
-        for cid, group in groups.items():
+        for cid, idx in self._by_class(keys, outs).items():
             cls = self.classes[cid]
             bb = cls.block_bytes
-            slots = [self._host_slot(bb) for _ in group]
+            ids = block[idx]
+            parts = self._host_slots(bb, len(idx))
             meter = self.meters.host_write
             meter.start()
+            events = []
             try:
-                if self.copier is not None:
-                    self.copier.to_host(cls.pool, [mv.block for mv in group], self.host.tensor, slots).synchronize()
-                else:
-                    rows = cls.rows
-                    for mv, slot in zip(group, slots):
-                        slot.view[:bb] = rows[mv.block]
+                i0 = 0
+                for buf, offs, k in parts:
+                    events.append(self.copier.to_host(cls.target, ids[i0:i0 + k], buf, offs))
+                    i0 += k
+                # the keys are recorded while the copy runs (disk writes only queue until ``flush``;
+                # nothing reads the host tier before ``submit`` returns)
+                i0 = 0
+                for buf, offs, k in parts:
+                    self._place_out(keys, dst, idx[i0:i0 + k], buf, offs, bb)
+                    i0 += k
             finally:
-                meter.stop(bb * len(group), len(group))
-            for mv, slot in zip(group, slots):
-                if mv.dst == Tier.HOST:
-                    self.host.put(mv.key, slot)
-                elif self.disk is not None:
-                    self._to_disk(mv.key, slot, bb)
-                else:
-                    self.host.release(slot)
-                    self._lost(mv.key)
+                for ev in events:
+                    if ev is not None:
+                        ev.synchronize()
+                meter.stop(bb * len(idx), len(idx))
 
-    def _device_in(self, writes: list[Move]) -> list[Arrival]:
-        """Device writes: promotions and swap-ins, from host slots or from disk."""
-        arrivals = []
-        groups: dict[int, list[Move]] = defaultdict(list)
-        for mv in writes:
-            groups[mv.key[0]].append(mv)
-        for cid, group in groups.items():
+    def _place_out(self, keys, dst, idx: np.ndarray, buf: np.ndarray, offs: np.ndarray, bb: int) -> None:
+        """Blocks copied into ``buf`` at ``offs``: record the host tier's, write the disk's."""
+        in_store = buf is self.host.buf
+        d = dst[idx]
+        to_host = d == _HOST
+        if to_host.all() and in_store:
+            self.host.put_many(_pick(keys, idx), offs.tolist())
+            return
+        il = idx.tolist()
+        ol = offs.tolist()
+        stride = self.host.stride(bb)
+        if to_host.any():
+            assert in_store, "a temporary buffer cannot hold host-tier blocks"
+            sel = np.flatnonzero(to_host).tolist()
+            self.host.put_many([keys[il[j]] for j in sel], [ol[j] for j in sel])
+        rest = np.flatnonzero(~to_host).tolist()
+        if self.disk is None:
+            for j in rest:
+                if in_store:
+                    self.host.slots.free(ol[j])
+                self._lost(keys[il[j]])
+            return
+        batch = _DiskBatch(self, len(rest))
+        for j in rest:
+            key = keys[il[j]]
+            self.disk.write(key, buf[ol[j]:ol[j] + stride], bb, partial(batch.written, ol[j] if in_store else -1))
+
+    def _device_in(self, keys: list, src: np.ndarray, block: np.ndarray, writes: np.ndarray) -> list[Arrivals]:
+        """Device writes: promotions and swap-ins, from host slots or from disk; one batch per class."""
+        out = []
+        for cid, idx in self._by_class(keys, writes).items():
             cls = self.classes[cid]
-            bb = cls.block_bytes
-            from_host: list[tuple[Move, Slot, Arrival]] = []
-            for mv in group:
-                a = Arrival(cid, mv.block)
-                arrivals.append(a)
-                if mv.src == Tier.HOST:
-                    slot = self.host.pop(mv.key)
-                    if slot is None:
-                        a.finish(False)
-                        continue
-                    self.host.pin(slot)
-                    self.host.release(slot)
-                    from_host.append((mv, slot, a))
-                elif mv.src == Tier.DISK and self.disk is not None:
-                    self._disk_in(cls, mv, a)
+            arr = Arrivals(cid, block[idx])
+            out.append(arr)
+            s = src[idx]
+            from_host = np.flatnonzero(s == _HOST)
+            from_disk = np.flatnonzero(s == _DISK)
+            other = np.flatnonzero((s != _HOST) & (s != _DISK))
+            if len(other):
+                arr.settle(other, Arrivals.LOST)
+            if len(from_disk):
+                if self.disk is None:
+                    arr.settle(from_disk, Arrivals.LOST)
                 else:
-                    a.finish(False)
-            if from_host:
-                self._host_in(cls, from_host)
-        return arrivals
+                    self._disk_in(cls, arr, _pick(keys, idx[from_disk]), from_disk)
+            if len(from_host):
+                offs = np.asarray(self.host.pop_many(_pick(keys, idx[from_host])), np.int64)
+                have = offs >= 0
+                if not have.all():
+                    arr.settle(from_host[~have], Arrivals.LOST)
+                    from_host, offs = from_host[have], offs[have]
+                if len(from_host):
+                    self._host_in(cls, arr, from_host, self.host.buf, offs, free=True)
+        return out
 
-    def _host_in(self, cls: _Class, items: list) -> None:
+    def _host_in(self, cls: _Class, arr: Arrivals, index: np.ndarray, buf: np.ndarray, offs: np.ndarray,
+                 free: bool) -> None:
+        """Copy host bytes at ``offs`` into the batch's blocks ``index``; the slots are freed after."""
         bb = cls.block_bytes
         meter = self.meters.host_read
         meter.start()
-        if self.copier is None:
-            try:
-                for mv, slot, a in items:
-                    cls.rows[mv.block] = slot.view[:bb]
-            finally:
-                meter.stop(bb * len(items), len(items))
-            for mv, slot, a in items:
-                self.host.unpin(slot)
-                a.finish(True)
-            return
-        event = self.copier.to_device(cls.pool, [mv.block for mv, _, _ in items], self.host.tensor,
-                                      [slot for _, slot, _ in items])
+        try:
+            ev = self.copier.to_device(cls.target, arr.blocks[index], buf, offs)
+        except BaseException:
+            meter.stop(0, 0)
+            raise
+        host = self.host
 
         def done():
-            for mv, slot, a in items:
-                self.host.unpin(slot)
-                a.finish(True)
+            if free:
+                host.free_many(offs.tolist())
+            arr.settle(index, Arrivals.OK)
 
-        self._watch_q.put((event, meter, bb * len(items), len(items), self._tracked(done)))
+        if ev is None:
+            meter.stop(bb * len(index), len(index))
+            done()
+        else:
+            self._watch_put((ev, meter, bb * len(index), len(index), self._tracked(done)))
 
-    def _disk_in(self, cls: _Class, mv: Move, a: Arrival) -> None:
+    def _disk_in(self, cls: _Class, arr: Arrivals, keys: list, index: np.ndarray) -> None:
+        """Disk reads into the batch's blocks ``index``: straight into a pool in host memory, or into
+        pinned staging and then one copy for all the blocks read."""
         bb = cls.block_bytes
-        if self.copier is None:  # the CPU pool: read straight into the block
-            self.disk.read(mv.key, cls.rows[mv.block], self._tracked(lambda ok, corrupt: a.finish(ok, corrupt)))
+        disk = self.disk
+        il = index.tolist()
+        if cls.rows is not None:  # the pool is in host memory: read straight into the blocks
+            rows = cls.rows
+            blocks = arr.blocks.tolist()
+
+            def read_direct(i, ok, corrupt):
+                arr.settle([i], Arrivals.OK if ok else Arrivals.CORRUPT if corrupt else Arrivals.LOST)
+
+            track = _Countdown(self, len(il))
+            for key, i in zip(keys, il):
+                disk.read(key, rows[blocks[i]], partial(track.one, read_direct, i))
             return
-        slot = self._host_slot(bb)  # the GPU: read into pinned staging, then one DMA
-        self.host.pin(slot)
-        self.host.release(slot)
+        parts = self._host_slots(bb, len(il))
+        stride = self.host.stride(bb)
+        places = [(buf, o, buf is self.host.buf) for buf, offs, _ in parts for o in offs.tolist()]
+        good: list[int] = []  # positions in il whose read succeeded
 
-        def read(ok, corrupt):
-            if not ok:
-                self.host.unpin(slot)
-                a.finish(False, corrupt)
+        def read_staged(j, ok, corrupt):
+            if ok:
+                good.append(j)
                 return
-            self._host_in(cls, [(mv, slot, a)])
+            buf, o, in_store = places[j]
+            if in_store:
+                self.host.slots.free(o)
+            arr.settle([il[j]], Arrivals.CORRUPT if corrupt else Arrivals.LOST)
 
-        self.disk.read(mv.key, slot.view, self._tracked(read))
+        def all_read():
+            if not good:
+                return
+            good.sort()
+            for in_store in (True, False):
+                sel = [j for j in good if places[j][2] is in_store]
+                if not sel:
+                    continue
+                buf = places[sel[0]][0] if not in_store else self.host.buf
+                offs = np.asarray([places[j][1] for j in sel], np.int64)
+                if not in_store:  # one temporary buffer: its own offsets
+                    for j in sel:
+                        assert places[j][0] is buf
+                self._host_in(cls, arr, np.asarray([il[j] for j in sel], np.int64), buf, offs, free=in_store)
+
+        track = _Countdown(self, len(il), all_read)
+        for j, key in enumerate(keys):
+            buf, o, _ = places[j]
+            disk.read(key, buf[o:o + stride], partial(track.one, read_staged, j))
 
     # -- operators --------------------------------------------------------------------------------------
     def traffic(self) -> dict[str, dict]:
-        """Per lower tier: bytes and busy seconds written and read, corrupt blocks."""
+        """Per lower tier: bytes and busy seconds written and read, corrupt blocks, failed writes and reads."""
         m = self.meters
+        disk = self.disk
         return {
             "host": {"bytes_written": m.host_write.bytes, "write_seconds": m.host_write.busy_seconds,
                      "bytes_read": m.host_read.bytes, "read_seconds": m.host_read.busy_seconds, "corrupt": 0},
             "disk": {"bytes_written": m.disk_write.bytes, "write_seconds": m.disk_write.busy_seconds,
                      "bytes_read": m.disk_read.bytes, "read_seconds": m.disk_read.busy_seconds,
-                     "corrupt": self.disk.corrupt if self.disk is not None else 0},
+                     "corrupt": disk.corrupt if disk is not None else 0,
+                     "failed_writes": getattr(disk, "failed_writes", 0),
+                     "failed_reads": getattr(disk, "failed_reads", 0)},
         }
 
     def close(self) -> None:
@@ -405,7 +595,7 @@ class TransferEngine:
             if self.disk is not None:
                 self.disk.drain()
             self.poll()
-            if self._watch_q is not None:
+            if self._watcher is not None:
                 self._watch_q.put(None)
                 self._watcher.join(timeout=30)
             self.poll()
@@ -415,3 +605,24 @@ class TransferEngine:
             if self.disk is not None:
                 self.disk.close()
             self.host.close()
+
+
+class _Countdown:
+    """Per-block completions of one batch of disk reads: in flight until the last, then ``last()``."""
+
+    __slots__ = ("engine", "left", "last")
+
+    def __init__(self, engine: TransferEngine, n: int, last=None) -> None:
+        self.engine = engine
+        self.left = n
+        self.last = last
+        if n:
+            engine._inflight += 1
+
+    def one(self, fn, i, ok, corrupt) -> None:
+        fn(i, ok, corrupt)
+        self.left -= 1
+        if self.left == 0:
+            self.engine._inflight -= 1
+            if self.last is not None:
+                self.last()

@@ -8,10 +8,15 @@ that the core no longer counts: a block being written to disk after the core
 pushed it down, a block on its way from disk to the GPU.  When no slot is
 free the transfer engine waits for copies in flight to finish.
 
-A slot is *pinned* while a copy reads or writes it; a slot whose key was
-forgotten meanwhile (``release``) returns to the allocator when its last pin
-goes.  Only the daemon's event loop calls this class (worker threads touch
-the bytes of slots they were handed, never the bookkeeping).
+Slots are plain byte offsets, handled a batch at a time (``alloc_many``,
+``put_many``, ``pop_many``, ``free_many``): a demotion or promotion of tens of
+thousands of blocks costs a few C-level dict and list operations per block,
+and the batch's offsets, mostly consecutive, are what the copier turns into
+a few large DMAs.  A slot's key is forgotten (``pop_many``) before a copy
+reads it for a lower tier or the device; the copy then owns the slot and
+frees it when it is done, so a slot is never reused while a copy reads or
+writes it.  Only the daemon's event loop calls this class (worker threads
+touch the bytes of slots they were handed, never the bookkeeping).
 
 On the GPU backend the buffer is page-locked (``cudaHostAlloc`` through CuPy),
 so host <-> device copies are DMA transfers that run asynchronously on a
@@ -22,32 +27,13 @@ touched.
 from __future__ import annotations
 
 import mmap
+from itertools import repeat
 
 import numpy as np
 
 from .slots import SlotAllocator
 
 ALIGN = 4096
-
-
-class Slot:
-    """A piece of host memory holding one block (``offset`` -1: a temporary buffer)."""
-
-    __slots__ = ("offset", "size", "_buf", "pins", "orphan")
-
-    def __init__(self, offset: int, size: int, buf: np.ndarray) -> None:
-        self.offset = offset
-        self.size = size
-        self._buf = buf  # the store's whole buffer, or the temporary buffer itself (offset -1)
-        self.pins = 0
-        self.orphan = False  # its key is gone: free it when the last pin goes
-
-    @property
-    def view(self) -> np.ndarray:
-        """The slot's ``size`` bytes (made on use: the GPU path copies by offset and never needs it)."""
-        if self.offset < 0:
-            return self._buf
-        return self._buf[self.offset:self.offset + self.size]
 
 
 def aligned_empty(nbytes: int, align: int = ALIGN) -> np.ndarray:
@@ -104,7 +90,7 @@ class HostStore:
             self._keep = mmap.mmap(-1, self.nbytes, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             self.buf = np.frombuffer(self._keep, np.uint8, self.nbytes)
         self.slots = SlotAllocator(self.nbytes, ALIGN)
-        self.entries: dict[tuple, Slot] = {}
+        self.entries: dict[tuple, int] = {}  # key -> slot offset
         self._tensor = None
 
     @property
@@ -121,53 +107,47 @@ class HostStore:
         return self._tensor
 
     # -- slots --------------------------------------------------------------------------------
-    def alloc(self, nbytes: int) -> Slot | None:
-        off = self.slots.alloc(nbytes)
-        if off is None:
-            return None
-        return Slot(off, self.slots.size_of(off), self.buf)
+    def stride(self, nbytes: int) -> int:
+        """The size of the slot a block of ``nbytes`` takes."""
+        return self.slots.round(max(1, nbytes))
+
+    def alloc_many(self, nbytes: int, n: int) -> list[int]:
+        """Offsets of up to ``n`` free slots for blocks of ``nbytes`` (fewer when the buffer is full)."""
+        return self.slots.alloc_many(nbytes, n)
+
+    def free_many(self, offsets) -> None:
+        """Give slots back (their copies are done, or their keys were dropped)."""
+        self.slots.free_many(offsets)
+
+    def view(self, offset: int, nbytes: int) -> np.ndarray:
+        return self.buf[offset:offset + nbytes]
 
     @staticmethod
-    def temp(nbytes: int) -> Slot:
-        """A buffer outside the store (when it has no slot and nothing in flight will free one)."""
-        size = -(-nbytes // ALIGN) * ALIGN
-        return Slot(-1, size, aligned_empty(size))
-
-    def pin(self, slot: Slot) -> None:
-        slot.pins += 1
-
-    def unpin(self, slot: Slot) -> None:
-        slot.pins -= 1
-        if slot.pins == 0 and slot.orphan:
-            self._free(slot)
-
-    def release(self, slot: Slot) -> None:
-        """The slot's bytes are no longer needed (now, or when its last copy ends)."""
-        if slot.pins:
-            slot.orphan = True
-        else:
-            self._free(slot)
-
-    def _free(self, slot: Slot) -> None:
-        slot.orphan = False
-        if slot.offset >= 0:
-            self.slots.free(slot.offset)
-            slot.offset, slot._buf = -2, None  # freed: a second free or a late read must fail loudly
+    def temp(nbytes: int, n: int) -> tuple[np.ndarray, int]:
+        """(buffer, stride): room for ``n`` blocks outside the store (it is full and nothing will free a slot)."""
+        stride = -(-max(1, nbytes) // ALIGN) * ALIGN
+        return aligned_empty(stride * n), stride
 
     # -- keyed entries --------------------------------------------------------------------------
-    def put(self, key: tuple, slot: Slot) -> None:
-        assert key not in self.entries, f"host tier already holds {key}"
-        self.entries[key] = slot
+    def put_many(self, keys: list, offsets: list[int]) -> None:
+        """Record ``keys[i]`` in slot ``offsets[i]``."""
+        entries = self.entries
+        before = len(entries)
+        entries.update(zip(keys, offsets))
+        assert len(entries) == before + len(keys), "the host tier already holds some of these keys"
 
-    def pop(self, key: tuple) -> Slot | None:
-        return self.entries.pop(key, None)
+    def pop_many(self, keys: list) -> list[int]:
+        """Forget the keys; their slots (-1: not held) now belong to the caller, who frees them."""
+        return list(map(self.entries.pop, keys, repeat(-1, len(keys))))
 
-    def drop(self, key: tuple) -> bool:
-        slot = self.entries.pop(key, None)
-        if slot is None:
-            return False
-        self.release(slot)
-        return True
+    def drop_many(self, keys: list) -> int:
+        """Forget the keys and free their slots; returns how many were held."""
+        offs = [o for o in self.pop_many(keys) if o >= 0]
+        self.free_many(offs)
+        return len(offs)
+
+    def __contains__(self, key: tuple) -> bool:
+        return key in self.entries
 
     def close(self) -> None:
         self.entries.clear()

@@ -55,6 +55,62 @@ class SlotAllocator:
         self.used -= size
         heapq.heappush(self._free.setdefault(size, []), offset)
 
+    def alloc_many(self, nbytes: int, n: int) -> list[int]:
+        """Up to ``n`` slots of ``nbytes`` at once (fewer when full), in ascending order.
+
+        A batch's slots are then mostly consecutive, so a copy or a write
+        moves them in few large runs; the cost is per batch (a sort, a
+        range) rather than a heap operation per slot.
+        """
+        size = self.round(max(1, nbytes))
+        heap = self._free.get(size)
+        out: list[int] = []
+        if heap and n > 0:
+            if n >= len(heap):
+                out = sorted(heap)
+                heap.clear()
+            elif n * 8 >= len(heap):
+                heap.sort()  # a sorted list is a heap: what stays behind is one still
+                out = heap[:n]
+                del heap[:n]
+            else:
+                out = [heapq.heappop(heap) for _ in range(n)]
+        k = n - len(out)
+        if k > 0:
+            room = k if self.capacity is None else min(k, max(0, (self.capacity - self.top) // size))
+            if room > 0:
+                out.extend(range(self.top, self.top + room * size, size))
+                self.top += room * size
+        self._size.update(dict.fromkeys(out, size))
+        self.used += size * len(out)
+        while len(out) < n:  # free slots of other sizes, taken whole (several layout classes)
+            off = self.alloc(nbytes)
+            if off is None:
+                break
+            out.append(off)
+        return out
+
+    def free_many(self, offsets) -> None:
+        """``free`` for many slots (an unknown or twice-freed offset raises KeyError)."""
+        offsets = list(offsets)
+        sizes = list(map(self._size.pop, offsets))
+        if not sizes:
+            return
+        size = sizes[0]
+        if sizes.count(size) != len(sizes):
+            for off, sz in zip(offsets, sizes):
+                self.used -= sz
+                heapq.heappush(self._free.setdefault(sz, []), off)
+            return
+        self.used -= size * len(offsets)
+        heap = self._free.setdefault(size, [])
+        if len(offsets) * 4 >= len(heap):
+            heap.extend(offsets)
+            heapq.heapify(heap)
+        else:
+            for off in offsets:
+                heapq.heappush(heap, off)
+
     def size_of(self, offset: int) -> int:
         return self._size[offset]
 

@@ -12,7 +12,7 @@ G = Geometry(num_layers=2, num_kv_heads=1, head_dim=8, dtype="float16", block_si
 def make(chunks=4, chunk_bytes=1024):
     budget = ChunkBudget(chunks, chunk_bytes)
     evicted = []
-    pool = ClassPool(0, G, budget, on_evict=lambda c, b, h: evicted.append((b, h)))
+    pool = ClassPool(0, G, budget, on_evict=lambda c, bs, hs: evicted.extend(zip(bs, hs)))
     return budget, pool, evicted
 
 
@@ -117,7 +117,7 @@ def test_memory_flows_between_classes_by_slab():
 def test_reclaim_evicts_other_class_cached_slab_last():
     budget = ChunkBudget(2, 1024)
     evicted = []
-    a = ClassPool(0, G, budget, on_evict=lambda c, blk, h: evicted.append((c, blk)))
+    a = ClassPool(0, G, budget, on_evict=lambda c, bs, hs: evicted.extend((c, b) for b in bs))
     b = ClassPool(1, G, budget)
     ids = a.allocate(8)
     for i, blk in enumerate(ids):

@@ -15,6 +15,8 @@ from kvpoold.core import (
     UnknownSequence,
     WrongState,
 )
+from kvpoold.core.hashing import chain_hashes, pack_tokens, root_hash
+from kvpoold.core.tiers import Tier
 
 from helpers import snapshot
 
@@ -274,12 +276,23 @@ def test_tier_placement_records_demotions():
     moves = m.drain_moves()
     # evicted tail first (h3, h2, h1, h0): the host keeps the last two, h2 is
     # pushed to disk, and h3, pushed to disk first, is pushed out of it
-    dst = [(mv.src.name, mv.dst.name if mv.dst is not None else None) for mv in moves]
-    assert dst == [
-        ("DEVICE", "HOST"), ("DEVICE", "HOST"),
-        ("HOST", "DISK"), ("DEVICE", "HOST"),
-        ("DISK", None), ("HOST", "DISK"), ("DEVICE", "HOST"),
+    per_key: dict = {}
+    for mv in moves:
+        per_key.setdefault(mv.key, []).append((mv.src.name, mv.dst.name if mv.dst is not None else None))
+    hashes = chain_hashes(root_hash("m"), pack_tokens(range(16)), 4)
+    assert [per_key[(c, h)] for h in hashes] == [
+        [("DEVICE", "HOST")], [("DEVICE", "HOST")],
+        [("DEVICE", "HOST"), ("HOST", "DISK")],
+        [("DEVICE", "HOST"), ("HOST", "DISK"), ("DISK", None)],
     ]
+    # an executable order: replayed in plan order, no tier ever holds more than its capacity
+    held = {"HOST": 0, "DISK": 0}
+    for mv in moves:
+        if mv.src != Tier.DEVICE:
+            held[mv.src.name] -= 1
+        if mv.dst is not None:
+            held[mv.dst.name] += 1
+        assert held["HOST"] <= 2 and held["DISK"] <= 1
     r = m.lookup(c, "m", range(16))
     assert (r.num_cached_tokens, r.device_tokens, r.host_tokens, r.disk_tokens) == (12, 0, 8, 4)
     m.check_invariants()

@@ -6,6 +6,7 @@ import pytest
 
 from kvpoold.core import Geometry, InvalidArgument, KVCacheManager, OutOfBlocks, Tier, WrongState
 from kvpoold.core.hashing import chain_hashes, pack_tokens, root_hash
+from kvpoold.core.tiers import DROP, MovePlan
 
 from helpers import snapshot
 
@@ -211,3 +212,94 @@ def test_alignment_charges_whole_pages():
     host = m.placement.lower[0]
     assert len(host) == 2 and host.used == 8192  # 64-byte blocks take a page each
     m.check_invariants()
+
+
+def test_moves_are_planned_as_columns():
+    m, c = make(blocks=4, host_blocks=2, disk_blocks=1)
+    a = m.create(1, c, "m", range(16))
+    m.free(1, [a.seq_id])
+    m.evict_cached(c)
+    plan = m.drain_moves()
+    keys, src, dst, block, nbytes = plan.columns()
+    moves = list(plan)
+    assert len(plan) == len(moves) == len(keys) == 7
+    assert [mv.key for mv in moves] == keys
+    assert src.tolist() == [int(mv.src) for mv in moves]
+    assert dst.tolist() == [DROP if mv.dst is None else int(mv.dst) for mv in moves]
+    assert block.tolist() == [mv.block for mv in moves] and set(nbytes.tolist()) == {G.block_bytes}
+    assert MovePlan.of(moves).columns()[2].tolist() == dst.tolist()  # Move objects convert back
+    assert len(m.drain_moves()) == 0
+
+
+def _tier_state(p):
+    return [(list(ix._order), dict(ix._sizes), ix.used, ix.pinned, ix.blocks_in, ix.blocks_out, ix.dropped)
+            for ix in p.lower]
+
+
+def _moves_per_key(plan):
+    out: dict = {}
+    for mv in plan:
+        out.setdefault(mv.key, []).append((mv.src, mv.dst, mv.block, mv.nbytes))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_batch_placement_matches_key_by_key(seed):
+    """The batch paths (demote_many, place_pinned_many, pin_many + take_many, drop_many) leave exactly the
+    state that the single-key methods leave (LRU order, sizes, charges, counters), with the same moves per key."""
+    import random
+
+    from kvpoold.core.tiers import TierPlacement
+
+    rng = random.Random(seed)
+    align = rng.choice([1, 4096])
+    host, disk = rng.randrange(0, 16) * 4096, rng.randrange(0, 16) * 4096
+    ref, bulk = TierPlacement(host, disk, align=align), TierPlacement(host, disk, align=align)
+    serial = 0
+    for _ in range(30):
+        pr, pb = MovePlan(), MovePlan()
+        op = rng.choice(["demote", "demote", "pinned", "promote", "swap_in", "drop"])
+        size = rng.choice([1000, 4096, 5000])  # a class: keys are (size, n)
+        present = [k for ix in ref.lower for k in ix._sizes if k[0] == size]
+        evictable = [k for ix in ref.lower for k in ix._order if k[0] == size]
+        pinned = [k for k in present if k not in evictable]
+        if op == "demote":
+            keys = [(size, serial + i) for i in range(rng.randrange(1, 12))]
+            serial += len(keys)
+            for k in rng.sample(present, min(len(present), rng.randrange(0, 3))):  # some are there already
+                keys.insert(rng.randrange(len(keys) + 1), k)
+            blocks = [rng.randrange(1000) for _ in keys]
+            placed = sum(ref.demote(pr, k, size, b) for k, b in zip(keys, blocks))
+            assert bulk.demote_many(pb, keys, size, blocks) == placed
+        elif op == "pinned":
+            keys = [(size, serial + i) for i in range(rng.randrange(1, 8))]
+            serial += len(keys)
+            ok = ref.can_pin([size] * len(keys))
+            assert bulk.can_pin_runs([(size, len(keys))]) == ok
+            if ok:
+                tally = [0, 0]
+                for i, k in enumerate(keys):
+                    tally[ref.place_pinned(pr, k, size, i) - 1] += 1
+                assert bulk.place_pinned_many(pb, keys, size, list(range(len(keys)))) == tally
+        elif op == "promote":  # create: pin the hit's keys, allocate (which may demote), take them
+            keys = rng.sample(evictable, min(len(evictable), rng.randrange(0, 6)))
+            for k in keys:
+                ref.pin(k)
+            runs = bulk.pin_many(keys)
+            assert _tier_state(ref) == _tier_state(bulk)
+            for i, k in enumerate(keys):
+                ref.take(pr, k, i)
+            bulk.take_many(pb, keys, list(range(len(keys))), pinned=True, runs=runs)
+        elif op == "swap_in":
+            keys = rng.sample(pinned, min(len(pinned), rng.randrange(0, 6)))
+            for i, k in enumerate(keys):
+                ref.take(pr, k, i)
+            bulk.take_many(pb, keys, list(range(len(keys))), pinned=True)
+        else:
+            keys = rng.sample(present, min(len(present), rng.randrange(0, 6)))
+            for k in keys:
+                ref.drop(pr, k)
+            bulk.drop_many(pb, keys)
+        assert _tier_state(ref) == _tier_state(bulk), op
+        assert _moves_per_key(pr) == _moves_per_key(pb), op
+        bulk.check()

@@ -1,6 +1,7 @@
 """A model process for the integration tests, run as ``python client_proc.py SOCKET ACTION JSON``.
 
-Actions (each prints one JSON line on stdout):
+``device`` in JSON: passed to ``kvpool.connect``; ``init_cuda``: start CUDA in torch first (the
+client then names torch's current GPU).  Actions (each prints one JSON line on stdout):
   write  -- create a sequence from ``prompt``, write each token's id as its K/V values
             into the shared pool, optionally free it; prints the block table
   read   -- create a sequence from ``prompt``; prints what it found cached and the
@@ -32,7 +33,7 @@ def write_tokens(client, seq, start, tokens):
     for slot, tok in zip(slots.tolist(), tokens):
         kv[slot // bs, :, :, :, slot % bs, :] = float(tok)
     if kv.is_cuda:
-        torch.cuda.synchronize()  # the writes are done before anyone is told about them
+        torch.cuda.synchronize(kv.device)  # the writes are done before anyone is told about them
 
 
 def read_tokens(client, seq, count):
@@ -43,7 +44,11 @@ def read_tokens(client, seq, count):
 
 def main() -> None:
     socket, action, args = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-    with kvpool.connect(socket, name=f"test-{action}", layout=LAYOUT) as client:
+    if args.get("init_cuda"):  # a model process that already uses its GPU: the pool of that GPU
+        import torch
+
+        torch.cuda.init()
+    with kvpool.connect(socket, name=f"test-{action}", layout=LAYOUT, device=args.get("device")) as client:
         if action == "write":
             seq = client.create_sequence(args["prompt"])
             write_tokens(client, seq, seq.num_cached_tokens, args["prompt"][seq.num_cached_tokens:])
@@ -61,8 +66,13 @@ def main() -> None:
             }), flush=True)
         elif action == "peek":
             kv = client.kv_cache()
+            bus = ""
+            if kv.is_cuda:
+                from kvpoold.memory.cuda_ipc import bus_id
+
+                bus = bus_id(kv.device.index)
             print(json.dumps({"values": [kv[b, 0, 0, 0, :, 0].tolist() for b in args["blocks"]],
-                              "device": str(kv.device)}), flush=True)
+                              "device": str(kv.device), "bus_id": bus}), flush=True)
         elif action == "fork":
             seq = client.create_sequence(args["prompt"])
             write_tokens(client, seq, 0, args["prompt"])

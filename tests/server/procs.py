@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -11,13 +12,23 @@ from pathlib import Path
 SCRIPT = str(Path(__file__).with_name("client_proc.py"))
 
 
-def run_client(socket: str, action: str, **args) -> dict:
+def run_client(socket: str, action: str, env: dict | None = None, **args) -> dict:
     out = subprocess.run(
         [sys.executable, SCRIPT, socket, action, json.dumps(args)],
-        capture_output=True, text=True, timeout=180,
+        capture_output=True, text=True, timeout=180, env=None if env is None else {**os.environ, **env},
     )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def run_client_failing(socket: str, action: str, env: dict | None = None, **args) -> str:
+    """Run a client that must fail; returns its stderr."""
+    out = subprocess.run(
+        [sys.executable, SCRIPT, socket, action, json.dumps(args)],
+        capture_output=True, text=True, timeout=180, env=None if env is None else {**os.environ, **env},
+    )
+    assert out.returncode != 0, out.stdout
+    return out.stderr
 
 
 def wait_for(predicate, timeout: float = 15.0) -> bool:
@@ -32,13 +43,15 @@ def wait_for(predicate, timeout: float = 15.0) -> bool:
 # -- scenarios shared by the CPU and the GPU daemon tests -------------------------------
 
 
-def check_second_process_reads_first_process_blocks(socket: str) -> None:
-    prompt = list(range(100, 114))  # 3 full blocks of 4 and 2 tokens more
-    a = run_client(socket, "write", prompt=prompt, free=True)
-    b = run_client(socket, "read", prompt=prompt[:12] + [7, 7, 7])
+def check_second_process_reads_first_process_blocks(socket: str, prompt=None, **client) -> dict:
+    """``client``: where both processes run (``device=``, ``env=``...); returns B's answer."""
+    prompt = prompt or list(range(100, 114))  # 3 full blocks of 4 and 2 tokens more
+    a = run_client(socket, "write", prompt=prompt, free=True, **client)
+    b = run_client(socket, "read", prompt=prompt[:12] + [7, 7, 7], **client)
     assert b["cached"] == 12
     assert b["table"][:3] == a["table"][:3]  # the same physical blocks
     assert b["values"] == [float(t) for t in prompt[:12]]  # A's bytes, read by B
+    return b
 
 
 def check_fork_copy_on_write_seen_from_another_process(socket: str) -> None:

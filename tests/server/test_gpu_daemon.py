@@ -88,3 +88,15 @@ def test_torch_and_cupy_views_share_the_pool(daemon_factory, dtype):
             assert int(cp[5, 0, 1, 0, 3, 2].get()) == expect
         else:
             assert float(cp[5, 0, 1, 0, 3, 2].get()) == 1.5
+
+
+def test_the_pool_is_found_by_the_bus_id_of_the_clients_gpu(gpu_daemon):
+    """device=0, or torch's current device once CUDA is in use: the session is bound to GPU 0's pool."""
+    from kvpoold.memory.cuda_ipc import bus_id
+
+    b = check_second_process_reads_first_process_blocks(gpu_daemon.socket, device=0)
+    peek = run_client(gpu_daemon.socket, "peek", blocks=b["table"][:1], init_cuda=True)
+    assert peek["device"] == "cuda:0" and peek["bus_id"] == bus_id(0)
+    with kvpool.Connection(gpu_daemon.socket) as conn:
+        (dev,) = conn.stats().devices
+    assert (dev.device, dev.bus_id, dev.classes[0].cached_blocks) == (0, bus_id(0), 3)

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from kvpoold.core.tiers import Move, Tier
+from kvpoold.core.tiers import Move, MovePlan, Tier
 from kvpoold.transfer import disk as disk_mod
 from kvpoold.transfer.disk import MAGIC, DiskStore, DiskTierError
-from kvpoold.transfer.engine import TransferEngine
+from kvpoold.transfer.engine import Arrivals, CpuCopier, TransferEngine
 from kvpoold.transfer.host import HostStore, aligned_empty
 from kvpoold.transfer.slots import SlotAllocator
 
@@ -250,7 +250,9 @@ def test_engine_reports_a_missing_copy_as_a_failed_arrival(tmp_path):
     eng.on_lost = lost.append
     arrivals = eng.submit([Move((0, b"?" * 16), Tier.HOST, Tier.DEVICE, 3, BB),
                            Move((0, b"!" * 16), Tier.DISK, Tier.DEVICE, 4, BB)])
-    assert eng.wait(arrivals) and [a.ok for a in arrivals] == [False, False]
+    (batch,) = arrivals  # one batch per class
+    assert eng.wait(arrivals) and batch.done and not batch.ok
+    assert batch.blocks.tolist() == [3, 4] and batch.state.tolist() == [Arrivals.LOST, Arrivals.LOST]
     eng.submit([Move((0, b"?" * 16), Tier.HOST, Tier.DISK, -1, BB)])  # nothing on the host to push
     assert lost == [(0, b"?" * 16)]
     eng.close()
@@ -258,10 +260,110 @@ def test_engine_reports_a_missing_copy_as_a_failed_arrival(tmp_path):
 
 def test_host_slot_is_freed_only_after_its_last_copy(tmp_path):
     host = HostStore(2 * 4096, 0)
-    a = host.alloc(4096)
-    host.put("k", a)
-    host.pin(a)
-    assert host.drop("k")
-    assert host.alloc(4096) is not None and host.alloc(4096) is None  # a is still pinned
-    host.unpin(a)
-    assert host.alloc(4096) is not None
+    (a,) = host.alloc_many(4096, 1)
+    host.put_many(["k"], [a])
+    assert host.pop_many(["k", "gone"]) == [a, -1]  # a copy owns the slot now
+    assert len(host.alloc_many(4096, 2)) == 1  # a is not free while the copy runs
+    host.free_many([a])  # the copy is done
+    assert host.alloc_many(4096, 2) == [a]
+    with pytest.raises(KeyError):
+        host.free_many([a, a])  # a second free fails loudly
+
+
+# -- batches -------------------------------------------------------------------------------------------
+def test_slots_in_batches_are_ascending_and_reused_whole():
+    s = SlotAllocator(8 * 4096)
+    a = s.alloc_many(4096, 5)
+    assert a == [i * 4096 for i in range(5)]
+    s.free_many([3 * 4096, 4096])
+    b = s.alloc_many(4096, 5)  # the freed ones first, lowest first, then fresh space, then nothing
+    assert b == [4096, 3 * 4096, 5 * 4096, 6 * 4096, 7 * 4096] and s.used == 8 * 4096
+    assert s.alloc_many(4096, 1) == [] and s.alloc(1) is None
+    s.free_many(a[:1] + b)
+    assert s.alloc(4096) == 0 and s.used == 3 * 4096  # single and batch calls share one free list
+    with pytest.raises(KeyError):
+        s.free_many([4096])  # freed already
+
+
+class _Later:
+    """The event of a copy that is done (the engine still waits for it on its watcher thread)."""
+
+    def __init__(self):
+        self.waited = False
+
+    def synchronize(self):
+        self.waited = True
+
+
+class EventCopier(CpuCopier):
+    """The CPU copier behind the GPU's interface: each copy returns an event, completions come through the
+    engine's watcher thread, as with ``CudaCopier``."""
+
+    def __init__(self):
+        self.events = []
+
+    def to_host(self, rows, ids, host, offsets):
+        super().to_host(rows, ids, host, offsets)
+        self.events.append(_Later())
+        return self.events[-1]
+
+    def to_device(self, rows, ids, host, offsets):
+        super().to_device(rows, ids, host, offsets)
+        self.events.append(_Later())
+        return self.events[-1]
+
+
+@pytest.mark.parametrize("copier", [None, EventCopier], ids=["cpu", "events"])
+def test_engine_batch_has_one_completion_and_a_state_per_block(tmp_path, copier):
+    eng = TransferEngine(host_bytes=8 * BB, disk_dir=str(tmp_path / "d"), disk_bytes=16 * BB,
+                         copier=copier() if copier else None)
+    pool = np.zeros((64, BB), np.uint8)
+    eng.add_class(0, BB, pool)
+    eng.disk.bind(0, eng.disk.layout_id(GEOM))
+    for b in range(6):
+        pool[b] = data(b)
+    keys = [(0, 500 + b) for b in range(6)]
+    plan = MovePlan()
+    for b in range(6):
+        plan.add(keys[b], int(Tier.DEVICE), int(Tier.HOST if b < 4 else Tier.DISK), b, BB)
+    assert eng.submit(plan) == []
+    assert eng.host.slots.used == 4 * BB + 2 * BB  # 4 keyed slots, 2 staging slots under disk writes
+    pool[:6] = 0
+    back = MovePlan()
+    for b in range(6):
+        back.add(keys[b], int(Tier.HOST if b < 4 else Tier.DISK), int(Tier.DEVICE), 10 + b, BB)
+    back.add((0, 999), int(Tier.HOST), int(Tier.DEVICE), 30, BB)  # not there: lost, at once
+    (batch,) = eng.submit(back)
+    seen = []
+    batch.waiters.append(seen.append)
+    assert batch.state[-1] == Arrivals.LOST
+    assert eng.wait([batch]) and batch.done and not batch.ok and seen == [batch]  # one completion
+    assert batch.state.tolist() == [Arrivals.OK] * 6 + [Arrivals.LOST]
+    assert all(np.array_equal(pool[10 + b], data(b)) for b in range(6))
+    eng.drain()
+    assert eng.host.slots.used == 0 and not eng.host.entries  # every slot back once its copy was done
+    if copier:
+        assert eng.copier.events and all(e.waited for e in eng.copier.events)
+    eng.close()
+
+
+def test_a_key_pushed_on_in_the_same_call_is_copied_out_first(tmp_path):
+    # the core plans DEVICE->HOST then HOST->DISK for the same key when the host fills in one call
+    eng, rows = engine_with_pool(tmp_path, host_blocks=2, disk_blocks=8)
+    for b in range(3):
+        rows[b] = data(40 + b)
+    k = [(0, bytes([b]) * 16) for b in range(3)]
+    plan = MovePlan()
+    plan.add(k[0], int(Tier.DEVICE), int(Tier.HOST), 0, BB)
+    plan.add(k[1], int(Tier.DEVICE), int(Tier.HOST), 1, BB)
+    plan.add(k[0], int(Tier.HOST), int(Tier.DISK), -1, BB)
+    plan.add(k[2], int(Tier.DEVICE), int(Tier.HOST), 2, BB)
+    eng.submit(plan)
+    rows[:3] = 0
+    assert k[0] in eng.disk and k[1] in eng.host and k[2] in eng.host
+    back = [Move(k[0], Tier.DISK, Tier.DEVICE, 7, BB), Move(k[1], Tier.HOST, Tier.DEVICE, 8, BB),
+            Move(k[2], Tier.HOST, Tier.DEVICE, 9, BB)]
+    arrivals = eng.submit(back)
+    assert eng.wait(arrivals) and all(a.ok for a in arrivals)
+    assert all(np.array_equal(rows[7 + b], data(40 + b)) for b in range(3))
+    eng.close()
