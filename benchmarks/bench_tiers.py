@@ -27,12 +27,20 @@ through the engine's watcher thread as on a GPU).  It reports microseconds
 per block: the whole ``submit`` (+ ``wait``), the copies alone, and the
 difference, the engine's bookkeeping.  The core's planning of the same
 batches (``KVCacheManager``: evictions that demote, a prefix hit that
-promotes) is timed too.
+promotes) is timed too.  Then the engine runs against ``PacedCopier``, which
+moves no bytes and makes each copy take bytes / ``--paced-gbps`` on its
+direction's lane, as a DMA does without costing the host anything: the
+engine's GB/s against the paced copier's alone shows how much bookkeeping is
+left outside the copies at a GPU's rate.  ``--pipeline-blocks`` sets the
+engine's piece size in blocks (a value larger than a batch: one piece, the
+engine before pipelining).
 
 Disk (any machine): ``DiskStore`` writes and reads (checksums, O_DIRECT where
 the file system allows it, 4 I/O threads) against ``dd`` with
 ``oflag=direct`` / ``iflag=direct`` of the same bytes and block size on the
-same file system, in the same run.
+same file system, in the same run; ``dd`` reads the store's own data file,
+the store's buffers are touched before the clock starts, and the rounds
+alternate which of the two runs first (``bench_disk``).
 
 Times are wall-clock medians (after a warm-up) around the call and the
 synchronization, so host overhead counts.  Prints a table and writes JSON to
@@ -63,6 +71,7 @@ from _common import print_table, write_json  # noqa: E402
 GiB = 1 << 30
 MiB = 1 << 20
 SIZES = [("2 MiB", 2 * MiB), ("32 KiB", 32 * 1024)]
+_ENGINE_OPTS: dict = {}  # TransferEngine options from the command line (--pipeline-blocks)
 
 
 def _median_s(fn, repeat: int = 5) -> float:
@@ -186,7 +195,7 @@ def bench_cpu_engine(repeat: int, sizes: list[tuple[str, int, int]]) -> tuple[li
         perm = np.random.default_rng(1).permutation(2 * n)
         ids_out, ids_in = perm[:n].tolist(), perm[n:].tolist()
         cp = TimedCopier()
-        eng = TransferEngine(host_bytes=2 * n * bb, staging_bytes=0, copier=cp)
+        eng = TransferEngine(host_bytes=2 * n * bb, staging_bytes=0, copier=cp, **_ENGINE_OPTS)
         eng.add_class(0, bb, dev)
         t = engine_times(eng, ids_out, ids_in, bb, repeat, copy_clock=lambda: cp.seconds)
         eng.close()
@@ -212,6 +221,81 @@ def bench_cpu_engine(repeat: int, sizes: list[tuple[str, int, int]]) -> tuple[li
         out[f"{label} x {n}"] = res
         del dev, eng
     return rows_out, out
+
+
+class _Deadline:
+    """The event of a paced copy: done at ``at`` (``perf_counter`` seconds)."""
+
+    __slots__ = ("at",)
+
+    def __init__(self, at: float) -> None:
+        self.at = at
+
+    def synchronize(self) -> None:
+        left = self.at - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
+
+
+class PacedCopier:
+    """A stand-in for ``CudaCopier`` that moves no bytes: each call's copy takes ``bytes / rate`` seconds
+    on its direction's lane, after the copies queued on that lane before it (a stream per direction, two
+    copy engines).  It costs the host nothing, as a DMA does, so an engine run with it shows how much of
+    the engine's bookkeeping is *not* hidden behind the copies at a GPU's rate, on a CPU."""
+
+    def __init__(self, gbps: float) -> None:
+        self.rate = gbps * 1e9
+        self.free_at = {"out": 0.0, "in": 0.0}
+
+    def _push(self, lane: str, nbytes: int) -> _Deadline:
+        at = max(time.perf_counter(), self.free_at[lane]) + nbytes / self.rate
+        self.free_at[lane] = at
+        return _Deadline(at)
+
+    def to_host(self, rows, ids, host, offsets):
+        return self._push("out", len(ids) * rows.shape[1])
+
+    def to_device(self, rows, ids, host, offsets):
+        return self._push("in", len(ids) * rows.shape[1])
+
+
+def bench_paced_engine(repeat: int, sizes: list[tuple[str, int, int]], gbps: float) -> tuple[list, dict]:
+    """The engine against ``PacedCopier`` (no bytes move): GB/s of the engine and of the copier alone
+    (one call per batch), and the engine's exposed bookkeeping in microseconds per block."""
+    from kvpoold.transfer.engine import TransferEngine
+
+    rows_out, out = [], {}
+    for label, bb, n in sizes:
+        dev = np.zeros((2 * n, bb), np.uint8)  # never touched: no memory is committed
+        perm = np.random.default_rng(1).permutation(2 * n)
+        ids_out, ids_in = perm[:n].tolist(), perm[n:].tolist()
+        cp = PacedCopier(gbps)
+        ids_o, ids_i = np.asarray(ids_out, np.int64), np.asarray(ids_in, np.int64)
+        offs = np.arange(n, dtype=np.int64) * bb
+        buf = np.zeros(0, np.uint8)
+
+        def both():
+            a, b = cp.to_host(dev, ids_o, buf, offs), cp.to_device(dev, ids_i, buf, offs)
+            a.synchronize()
+            b.synchronize()
+
+        alone = {"d2h": _median_s(lambda: cp.to_host(dev, ids_o, buf, offs).synchronize(), repeat),
+                 "h2d": _median_s(lambda: cp.to_device(dev, ids_i, buf, offs).synchronize(), repeat),
+                 "both": _median_s(both, repeat)}
+        eng = TransferEngine(host_bytes=2 * n * bb, staging_bytes=0, copier=cp, **_ENGINE_OPTS)
+        eng.add_class(0, bb, dev)
+        t = engine_times(eng, ids_out, ids_in, bb, repeat)
+        eng.close()
+        res = {}
+        for way in ("d2h", "h2d", "both"):
+            blocks = n * (2 if way == "both" else 1)
+            res[way] = {"copier_gbps": blocks * bb / alone[way] / 1e9, "engine_gbps": blocks * bb / t[way] / 1e9,
+                        "exposed_us_per_block": (t[way] - alone[way]) / blocks * 1e6}
+            r = res[way]
+            rows_out.append([f"paced {label}", f"{n}", way, f"{r['copier_gbps']:.1f}", f"{r['engine_gbps']:.1f}",
+                             f"{r['engine_gbps'] / r['copier_gbps']:.2f}", f"{r['exposed_us_per_block']:.3f}"])
+        out[f"{label} x {n}"] = res
+    return rows_out, {"gbps_per_lane": gbps, **out}
 
 
 def _timed(fn) -> float:
@@ -359,7 +443,7 @@ def bench_gpu(batch_bytes: int, repeat: int) -> tuple[list, dict]:
             traceback.print_exc()
             res["copier_error"] = traceback.format_exc(limit=3)
         try:
-            eng = TransferEngine(host_bytes=2 * n * bb, cuda_device=0, staging_bytes=0)
+            eng = TransferEngine(host_bytes=2 * n * bb, cuda_device=0, staging_bytes=0, **_ENGINE_OPTS)
             eng.add_class(0, bb, pool)
             t = engine_times(eng, ids_out, ids_in, bb, repeat)
             res["engine_d2h"], res["engine_h2d"], res["engine_both"] = gb / t["d2h"], gb / t["h2d"], 2 * gb / t["both"]
@@ -401,57 +485,108 @@ def _dd(args: list[str]) -> float:
     return time.perf_counter() - t0
 
 
-def bench_disk(directory: str, total: int) -> tuple[list, dict]:
+def bench_disk(directory: str, total: int, repeat: int = 3) -> tuple[list, dict]:
+    """``DiskStore`` against ``dd`` on the same file system, made fair:
+
+    * the same bytes and block size: ``dd`` writes ``total`` bytes in blocks of the store's size, and
+      reads back, with ``iflag=direct`` and the same block size, the store's own data file, i.e. exactly
+      the bytes the store reads;
+    * O_DIRECT on both sides (the store's descriptor, ``oflag``/``iflag=direct``), so the page cache is
+      out of both (the JSON says whether the store could open its file with O_DIRECT), and the data
+      file's cached pages are dropped (``posix_fadvise(DONTNEED)``) before every read all the same;
+    * the store's buffers are touched before the clock starts (``dd`` reuses one buffer; a first touch
+      of fresh memory is not disk time);
+    * one warm-up round, then ``repeat`` rounds, each running dd and the store back to back, the order
+      alternating between rounds; each figure is the median of its rounds.
+    """
     from kvpoold.transfer.disk import DiskStore
     from kvpoold.transfer.host import aligned_empty
 
-    rows, out = [], {"directory": directory}
+    rows, out = [], {"directory": directory, "repeat": repeat}
     for label, bb in SIZES:
         n = total // bb
-        res = {}
+        res: dict = {}
+        samples: dict[str, list] = {"dd_write": [], "dd_read": [], "write": [], "read": []}
+        ok = {"writes_ok": True, "all_checksums_ok": True}
         os.makedirs(directory, exist_ok=True)
         work = tempfile.mkdtemp(prefix="kvpool-bench-", dir=directory)
         try:
             raw = os.path.join(work, "dd.bin")
             bs = f"{bb // 1024}K"
-            try:
-                res["dd_write_gbps"] = total / 1e9 / _dd([f"if=/dev/zero", f"of={raw}", f"bs={bs}", f"count={n}",
-                                                          "oflag=direct"])
-                res["dd_read_gbps"] = total / 1e9 / _dd([f"if={raw}", "of=/dev/null", f"bs={bs}", "iflag=direct"])
-            except (subprocess.CalledProcessError, FileNotFoundError) as exc:
-                res["dd_error"] = str(exc)  # e.g. a file system without O_DIRECT
-            os.unlink(raw) if os.path.exists(raw) else None
             q: queue.SimpleQueue = queue.SimpleQueue()
             store = DiskStore(os.path.join(work, "tier"), total, post=q.put)
             gid = store.layout_id({"block_bytes": bb, "bench": label})
             store.bind(0, gid)
-            out["o_direct"] = store.files[gid].dfd is not None
+            f = store.files[gid]
+            out["o_direct"] = f.dfd is not None
             src = aligned_empty(min(total, 256 * MiB))
             src[:] = np.random.default_rng(0).integers(0, 256, src.size, dtype=np.uint8)
             per = src.size // bb
             dst = aligned_empty(min(total, 256 * MiB))
-
+            dst[:] = 1  # committed before the clock starts
             done: list = []
 
             def run(count: int) -> None:  # run completions until ``count`` blocks reported
                 while len(done) < count:
                     q.get()()
 
-            t0 = time.perf_counter()
-            for i in range(n):
-                store.write((0, i), src[(i % per) * bb:(i % per + 1) * bb], bb, lambda ok, key: done.append(ok))
-            store.flush()
-            run(n)
-            res["writes_ok"] = all(done)
-            done.clear()
-            res["write_gbps"] = total / 1e9 / (time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            for i in range(n):
-                store.read((0, i), dst[(i % per) * bb:(i % per + 1) * bb], lambda ok, corrupt: done.append(ok))
-            store.flush()
-            run(n)
-            res["read_gbps"] = total / 1e9 / (time.perf_counter() - t0)
-            res["all_checksums_ok"] = all(done)
+            def store_write(base: int) -> float:
+                done.clear()
+                t0 = time.perf_counter()
+                for i in range(n):
+                    store.write((0, base + i), src[(i % per) * bb:(i % per + 1) * bb], bb,
+                                lambda good, key: done.append(good))
+                store.flush()
+                run(n)
+                t = time.perf_counter() - t0
+                ok["writes_ok"] &= all(done)
+                return t
+
+            def drop_cache() -> None:  # no-op under O_DIRECT; without it, reads come from the disk all the same
+                os.fdatasync(f.fd)
+                os.posix_fadvise(f.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+            def store_read(base: int) -> float:
+                drop_cache()
+                done.clear()
+                t0 = time.perf_counter()
+                for i in range(n):
+                    store.read((0, base + i), dst[(i % per) * bb:(i % per + 1) * bb],
+                               lambda good, corrupt: done.append(good))
+                store.flush()
+                run(n)
+                t = time.perf_counter() - t0
+                ok["all_checksums_ok"] &= all(done)
+                return t
+
+            def dd_write() -> float:
+                return _dd(["if=/dev/zero", f"of={raw}", f"bs={bs}", f"count={n}", "oflag=direct", "conv=notrunc"])
+
+            def dd_read() -> float:  # the store's data file: the blocks just written, slot after slot
+                drop_cache()
+                return _dd([f"if={f.path}", "of=/dev/null", f"bs={bs}", f"count={n}", "iflag=direct"])
+
+            for r in range(repeat + 1):
+                base = r * n
+                try:
+                    if r % 2:
+                        w = [("write", lambda: store_write(base)), ("dd_write", dd_write)]
+                        rd = [("read", lambda: store_read(base)), ("dd_read", dd_read)]
+                    else:
+                        w = [("dd_write", dd_write), ("write", lambda: store_write(base))]
+                        rd = [("dd_read", dd_read), ("read", lambda: store_read(base))]
+                    for name, fn in w + rd:  # the store's blocks are written before anything reads them
+                        t = fn()
+                        if r:  # round 0 warms up
+                            samples[name].append(t)
+                except (subprocess.CalledProcessError, FileNotFoundError) as exc:
+                    res["dd_error"] = str(exc)  # e.g. a file system without O_DIRECT
+                    break
+            for name, v in samples.items():
+                if v:
+                    res[f"{name}_gbps"] = total / 1e9 / statistics.median(v)
+                    res[f"{name}_gbps_all"] = [total / 1e9 / x for x in v]
+            res.update(ok)
             store.drain()
             store.close()
         except Exception:  # noqa: BLE001
@@ -480,10 +615,18 @@ def main() -> int:
     ap.add_argument("--cpu-engine", action="store_true",
                     help="measure the engine's bookkeeping per block on the CPU (numpy copies for the device's); "
                          "runs anyway when there is no GPU")
+    ap.add_argument("--pipeline-blocks", type=int, default=0,
+                    help="the engine's pipeline_blocks (the pieces, in blocks, a host <-> device batch is copied "
+                         "in; default: the engine's); a value larger than a batch copies each batch in one piece")
+    ap.add_argument("--paced-gbps", type=float, default=52.0,
+                    help="CPU engine mode: the rate per direction of the paced copier that stands for a GPU's "
+                         "DMA (default 52, the H200's copier)")
     ap.add_argument("--cpu-blocks", default="2 MiB:512,32 KiB:32768",
                     help="the CPU engine mode's batches, 'size:blocks,...' (default: 2 MiB x 512, 32 KiB x 32768)")
     args = ap.parse_args()
-    payload: dict = {}
+    if args.pipeline_blocks:
+        _ENGINE_OPTS["pipeline_blocks"] = args.pipeline_blocks
+    payload: dict = {"engine_options": dict(_ENGINE_OPTS)}
     gpu = False
     if not args.skip_gpu:
         try:
@@ -509,8 +652,12 @@ def main() -> int:
         rows, payload["cpu_engine"] = bench_cpu_engine(args.repeat, sizes)
         print_table("engine path on the CPU (numpy copies for the device's), microseconds per block",
                     ["path", "blocks", "way", "total", "copies", "bookkeeping", "GB/s"], rows)
+        rows, payload["paced_engine"] = bench_paced_engine(args.repeat, sizes, args.paced_gbps)
+        print_table(f"engine against a paced copier ({args.paced_gbps:g} GB/s per direction, no bytes move)",
+                    ["path", "blocks", "way", "copier GB/s", "engine GB/s", "engine / copier",
+                     "exposed us/block"], rows)
     if not args.skip_disk:
-        rows, payload["disk"] = bench_disk(args.disk_dir, int(args.disk_gib * GiB))
+        rows, payload["disk"] = bench_disk(args.disk_dir, int(args.disk_gib * GiB), args.repeat)
         print_table(f"disk tier in {args.disk_dir}, GB/s (dd with O_DIRECT as the yardstick)",
                     ["path", "blocks", "write", "read", "dd write / read", "fraction w / r"], rows)
     kind = "gpu" if gpu else "cpu"

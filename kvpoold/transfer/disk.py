@@ -78,7 +78,10 @@ _REC = struct.Struct("<B3xI16sQQQ")  # op, layout id, hash, slot offset, block b
 _CRC = struct.Struct("<I")
 REC_BYTES = _REC.size + _CRC.size
 ADD, DEL = 1, 2
-MAX_BATCH_BYTES = 64 << 20
+# One I/O job (one pwritev/preadv) is at most this large: big enough for large requests, small enough
+# that a batch of a few hundred MiB is several jobs per I/O thread, so every thread has work until the
+# end of the batch and the checksums of one job run while other jobs' I/O is in flight.
+MAX_BATCH_BYTES = 16 << 20
 MAX_BATCH_ITEMS = 256
 _FAIL_WRITE = faults.point("disk.write")  # None unless KVPOOLD_FAILPOINTS arms it
 _FAIL_READ = faults.point("disk.read")
@@ -411,17 +414,18 @@ class DiskStore:
         pending, self._pending = self._pending, []
         pending.sort(key=lambda p: (p[1].gid, p[1].offset))
         job: list = []
+        size = 0  # bytes of the views in ``job``
         for item in pending:
             key, e, view, _ = item
             if job:
                 last = job[-1][1]
                 f = self.files[e.gid]
                 contiguous = e.gid == last.gid and e.offset == last.offset + f.stride
-                size = sum(j[2].nbytes for j in job)
                 if not contiguous or len(job) >= MAX_BATCH_ITEMS or size >= MAX_BATCH_BYTES:
                     self._writers.submit(self._write_job, job)
-                    job = []
+                    job, size = [], 0
             job.append(item)
+            size += view.nbytes
         if job:
             self._writers.submit(self._write_job, job)
 

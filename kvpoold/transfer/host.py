@@ -111,9 +111,10 @@ class HostStore:
         """The size of the slot a block of ``nbytes`` takes."""
         return self.slots.round(max(1, nbytes))
 
-    def alloc_many(self, nbytes: int, n: int) -> list[int]:
-        """Offsets of up to ``n`` free slots for blocks of ``nbytes`` (fewer when the buffer is full)."""
-        return self.slots.alloc_many(nbytes, n)
+    def alloc_many(self, nbytes: int, n: int, more: int = 0) -> list[int]:
+        """Offsets of up to ``n`` free slots for blocks of ``nbytes`` (fewer when the buffer is full);
+        ``more``: how many the caller asks for next (``SlotAllocator.alloc_many``)."""
+        return self.slots.alloc_many(nbytes, n, more)
 
     def free_many(self, offsets) -> None:
         """Give slots back (their copies are done, or their keys were dropped)."""

@@ -24,6 +24,7 @@ class SlotAllocator:
         self.align = align
         self.top = 0  # the bump pointer: [top, capacity) was never handed out
         self._free: dict[int, list[int]] = {}  # slot size -> heap of free offsets
+        self._sorted: set[int] = set()  # slot sizes whose heap is in ascending order (a sorted list is a heap)
         self._size: dict[int, int] = {}  # offset -> slot size, for slots in use
         self.used = 0
 
@@ -36,6 +37,7 @@ class SlotAllocator:
         heap = self._free.get(size)
         if heap:
             off = heapq.heappop(heap)
+            self._sorted.discard(size)
             self._size[off] = size
         elif self.capacity is None or self.top + size <= self.capacity:
             off = self.top
@@ -46,6 +48,7 @@ class SlotAllocator:
             if not bigger:
                 return None
             off = heapq.heappop(self._free[bigger[0]])
+            self._sorted.discard(bigger[0])
             self._size[off] = bigger[0]
         self.used += self._size[off]
         return off
@@ -54,13 +57,16 @@ class SlotAllocator:
         size = self._size.pop(offset)
         self.used -= size
         heapq.heappush(self._free.setdefault(size, []), offset)
+        self._sorted.discard(size)
 
-    def alloc_many(self, nbytes: int, n: int) -> list[int]:
+    def alloc_many(self, nbytes: int, n: int, more: int = 0) -> list[int]:
         """Up to ``n`` slots of ``nbytes`` at once (fewer when full), in ascending order.
 
         A batch's slots are then mostly consecutive, so a copy or a write
         moves them in few large runs; the cost is per batch (a sort, a
-        range) rather than a heap operation per slot.
+        range) rather than a heap operation per slot.  ``more``: how many
+        slots the caller will ask for next (a batch taken in pieces); the
+        free list is then sorted once, and each piece is a slice of it.
         """
         size = self.round(max(1, nbytes))
         heap = self._free.get(size)
@@ -69,8 +75,10 @@ class SlotAllocator:
             if n >= len(heap):
                 out = sorted(heap)
                 heap.clear()
-            elif n * 8 >= len(heap):
-                heap.sort()  # a sorted list is a heap: what stays behind is one still
+            elif size in self._sorted or (n + more) * 8 >= len(heap):
+                if size not in self._sorted:
+                    heap.sort()  # a sorted list is a heap: what stays behind is one still
+                    self._sorted.add(size)
                 out = heap[:n]
                 del heap[:n]
             else:
@@ -101,9 +109,11 @@ class SlotAllocator:
             for off, sz in zip(offsets, sizes):
                 self.used -= sz
                 heapq.heappush(self._free.setdefault(sz, []), off)
+                self._sorted.discard(sz)
             return
         self.used -= size * len(offsets)
         heap = self._free.setdefault(size, [])
+        self._sorted.discard(size)
         if len(offsets) * 4 >= len(heap):
             heap.extend(offsets)
             heapq.heapify(heap)
@@ -138,6 +148,7 @@ class SlotAllocator:
                 pos += stride
             pos = max(pos, off + size)
         heapq.heapify(heap)
+        self._sorted.discard(stride)
 
     @property
     def free_bytes(self) -> int | None:

@@ -142,7 +142,10 @@ def requests(world_ref):
     return st.one_of(
         st.tuples(st.just("Attach"), st.builds(pb.AttachRequest, name=st.text(max_size=10),
                                                layout=st.one_of(st.none(), layouts()),
-                                               pid=st.one_of(st.just(os.getpid()), st.integers(0, 2**32 - 1)))),
+                                               pid=st.one_of(st.just(os.getpid()), st.integers(0, 2**32 - 1)),
+                                               device_bus_id=st.one_of(st.just(""), st.text(max_size=16),
+                                                                       st.just("0000:00:00.0")))),
+        st.tuples(st.just("Heartbeat"), st.builds(pb.HeartbeatRequest, session=tok)),
         st.tuples(st.just("Create"), st.builds(pb.CreateRequest, session=tok, prompts=st.lists(prompt, max_size=4),
                                                no_wait=st.booleans())),
         st.tuples(st.just("Step"), st.builds(
@@ -239,7 +242,7 @@ def test_fuzz_every_rpc(world):
 @settings(max_examples=max(50, EXAMPLES // 4), deadline=None, derandomize=True, database=None,
           suppress_health_check=list(HealthCheck))
 @given(name=st.sampled_from(["Attach", "Create", "Step", "Fork", "Lookup", "Sequences", "SwapOut", "SwapIn",
-                             "Wait", "Detach", "Evict", "Drain", "Stats", "Check"]),
+                             "Wait", "Detach", "Evict", "Drain", "Stats", "Check", "Heartbeat"]),
        raw=st.binary(max_size=64), admin=st.booleans())
 def test_fuzz_undecodable_bytes(world, name, raw, admin):
     """Bytes that are not a valid message of the method (wrong wire types, torn varints)."""

@@ -367,3 +367,101 @@ def test_a_key_pushed_on_in_the_same_call_is_copied_out_first(tmp_path):
     assert eng.wait(arrivals) and all(a.ok for a in arrivals)
     assert all(np.array_equal(rows[7 + b], data(40 + b)) for b in range(3))
     eng.close()
+
+
+class LazyCopier(CpuCopier):
+    """Copies that happen only when their event is waited for, as a DMA is only known done then: bytes
+    read before the engine waited for the copy would be stale."""
+
+    def __init__(self):
+        self.calls = []  # (direction, blocks) per call
+
+    def _later(self, fn, rows, ids, host, offsets, way):
+        self.calls.append((way, len(ids)))
+        args = (rows, np.array(ids), host, np.array(offsets))
+
+        class Event:
+            done = False
+
+            def synchronize(self):
+                if not self.done:
+                    self.done = True
+                    fn(*args)
+
+        return Event()
+
+    def to_host(self, rows, ids, host, offsets):
+        return self._later(CpuCopier.to_host, rows, ids, host, offsets, "out")
+
+    def to_device(self, rows, ids, host, offsets):
+        return self._later(CpuCopier.to_device, rows, ids, host, offsets, "in")
+
+
+def test_batches_are_copied_in_pieces_with_one_completion(tmp_path):
+    eng = TransferEngine(host_bytes=16 * BB, staging_bytes=0, copier=LazyCopier(), pipeline_blocks=3)
+    pool = np.zeros((64, BB), np.uint8)
+    eng.add_class(0, BB, pool)
+    for b in range(10):
+        pool[b] = data(300 + b)
+    keys = [(0, 700 + b) for b in range(10)]
+    out = MovePlan()
+    for b in range(10):
+        out.add(keys[b], int(Tier.DEVICE), int(Tier.HOST), b, BB)
+    assert eng.submit(out) == []
+    assert eng.copier.calls == [("out", 3), ("out", 3), ("out", 3), ("out", 1)]  # pieces of 3 blocks
+    pool[:10] = 0  # every piece was copied before submit returned
+    back = MovePlan()
+    for b in range(10):
+        back.add(keys[b] if b != 4 else (0, 999), int(Tier.HOST), int(Tier.DEVICE), 20 + b, BB)
+    (batch,) = eng.submit(back)
+    assert eng.copier.calls[4:] == [("in", 3), ("in", 2), ("in", 3), ("in", 1)]  # the missing key: not copied
+    seen = []
+    batch.waiters.append(seen.append)
+    assert eng.wait([batch]) and seen == [batch]  # one completion for the batch
+    assert batch.state.tolist() == [Arrivals.OK] * 4 + [Arrivals.LOST] + [Arrivals.OK] * 5
+    assert all(np.array_equal(pool[20 + b], data(300 + b)) for b in range(10) if b != 4)
+    eng.drain()
+    assert eng.host.slots.used == BB and list(eng.host.entries) == [keys[4]]  # the one not promoted
+    eng.close()
+
+
+def test_piece_copies_finish_before_disk_writes_read_their_slots(tmp_path):
+    # host room for 2 blocks, pieces of 1 block, 6 swap-outs to disk: the third piece finds no slot,
+    # and the disk writes of the first two (which free slots) must not start before their copies are done
+    eng = TransferEngine(host_bytes=0, staging_bytes=2 * BB, disk_dir=str(tmp_path / "d"), disk_bytes=16 * BB,
+                         copier=LazyCopier(), pipeline_blocks=1)
+    pool = np.zeros((64, BB), np.uint8)
+    eng.add_class(0, BB, pool)
+    eng.disk.bind(0, eng.disk.layout_id(GEOM))
+    for b in range(6):
+        pool[b] = data(400 + b)
+    keys = [(0, 800 + b) for b in range(6)]
+    eng.submit([Move(keys[b], Tier.DEVICE, Tier.DISK, b, BB) for b in range(6)])
+    pool[:6] = 0
+    arrivals = eng.submit([Move(keys[b], Tier.DISK, Tier.DEVICE, 30 + b, BB) for b in range(6)])
+    assert eng.wait(arrivals) and all(a.ok for a in arrivals)
+    assert all(np.array_equal(pool[30 + b], data(400 + b)) for b in range(6))
+    assert eng.disk.corrupt == 0
+    eng.close()
+
+
+def test_pipeline_blocks_must_be_positive():
+    with pytest.raises(ValueError, match="pipeline_blocks"):
+        TransferEngine(pipeline_blocks=0)
+
+
+def test_slots_taken_in_pieces_are_the_lowest_free_ones():
+    s = SlotAllocator(64 * 4096)
+    s.alloc_many(4096, 64)
+    freed = [o * 4096 for o in np.random.default_rng(5).permutation(64)[:40].tolist()]
+    s.free_many(freed[:20])
+    s.free_many(freed[20:])  # a heap, not in order
+    low = sorted(freed)
+    # a batch of 24 in pieces of 4 (the caller says how many more follow): each piece is the lowest left
+    got = [s.alloc_many(4096, 4, more=24 - 4 * (i + 1)) for i in range(3)]
+    assert got == [low[0:4], low[4:8], low[8:12]]
+    s.free_many([low[1], low[5]])  # frees between pieces: still the lowest first
+    assert s.alloc_many(4096, 3, more=9) == [low[1], low[5], low[12]]
+    s.free(low[0])
+    assert s.alloc(4096) == low[0] and s.alloc_many(4096, 2) == low[13:15]
+    assert s.used == (64 - 40 + 15) * 4096  # 15 of the 40 freed slots taken again
