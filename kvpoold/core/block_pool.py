@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter, deque
-from itertools import filterfalse
+from itertools import filterfalse, repeat
 from typing import Callable, Iterable
 
 from .errors import LayoutDoesNotFit, OutOfBlocks
@@ -325,9 +325,13 @@ class ClassPool:
     def register_many(self, blocks: list[int], digests: list[bytes], writer: int | None = None) -> list[int]:
         """``register`` of each (block, hash) pair, in order; returns the blocks that got their hash."""
         by_hash = self.by_hash
-        if len(set(digests)) != len(digests) or not by_hash.keys().isdisjoint(digests):
+        if not by_hash.keys().isdisjoint(digests):
             return [b for b, h in zip(blocks, digests) if self.register(b, h, writer)]
+        before = len(by_hash)
         by_hash.update(zip(digests, blocks))
+        if len(by_hash) != before + len(digests):  # a hash twice in the batch (no set built to find out)
+            deque(map(by_hash.pop, digests, repeat(None)), 0)  # every one was new: undo, then key by key
+            return [b for b, h in zip(blocks, digests) if self.register(b, h, writer)]
         self.hash_of.update(zip(blocks, digests))
         if writer is not None:
             self.unwritten.update(dict.fromkeys(blocks, writer))

@@ -227,8 +227,11 @@ class KVCacheManager:
         bs = pool.block_size
         hashes = chain_hashes(root, packed, bs)
         # the longest cached prefix over every tier: a device block, or -1 for a lower-tier hit
-        matched, lower = self._match(pool, owner, hashes)
-        on_device = [b for b in matched if b >= 0] if lower else matched
+        matched, lower, lower_keys, holder = self._match(pool, owner, hashes)
+        if not lower:
+            on_device = matched
+        else:  # none on the device when every hit is on a lower tier (a promotion): no pass
+            on_device = [b for b in matched if b >= 0] if len(lower) < len(matched) else []
         need = -(-len(packed) // bs) - len(on_device)
         revived = len(pool.cached.present(on_device))
         avail = pool.obtainable(need + revived) - revived
@@ -237,8 +240,8 @@ class KVCacheManager:
         # -- apply --
         pool.acquire_many(on_device)
         placement = self.placement
-        lower_keys = list(zip(repeat(class_id), lower))
-        runs = placement.pin_many(lower_keys)  # no victim of the demotions that the allocation may cause
+        # pinned: no victim of the demotions that the allocation may cause
+        runs = placement.pin_many(lower_keys, holder)
         fresh = pool.allocate(need)
         if lower:
             promoted = fresh[:len(lower)]
@@ -268,22 +271,26 @@ class KVCacheManager:
         state.seqs.add(seq_id)
         return self._info(seq_id & 0xFFFFFFFF)
 
-    def _match(self, pool: ClassPool, owner: int, hashes: list[bytes]) -> tuple[list[int], list[bytes]]:
+    def _match(self, pool: ClassPool, owner: int, hashes: list[bytes]):
         """The longest prefix of ``hashes`` cached on some tier that ``owner`` may use.
 
-        Returns its device blocks (-1 where a lower tier holds the block) and the hashes of those
-        lower-tier blocks, in order.  One C-level lookup per tier for the whole prompt.
+        Returns its device blocks (-1 where a lower tier holds the block), the hashes of those
+        lower-tier blocks and their tier keys, in order, and the one lower tier that holds all of
+        them (None: several, or none).  One C-level lookup per tier for the whole prompt.
         """
         n = len(hashes)
         on_dev = list(map(pool.by_hash.get, hashes))
+        hit = np.fromiter(map(pool.by_hash.__contains__, hashes), np.bool_, n)
+        holders = []  # (lower tier, its hits)
         if self._track_moves:
-            keys = list(zip(repeat(pool.class_id), hashes))
-            hit = np.fromiter(map(pool.by_hash.__contains__, hashes), np.bool_, n)
+            keys = None
             for index in self.placement.lower:
                 if len(index):
-                    hit |= np.fromiter(map(index._sizes.__contains__, keys), np.bool_, n)
-        else:
-            hit = np.fromiter(map(pool.by_hash.__contains__, hashes), np.bool_, n)
+                    if keys is None:
+                        keys = list(zip(repeat(pool.class_id), hashes))
+                    mine = np.fromiter(map(index._sizes.__contains__, keys), np.bool_, n)
+                    holders.append((index, mine))
+                    hit |= mine
         miss = np.flatnonzero(~hit)
         length = int(miss[0]) if len(miss) else n
         matched = on_dev[:length]
@@ -292,10 +299,20 @@ class KVCacheManager:
                 if b is not None and not pool.visible(b, owner):
                     matched = matched[:i]
                     break
-        if matched.count(None) == 0:
-            return matched, []
-        lower = [h for h, b in zip(hashes, matched) if b is None]
-        return [-1 if b is None else b for b in matched], lower
+        on_lower = matched.count(None)
+        if on_lower == 0:
+            return matched, [], [], None
+        if on_lower == len(matched):  # all from the lower tiers (a promotion): slices, no pass
+            lower, lower_keys = hashes[:on_lower], keys[:on_lower]
+            matched = [-1] * on_lower
+        else:
+            lower = [h for h, b in zip(hashes, matched) if b is None]
+            lower_keys = [k for k, b in zip(keys, matched) if b is None]
+            matched = [-1 if b is None else b for b in matched]
+        holder = None
+        if len(holders) == 1:
+            holder = holders[0][0]  # the only lower tier with entries: it holds every lower hit
+        return matched, lower, lower_keys, holder
 
     def extend(self, owner: int, items: Mapping[int, object] | Iterable[ExtendItem]) -> ExtendResult:
         """Append tokens to many sequences in one call; returns only what changed.

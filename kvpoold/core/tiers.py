@@ -43,9 +43,11 @@ batch that takes their room), and it stays an executable order.
 from __future__ import annotations
 
 from array import array
+from collections import deque
 from dataclasses import dataclass
 from enum import IntEnum
-from itertools import groupby
+from itertools import groupby, islice
+from math import isqrt
 
 import numpy as np
 
@@ -151,6 +153,93 @@ class MovePlan:
         return f"MovePlan({len(self)} moves)"
 
 
+class DictLRU:
+    """``LRUPolicy`` over a plain dict (insertion order is the LRU order), for the tier indexes.
+
+    A tier's batches are tens of thousands of keys whose hashes the index's
+    own dict has just computed: ``insert_many`` of a dict (``TierIndex.add_many``
+    passes one) copies those stored hashes in one C call, where an
+    ``OrderedDict`` hashes every key again and links a node per key (about
+    5x the cost).  The price is at the front: a dict leaves a hole where a
+    key was deleted and scans past the holes before its first key, so the
+    single-key ``victim`` rebuilds the dict (dropping the holes) after about
+    ``sqrt(n)`` pops; batch paths (``victims``) pay one scan per batch.
+    """
+
+    name = "lru"
+
+    __slots__ = ("_order", "_pops")
+
+    def __init__(self) -> None:
+        self._order: dict = {}
+        self._pops = 0  # single pops from the front since the dict was last rebuilt
+
+    def insert(self, key) -> None:
+        self._order[key] = None
+
+    def remove(self, key) -> None:
+        del self._order[key]
+
+    def insert_many(self, keys) -> None:
+        """``insert`` of each key, in order (keys not present yet); a dict's stored hashes are reused."""
+        self._order.update(keys if isinstance(keys, dict) else dict.fromkeys(keys))
+
+    def present(self, keys) -> list:
+        return list(filter(self._order.__contains__, keys))
+
+    def isdisjoint(self, keys) -> bool:
+        return self._order.keys().isdisjoint(keys)
+
+    def remove_many(self, keys) -> None:
+        """``remove`` of each key, in order; KeyError at the first one not here (the ones before it are gone)."""
+        deque(map(self._order.__delitem__, keys), 0)
+
+    def victims(self, n: int) -> list:
+        order = self._order
+        if n >= len(order):
+            out = list(order)
+            order.clear()
+            return out
+        out = list(islice(order, n))
+        deque(map(order.__delitem__, out), 0)
+        return out
+
+    def touch(self, key) -> None:
+        order = self._order
+        value = order.pop(key)
+        order[key] = value
+
+    def victim(self):
+        """Remove and return the oldest key; KeyError when empty."""
+        order = self._order
+        if not order:
+            raise KeyError("victim(): no evictable key")
+        key = next(iter(order))
+        del order[key]
+        self._pops += 1
+        if self._pops > 64 + isqrt(len(order)):
+            self._order = dict(order)  # a copy has no holes (stored hashes: nothing is hashed again)
+            self._pops = 0
+        return key
+
+    def peek(self):
+        return next(iter(self._order))
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._order
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __iter__(self):
+        return iter(self._order)
+
+
+def _tier_policy(name: str):
+    """The tier indexes' eviction order: ``DictLRU`` for LRU, else the named policy."""
+    return DictLRU() if name == "lru" else make_policy(name)
+
+
 class TierIndex:
     """One lower tier: a byte budget and an index of resident blocks."""
 
@@ -165,7 +254,10 @@ class TierIndex:
         self.used = 0  # charged bytes of every entry
         self.pinned = 0  # charged bytes of pinned entries
         self._sizes: dict[Key, int] = {}  # key -> block bytes (uncharged)
-        self._order = make_policy(policy)  # evictable keys only
+        #: block bytes -> how many entries have that size: with one size (one layout class, the usual
+        #: case) a batch's bytes are a multiplication, with no pass over its keys
+        self._counts: dict[int, int] = {}
+        self._order = _tier_policy(policy)  # evictable keys only
         # counters (blocks): placed here (from the device or the tier above), taken back
         # towards the device, dropped (the disk's LRU tail, or nowhere left to go)
         self.blocks_in = 0
@@ -185,6 +277,28 @@ class TierIndex:
     def nbytes(self, key: Key) -> int:
         return self._sizes[key]
 
+    def _one_size(self) -> int | None:
+        """The size every entry has, if they all have one."""
+        if len(self._counts) == 1:
+            return next(iter(self._counts))
+        return None
+
+    def _count(self, nbytes: int, m: int) -> None:
+        left = self._counts.get(nbytes, 0) + m
+        if left:
+            self._counts[nbytes] = left
+        else:
+            del self._counts[nbytes]
+
+    def _uncount(self, sizes: list[int]) -> None:
+        if not sizes:
+            return
+        if sizes.count(sizes[0]) == len(sizes):
+            self._count(sizes[0], -len(sizes))
+            return
+        for n, g in groupby(sorted(sizes)):
+            self._count(n, -sum(1 for _ in g))
+
     def room(self) -> int:
         """Charged bytes this tier could hold after evicting every evictable entry."""
         return self.capacity - self.pinned
@@ -196,6 +310,7 @@ class TierIndex:
         c = self.charge(nbytes)
         assert key not in self._sizes and self.used + c <= self.capacity
         self._sizes[key] = nbytes
+        self._count(nbytes, 1)
         self.used += c
         if pinned:
             self.pinned += c
@@ -212,6 +327,7 @@ class TierIndex:
         before = len(self._sizes)
         self._sizes.update(new)  # the stored hashes: no key is hashed again
         assert len(new) == m and len(self._sizes) == before + m, "a key added twice"
+        self._count(nbytes, m)
         self.used += c
         if pinned:
             self.pinned += c
@@ -226,6 +342,7 @@ class TierIndex:
         for promotion), which saves a pass over the keys; None: found out here.
         """
         sizes = list(map(self._sizes.pop, keys))
+        self._uncount(sizes)
         total = self._charges(sizes)
         self.used -= total
         if pinned:
@@ -250,6 +367,7 @@ class TierIndex:
 
     def remove(self, key: Key) -> int:
         nbytes = self._sizes.pop(key)
+        self._count(nbytes, -1)
         c = self.charge(nbytes)
         self.used -= c
         if key in self._order:
@@ -275,7 +393,11 @@ class TierIndex:
             rest = order.present(keys[gone:])
             order.remove_many(rest)
             evictable = keys[:gone] + rest
-        self.pinned += self._charges(list(map(self._sizes.__getitem__, evictable)))
+        size = self._one_size()
+        if size is not None:
+            self.pinned += self.charge(size) * len(evictable)
+        else:
+            self.pinned += self._charges(list(map(self._sizes.__getitem__, evictable)))
 
     def unpin(self, key: Key) -> None:
         if key in self._sizes and key not in self._order:
@@ -289,6 +411,7 @@ class TierIndex:
     def pop_victim(self) -> tuple[Key, int]:
         key = self._order.victim()
         nbytes = self._sizes.pop(key)
+        self._count(nbytes, -1)
         self.used -= self.charge(nbytes)
         return key, nbytes
 
@@ -299,14 +422,21 @@ class TierIndex:
         """
         sizes, charge = self._sizes, self.charge
         got = count = 0
-        for key in self._order:
-            if got >= need:
-                break
-            got += charge(sizes[key])
-            count += 1
+        one = self._one_size()
+        if one is not None:  # one size: no pass over the keys to count them
+            count = min(len(self._order), -(-need // charge(one)))
+            got = count * charge(one)
+        else:
+            for key in self._order:
+                if got >= need:
+                    break
+                got += charge(sizes[key])
+                count += 1
         keys = self._order.victims(count)
         self.used -= got
-        return keys, list(map(sizes.pop, keys))
+        out = list(map(sizes.pop, keys))
+        self._uncount(out)
+        return keys, out
 
     def keys(self):
         """Evictable keys oldest first, then the pinned ones."""
@@ -324,6 +454,10 @@ class TierIndex:
         assert self.used == sum(self.charge(n) for n in self._sizes.values()) <= self.capacity, "tier bytes are off"
         assert set(self._order) <= set(self._sizes)
         assert self.pinned == sum(self.charge(n) for k, n in self._sizes.items() if k not in self._order)
+        counts: dict[int, int] = {}
+        for n in self._sizes.values():
+            counts[n] = counts.get(n, 0) + 1
+        assert counts == self._counts, "tier size counts are off"
 
 
 class TierPlacement:
@@ -387,6 +521,8 @@ class TierPlacement:
     @staticmethod
     def runs(sizes) -> list[tuple[int, int]]:
         """(size, count) of each run of equal sizes, in order."""
+        if isinstance(sizes, list) and sizes and sizes.count(sizes[0]) == len(sizes):
+            return [(sizes[0], len(sizes))]  # one size: no Python step per block
         return [(n, sum(1 for _ in g)) for n, g in groupby(sizes)]
 
     def can_pin(self, sizes: list[int]) -> bool:
@@ -523,9 +659,12 @@ class TierPlacement:
                 out.append((index, [key]))
         return out
 
-    def pin_many(self, keys: list) -> list[tuple[TierIndex, list]]:
-        """``pin`` of each key (every one in a lower tier); returns them in runs of one tier (for ``take_many``)."""
-        runs = self._by_index(keys)
+    def pin_many(self, keys: list, holder: TierIndex | None = None) -> list[tuple[TierIndex, list]]:
+        """``pin`` of each key (every one in a lower tier); returns them in runs of one tier (for ``take_many``).
+
+        ``holder``: the lower tier the caller found every key in (it looked them up already).
+        """
+        runs = self._by_index(keys) if holder is None else [(holder, keys)] if keys else []
         for index, run in runs:
             index.pin_many(run)
         return runs

@@ -333,14 +333,14 @@ class TransferEngine:
             self._watcher.start()
         self._watch_q.put(item)
 
-    def _host_slots(self, nbytes: int, n: int, settle=None, more: int = 0) -> list[tuple[np.ndarray, np.ndarray, int]]:
+    def _host_slots(self, nbytes: int, n: int, settle=None) -> list[tuple[np.ndarray, np.ndarray, int]]:
         """Host room for ``n`` blocks: [(buffer, offsets, count)], the store's slots then, rarely, a temporary.
 
         When the store is full, waits for copies in flight to free slots; ``settle()`` first finishes
         the caller's own device reads (queued disk writes of their slots must not start before them).
         """
         host = self.host
-        got = host.alloc_many(nbytes, n, more)
+        got = host.alloc_array(nbytes, n)
         if len(got) < n and settle is not None:
             settle()
         while len(got) < n:
@@ -348,8 +348,8 @@ class TransferEngine:
                 self.disk.flush()  # queued disk jobs must run for their slots to come back
             if not self._wait_one():  # nothing in flight will free one
                 break
-            got += host.alloc_many(nbytes, n - len(got))
-        parts = [(host.buf, np.asarray(got, np.int64), len(got))] if got else []
+            got = np.concatenate((got, host.alloc_array(nbytes, n - len(got))))
+        parts = [(host.buf, got, len(got))] if len(got) else []
         if len(got) < n:
             k = n - len(got)
             buf, stride = host.temp(nbytes, k)
@@ -467,7 +467,7 @@ class TransferEngine:
             try:
                 for c0 in range(0, len(idx), step):
                     c1 = min(len(idx), c0 + step)
-                    parts = self._host_slots(bb, c1 - c0, settle, more=len(idx) - c1)
+                    parts = self._host_slots(bb, c1 - c0, settle)
                     i0 = c0
                     for buf, offs, k in parts:
                         events.append(self.copier.to_host(cls.target, ids[i0:i0 + k], buf, offs))
@@ -532,7 +532,7 @@ class TransferEngine:
             step = self._chunk(cls.block_bytes)
             for c0 in range(0, len(from_host), step):
                 part = from_host[c0:c0 + step]
-                offs = np.asarray(self.host.pop_many(_pick(keys, idx[part])), np.int64)
+                offs = self.host.pop_array(_pick(keys, idx[part]))
                 have = offs >= 0
                 if not have.all():
                     arr.settle(part[~have], Arrivals.LOST)
@@ -556,7 +556,7 @@ class TransferEngine:
 
         def done():
             if free:
-                host.free_many(offs.tolist())
+                host.free_many(offs)
             arr.settle(index, Arrivals.OK)
 
         if ev is None:

@@ -8,12 +8,13 @@ that the core no longer counts: a block being written to disk after the core
 pushed it down, a block on its way from disk to the GPU.  When no slot is
 free the transfer engine waits for copies in flight to finish.
 
-Slots are plain byte offsets, handled a batch at a time (``alloc_many``,
-``put_many``, ``pop_many``, ``free_many``): a demotion or promotion of tens of
-thousands of blocks costs a few C-level dict and list operations per block,
-and the batch's offsets, mostly consecutive, are what the copier turns into
-a few large DMAs.  A slot's key is forgotten (``pop_many``) before a copy
-reads it for a lower tier or the device; the copy then owns the slot and
+Slots are plain byte offsets, handled a batch at a time (``alloc_array``,
+``put_many``, ``pop_many``, ``free_many``): taking and freeing slots are a few
+numpy operations per batch (``SlotAllocator``), and a batch's keys are
+recorded and forgotten with one C-level dict call each; the batch's offsets,
+mostly consecutive, are what the copier turns into a few large DMAs.  A
+slot's key is forgotten (``pop_many``) before a copy reads it for a lower
+tier or the device; the copy then owns the slot and
 frees it when it is done, so a slot is never reused while a copy reads or
 writes it.  Only the daemon's event loop calls this class (worker threads
 touch the bytes of slots they were handed, never the bookkeeping).
@@ -116,8 +117,12 @@ class HostStore:
         ``more``: how many the caller asks for next (``SlotAllocator.alloc_many``)."""
         return self.slots.alloc_many(nbytes, n, more)
 
+    def alloc_array(self, nbytes: int, n: int) -> np.ndarray:
+        """``alloc_many`` as an int64 array (no list: what the engine hands the copier)."""
+        return self.slots.alloc_array(nbytes, n)
+
     def free_many(self, offsets) -> None:
-        """Give slots back (their copies are done, or their keys were dropped)."""
+        """Give slots back (their copies are done, or their keys were dropped); a list or an int64 array."""
         self.slots.free_many(offsets)
 
     def view(self, offset: int, nbytes: int) -> np.ndarray:
@@ -140,6 +145,10 @@ class HostStore:
     def pop_many(self, keys: list) -> list[int]:
         """Forget the keys; their slots (-1: not held) now belong to the caller, who frees them."""
         return list(map(self.entries.pop, keys, repeat(-1, len(keys))))
+
+    def pop_array(self, keys: list) -> np.ndarray:
+        """``pop_many`` as an int64 array (no list in between: what the engine hands the copier)."""
+        return np.fromiter(map(self.entries.pop, keys, repeat(-1, len(keys))), np.int64, len(keys))
 
     def drop_many(self, keys: list) -> int:
         """Forget the keys and free their slots; returns how many were held."""

@@ -1,19 +1,89 @@
 """Fixed-size slots in one byte range (the host buffer, a disk data file).
 
 Blocks of one layout class all have the same size, so a slot allocator needs
-no splitting: each slot size keeps a min-heap of free offsets (the lowest
-first, so that a batch allocated together tends to be one contiguous run, and
-one large copy or one ``pwritev`` moves it), and untouched space is handed out
-by a bump pointer.  When neither has a slot of the size asked for, a free
-slot of another, larger size is taken whole (its remainder is wasted until it
-is freed): that only happens with several layout classes of different block
-sizes, and keeps the allocator O(log n) per slot with no fragmentation
-bookkeeping.  All offsets and sizes are multiples of ``align``.
+no splitting: each slot size keeps its free offsets in ascending order (the
+lowest first, so that a batch allocated together tends to be one contiguous
+run, and one large copy or one ``pwritev`` moves it), and untouched space is
+handed out by a bump pointer.  When neither has a slot of the size asked for,
+a free slot of another, larger size is taken whole (its remainder is wasted
+until it is freed): that only happens with several layout classes of
+different block sizes, and needs no fragmentation bookkeeping.  All offsets
+and sizes are multiples of ``align``.
+
+The daemon takes and gives back slots tens of thousands at a time (a
+demotion, a promotion), so the state is kept in numpy arrays and every batch
+operation is a few vectorized steps, with no Python work per slot:
+
+* the size of each slot in use sits in one array indexed by ``offset //
+  align`` (0: not the start of a slot in use).  It costs 4 bytes per
+  ``align`` bytes of the range (0.1%), and catches a slot freed twice;
+* a size's free list is a sorted numpy array, taken from the front by
+  slicing; batches freed since are kept aside and merged in with one sort
+  when a batch is next taken (one merge per batch, not per slot), and slots
+  freed one at a time go on a small heap, so that single frees and
+  allocations (the disk store's) stay O(log n).
 """
 
 from __future__ import annotations
 
 import heapq
+
+import numpy as np
+
+_EMPTY = np.zeros(0, np.int64)
+
+
+class _FreeList:
+    """Free offsets of one slot size.
+
+    ``sorted[head:]`` is ascending; ``pending`` holds batches freed since
+    (merged in with one sort when a batch is next taken), ``heap`` the
+    offsets freed one at a time (a disk write done, a disk entry dropped):
+    a single slot is then taken in O(log n) with no merge, even while frees
+    and allocations alternate.
+    """
+
+    __slots__ = ("sorted", "head", "pending", "heap", "count")
+
+    def __init__(self) -> None:
+        self.sorted = _EMPTY
+        self.head = 0
+        self.pending: list[np.ndarray] = []
+        self.heap: list[int] = []
+        self.count = 0
+
+    def _merge(self, with_heap: bool) -> None:
+        parts = [self.sorted[self.head:], *self.pending]
+        if with_heap and self.heap:
+            parts.append(np.asarray(self.heap, np.int64))
+            self.heap = []
+        # timsort: the parts are mostly ascending runs, so the merge costs little more than a copy
+        self.sorted = np.sort(np.concatenate(parts), kind="stable")
+        self.head = 0
+        self.pending = []
+
+    def take(self, n: int) -> np.ndarray:
+        """The ``n`` lowest free offsets (fewer if there are fewer), removed from the list."""
+        if self.pending or self.heap:
+            self._merge(True)
+        h = self.head
+        out = self.sorted[h:h + n]
+        self.head = h + len(out)
+        self.count -= len(out)
+        return out
+
+    def take_one(self) -> int:
+        """The lowest free offset, removed (the list is not empty)."""
+        if self.pending:
+            self._merge(False)
+        h, heap = self.head, self.heap
+        if h < len(self.sorted) and (not heap or int(self.sorted[h]) < heap[0]):
+            self.head = h + 1
+            off = int(self.sorted[h])
+        else:
+            off = heapq.heappop(heap)
+        self.count -= 1
+        return off
 
 
 class SlotAllocator:
@@ -22,107 +92,149 @@ class SlotAllocator:
             raise ValueError(f"align must be a power of two, got {align}")
         self.capacity = capacity  # None: unbounded (a file that grows)
         self.align = align
+        self._shift = align.bit_length() - 1
         self.top = 0  # the bump pointer: [top, capacity) was never handed out
-        self._free: dict[int, list[int]] = {}  # slot size -> heap of free offsets
-        self._sorted: set[int] = set()  # slot sizes whose heap is in ascending order (a sorted list is a heap)
-        self._size: dict[int, int] = {}  # offset -> slot size, for slots in use
+        self._free: dict[int, _FreeList] = {}  # slot size -> its free offsets
+        #: slot size in units of ``align``, per ``offset // align``, for slots in use (0 elsewhere)
+        self._units = np.zeros((capacity // align + 1) if capacity is not None else 1024, np.int32)
         self.used = 0
 
     def round(self, nbytes: int) -> int:
         return -(-nbytes // self.align) * self.align
 
+    def _grow(self, end: int) -> None:
+        """Room in the size array for slots up to byte ``end`` (a file that grows)."""
+        need = (end >> self._shift) + 1
+        if need > len(self._units):
+            units = np.zeros(max(need, 2 * len(self._units)), np.int32)
+            units[:len(self._units)] = self._units
+            self._units = units
+
+    def _list(self, size: int) -> _FreeList:
+        fl = self._free.get(size)
+        if fl is None:
+            fl = self._free[size] = _FreeList()
+        return fl
+
     def alloc(self, nbytes: int) -> int | None:
         """The offset of a free slot of at least ``nbytes``, or None when there is none."""
         size = self.round(max(1, nbytes))
-        heap = self._free.get(size)
-        if heap:
-            off = heapq.heappop(heap)
-            self._sorted.discard(size)
-            self._size[off] = size
+        fl = self._free.get(size)
+        if fl is not None and fl.count:
+            off = fl.take_one()
         elif self.capacity is None or self.top + size <= self.capacity:
             off = self.top
             self.top += size
-            self._size[off] = size
+            if self.capacity is None:
+                self._grow(self.top)
         else:
-            bigger = sorted(s for s, h in self._free.items() if s > size and h)
-            if not bigger:
-                return None
-            off = heapq.heappop(self._free[bigger[0]])
-            self._sorted.discard(bigger[0])
-            self._size[off] = bigger[0]
-        self.used += self._size[off]
+            return self._bigger(size)
+        self._units[off >> self._shift] = size >> self._shift
+        self.used += size
         return off
 
-    def free(self, offset: int) -> None:
-        size = self._size.pop(offset)
-        self.used -= size
-        heapq.heappush(self._free.setdefault(size, []), offset)
-        self._sorted.discard(size)
+    def _bigger(self, size: int) -> int | None:
+        """A free slot of the smallest larger size, taken whole (several layout classes)."""
+        bigger = sorted(s for s, fl in self._free.items() if s > size and fl.count)
+        if not bigger:
+            return None
+        off = self._free[bigger[0]].take_one()
+        self._units[off >> self._shift] = bigger[0] >> self._shift
+        self.used += bigger[0]
+        return off
 
     def alloc_many(self, nbytes: int, n: int, more: int = 0) -> list[int]:
         """Up to ``n`` slots of ``nbytes`` at once (fewer when full), in ascending order.
 
         A batch's slots are then mostly consecutive, so a copy or a write
-        moves them in few large runs; the cost is per batch (a sort, a
-        range) rather than a heap operation per slot.  ``more``: how many
-        slots the caller will ask for next (a batch taken in pieces); the
-        free list is then sorted once, and each piece is a slice of it.
+        moves them in few large runs; the cost is a slice and a few array
+        operations per call, not per slot.  ``more`` (how many slots the
+        caller will ask for next) is accepted for callers that take a batch
+        in pieces; each piece is a slice of the sorted free list anyway.
         """
+        return self.alloc_array(nbytes, n).tolist()
+
+    def alloc_array(self, nbytes: int, n: int) -> np.ndarray:
+        """``alloc_many`` as an int64 array (what a copier takes)."""
         size = self.round(max(1, nbytes))
-        heap = self._free.get(size)
-        out: list[int] = []
-        if heap and n > 0:
-            if n >= len(heap):
-                out = sorted(heap)
-                heap.clear()
-            elif size in self._sorted or (n + more) * 8 >= len(heap):
-                if size not in self._sorted:
-                    heap.sort()  # a sorted list is a heap: what stays behind is one still
-                    self._sorted.add(size)
-                out = heap[:n]
-                del heap[:n]
-            else:
-                out = [heapq.heappop(heap) for _ in range(n)]
-        k = n - len(out)
+        if n <= 0:
+            return _EMPTY
+        fl = self._free.get(size)
+        taken = fl.take(n) if fl is not None and fl.count else _EMPTY
+        k = n - len(taken)
+        fresh = _EMPTY
         if k > 0:
             room = k if self.capacity is None else min(k, max(0, (self.capacity - self.top) // size))
             if room > 0:
-                out.extend(range(self.top, self.top + room * size, size))
+                fresh = np.arange(self.top, self.top + room * size, size, dtype=np.int64)
                 self.top += room * size
-        self._size.update(dict.fromkeys(out, size))
-        self.used += size * len(out)
+                if self.capacity is None:
+                    self._grow(self.top)
+        offs = np.concatenate((taken, fresh)) if len(fresh) and len(taken) else (fresh if len(fresh) else taken)
+        self._units[offs >> self._shift] = size >> self._shift
+        self.used += size * len(offs)
+        if len(offs) == n:
+            return offs
+        out = offs.tolist()
         while len(out) < n:  # free slots of other sizes, taken whole (several layout classes)
-            off = self.alloc(nbytes)
+            off = self._bigger(size)
             if off is None:
                 break
             out.append(off)
-        return out
+        return np.asarray(out, np.int64)
+
+    def free(self, offset: int) -> None:
+        """Give one slot back (KeyError if it is not in use)."""
+        offset = int(offset)
+        i = offset >> self._shift
+        if offset % self.align or not 0 <= i < len(self._units) or self._units[i] <= 0:
+            raise KeyError(offset)
+        size = int(self._units[i]) << self._shift
+        self._units[i] = 0
+        self.used -= size
+        fl = self._list(size)
+        heapq.heappush(fl.heap, offset)
+        fl.count += 1
 
     def free_many(self, offsets) -> None:
-        """``free`` for many slots (an unknown or twice-freed offset raises KeyError)."""
-        offsets = list(offsets)
-        sizes = list(map(self._size.pop, offsets))
-        if not sizes:
+        """``free`` for many slots; an unknown or twice-freed offset raises KeyError and frees none."""
+        offs = np.array(offsets, np.int64).reshape(-1)  # a copy: the free list keeps it
+        n = len(offs)
+        if not n:
             return
-        size = sizes[0]
-        if sizes.count(size) != len(sizes):
-            for off, sz in zip(offsets, sizes):
-                self.used -= sz
-                heapq.heappush(self._free.setdefault(sz, []), off)
-                self._sorted.discard(sz)
+        idx = offs >> self._shift
+        if (offs & (self.align - 1)).any() or idx.min() < 0 or idx.max() >= len(self._units):
+            raise KeyError(f"offsets that are no slots: {offsets!r}")
+        units = self._units[idx]
+        if not (units > 0).all():
+            raise KeyError(f"offsets not in use: {offs[units <= 0].tolist()}")
+        mark = np.arange(-1, -n - 1, -1, dtype=np.int32)  # each position writes its own mark:
+        self._units[idx] = mark
+        if not (self._units[idx] == mark).all():  # a duplicate's first position was overwritten
+            self._units[idx] = units
+            raise KeyError(f"an offset freed twice in one call: {offsets!r}")
+        self._units[idx] = 0
+        u0 = units[0]
+        if (units == u0).all():
+            size = int(u0) << self._shift
+            self.used -= size * n
+            fl = self._list(size)
+            fl.pending.append(offs)
+            fl.count += n
             return
-        self.used -= size * len(offsets)
-        heap = self._free.setdefault(size, [])
-        self._sorted.discard(size)
-        if len(offsets) * 4 >= len(heap):
-            heap.extend(offsets)
-            heapq.heapify(heap)
-        else:
-            for off in offsets:
-                heapq.heappush(heap, off)
+        for u in np.unique(units).tolist():  # several sizes (several layout classes)
+            sel = offs[units == u]
+            size = u << self._shift
+            self.used -= size * len(sel)
+            fl = self._list(size)
+            fl.pending.append(sel)
+            fl.count += len(sel)
 
     def size_of(self, offset: int) -> int:
-        return self._size[offset]
+        i = offset >> self._shift
+        if offset % self.align or not 0 <= i < len(self._units) or self._units[i] <= 0:
+            raise KeyError(offset)
+        return int(self._units[i]) << self._shift
 
     def reserve(self, offset: int, size: int) -> None:
         """Mark ``[offset, offset+size)`` used (rebuilding the state of a file at start).
@@ -130,25 +242,32 @@ class SlotAllocator:
         Call for every used slot first, in any order, then ``seal``.
         """
         size = self.round(size)
-        if offset % self.align or offset in self._size:
+        if offset % self.align or offset < 0:
             raise ValueError(f"bad or duplicate slot offset {offset}")
-        self._size[offset] = size
+        self._grow(offset + size)
+        i = offset >> self._shift
+        if self._units[i]:
+            raise ValueError(f"bad or duplicate slot offset {offset}")
+        self._units[i] = size >> self._shift
         self.used += size
         self.top = max(self.top, offset + size)
 
     def seal(self, stride: int) -> None:
         """After ``reserve``: every ``stride``-sized gap below the bump pointer becomes free."""
         stride = self.round(stride)
-        taken = sorted(self._size.items())
+        starts = np.flatnonzero(self._units[:self.top >> self._shift]).tolist()
         pos = 0
-        heap = self._free.setdefault(stride, [])
-        for off, size in taken + [(self.top, 0)]:
+        gaps: list[int] = []
+        for i in starts + [self.top >> self._shift]:
+            off = i << self._shift
             while pos + stride <= off:
-                heap.append(pos)
+                gaps.append(pos)
                 pos += stride
-            pos = max(pos, off + size)
-        heapq.heapify(heap)
-        self._sorted.discard(stride)
+            if off < self.top:
+                pos = max(pos, off + (int(self._units[i]) << self._shift))
+        fl = self._list(stride)
+        fl.pending.append(np.asarray(gaps, np.int64))
+        fl.count += len(gaps)
 
     @property
     def free_bytes(self) -> int | None:

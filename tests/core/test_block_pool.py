@@ -145,3 +145,15 @@ def test_slab_chunks_choice_and_too_large_layout():
     assert choose_slab_chunks(100, 4096, 10) == 1  # 40 blocks, 96 bytes of 4096 wasted (2.3%)
     with pytest.raises(LayoutDoesNotFit):
         choose_slab_chunks(5 << 20, 2 << 20, 2)
+
+
+def test_register_many_with_a_hash_twice_matches_register_one_by_one():
+    _, one, _ = make()
+    _, many, _ = make()
+    blocks = one.allocate(4)
+    assert many.allocate(4) == blocks
+    digests = [b"a" * 16, b"b" * 16, b"a" * 16, b"c" * 16]
+    expect = [b for b, h in zip(blocks, digests) if one.register(b, h, writer=5)]
+    assert many.register_many(blocks, digests, writer=5) == expect == [blocks[0], blocks[1], blocks[3]]
+    assert (many.by_hash, many.hash_of, many.unwritten) == (one.by_hash, one.hash_of, one.unwritten)
+    many.check()

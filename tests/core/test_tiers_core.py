@@ -303,3 +303,37 @@ def test_batch_placement_matches_key_by_key(seed):
         assert _tier_state(ref) == _tier_state(bulk), op
         assert _moves_per_key(pr) == _moves_per_key(pb), op
         bulk.check()
+
+
+def test_tier_lru_orders_like_the_pool_lru():
+    # the tier indexes' dict-based LRU against the OrderedDict one, over random single and batch calls
+    import random
+
+    from kvpoold.core.policy import LRUPolicy
+    from kvpoold.core.tiers import DictLRU
+
+    rng = random.Random(7)
+    ref, lru = LRUPolicy(), DictLRU()
+    next_key = 0
+    for _ in range(3000):
+        op = rng.random()
+        if op < 0.35 or not len(ref):
+            keys = list(range(next_key, next_key + rng.randint(1, 40)))
+            next_key += len(keys)
+            ref.insert_many(keys)
+            lru.insert_many(dict.fromkeys(keys, 64) if rng.random() < 0.5 else keys)
+        elif op < 0.6:
+            assert lru.victim() == ref.victim()
+        elif op < 0.7:
+            n = rng.randint(1, 30)
+            assert lru.victims(n) == ref.victims(n)
+        elif op < 0.85:
+            k = rng.choice(list(ref))
+            ref.touch(k)
+            lru.touch(k)
+        else:
+            k = rng.choice(list(ref))
+            ref.remove(k)
+            lru.remove(k)
+        assert len(lru) == len(ref)
+    assert list(lru) == list(ref)

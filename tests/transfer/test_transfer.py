@@ -465,3 +465,68 @@ def test_slots_taken_in_pieces_are_the_lowest_free_ones():
     s.free(low[0])
     assert s.alloc(4096) == low[0] and s.alloc_many(4096, 2) == low[13:15]
     assert s.used == (64 - 40 + 15) * 4096  # 15 of the 40 freed slots taken again
+
+
+def test_a_bad_batch_free_frees_nothing_and_arrays_are_accepted():
+    s = SlotAllocator(8 * 4096)
+    a = s.alloc_array(4096, 4)
+    assert a.tolist() == [0, 4096, 8192, 12288]
+    with pytest.raises(KeyError):
+        s.free_many([0, 8192, 0])  # twice in one call
+    with pytest.raises(KeyError):
+        s.free_many(np.array([4096, 7 * 4096]))  # one never handed out
+    assert s.used == 4 * 4096 and s.size_of(0) == 4096  # nothing was freed by either
+    s.free_many(a[1:3])
+    s.free(a[0])
+    assert s.used == 4096 and s.alloc_many(4096, 4) == [0, 4096, 8192, 4 * 4096]
+
+
+def test_an_unbounded_allocator_grows_and_reuses_the_lowest():
+    s = SlotAllocator(None)
+    got = s.alloc_array(8192, 5000)  # past the first size array: it grows with the file
+    assert got.tolist() == list(range(0, 5000 * 8192, 8192)) and s.top == 5000 * 8192
+    s.free_many(got[::2])
+    assert s.alloc_many(8192, 3) == [0, 2 * 8192, 4 * 8192] and s.size_of(4999 * 8192) == 8192
+
+
+def test_slots_mixed_single_and_batch_calls_take_the_lowest_free():
+    # against a plain set of free offsets: every call takes the lowest free slots, then fresh space
+    import random
+
+    rng = random.Random(11)
+    cap = 300
+    s = SlotAllocator(cap * 4096)
+    free: set[int] = set()
+    top = 0
+    used: list[int] = []
+    for _ in range(2000):
+        op = rng.random()
+        if op < 0.3:
+            n = rng.randint(1, 40)
+            got = s.alloc_many(4096, n)
+            want = sorted(free)[:n]
+            fresh = min(n - len(want), cap - top)
+            want += [(top + i) * 4096 for i in range(fresh)]
+            top += fresh
+            assert got == want
+            free -= set(want)
+            used += got
+        elif op < 0.5:
+            off = s.alloc(4096)
+            want = min(free) if free else (top * 4096 if top < cap else None)
+            if want is not None and not free:
+                top += 1
+            assert off == want
+            if off is not None:
+                free.discard(off)
+                used.append(off)
+        elif used:
+            rng.shuffle(used)
+            k = rng.randint(1, min(30, len(used)))
+            gone, used = used[:k], used[k:]
+            if k == 1 and rng.random() < 0.5:
+                s.free(gone[0])
+            else:
+                s.free_many(np.asarray(gone) if rng.random() < 0.5 else gone)
+            free |= set(gone)
+        assert s.used == len(used) * 4096
