@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from itertools import islice, repeat
+from math import isqrt
 from typing import Generic, Hashable, Iterator, TypeVar
 
 K = TypeVar("K", bound=Hashable)
@@ -81,6 +82,46 @@ class LRUPolicy(Generic[K]):
         """Oldest first: the order in which victims would come."""
         return iter(self._order)
 
+
+
+class DictLRU(LRUPolicy[K]):
+    """``LRUPolicy`` over a plain dict (insertion order is the LRU order), for the tier indexes.
+
+    A tier's batches are tens of thousands of keys whose hashes the index's
+    own dict has just computed: ``insert_many`` of a dict (``TierIndex.add_many``
+    passes one) copies those stored hashes in one C call, where an
+    ``OrderedDict`` hashes every key again and links a node per key (about
+    5x the cost).  The price is at the front: a dict leaves a hole where a
+    key was deleted and scans past the holes before its first key, so the
+    single-key ``victim`` rebuilds the dict (dropping the holes) after about
+    ``sqrt(n)`` pops; batch paths (``victims``) pay one scan per batch.
+    """
+
+    __slots__ = ("_pops",)
+
+    def __init__(self) -> None:
+        self._order: dict = {}  # type: ignore[assignment]
+        self._pops = 0  # single pops from the front since the dict was last rebuilt
+
+    def insert_many(self, keys) -> None:
+        """``insert`` of each key, in order (keys not present yet); a dict's stored hashes are reused."""
+        self._order.update(keys if isinstance(keys, dict) else dict.fromkeys(keys))
+
+    def touch(self, key: K) -> None:
+        self._order[key] = self._order.pop(key)
+
+    def victim(self) -> K:
+        """Remove and return the oldest key; KeyError when empty."""
+        order = self._order
+        if not order:
+            raise KeyError("victim(): no evictable key")
+        key = next(iter(order))
+        del order[key]
+        self._pops += 1
+        if self._pops > 64 + isqrt(len(order)):
+            self._order = dict(order)  # a copy has no holes (stored hashes: nothing is hashed again)
+            self._pops = 0
+        return key
 
 POLICIES = {"lru": LRUPolicy}
 

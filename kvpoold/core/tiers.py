@@ -43,15 +43,13 @@ batch that takes their room), and it stays an executable order.
 from __future__ import annotations
 
 from array import array
-from collections import deque
 from dataclasses import dataclass
 from enum import IntEnum
-from itertools import groupby, islice
-from math import isqrt
+from itertools import groupby
 
 import numpy as np
 
-from .policy import make_policy
+from .policy import DictLRU, make_policy
 
 Key = tuple  # (class id, block hash) or (class id, swap entry number)
 
@@ -151,88 +149,6 @@ class MovePlan:
 
     def __repr__(self) -> str:
         return f"MovePlan({len(self)} moves)"
-
-
-class DictLRU:
-    """``LRUPolicy`` over a plain dict (insertion order is the LRU order), for the tier indexes.
-
-    A tier's batches are tens of thousands of keys whose hashes the index's
-    own dict has just computed: ``insert_many`` of a dict (``TierIndex.add_many``
-    passes one) copies those stored hashes in one C call, where an
-    ``OrderedDict`` hashes every key again and links a node per key (about
-    5x the cost).  The price is at the front: a dict leaves a hole where a
-    key was deleted and scans past the holes before its first key, so the
-    single-key ``victim`` rebuilds the dict (dropping the holes) after about
-    ``sqrt(n)`` pops; batch paths (``victims``) pay one scan per batch.
-    """
-
-    name = "lru"
-
-    __slots__ = ("_order", "_pops")
-
-    def __init__(self) -> None:
-        self._order: dict = {}
-        self._pops = 0  # single pops from the front since the dict was last rebuilt
-
-    def insert(self, key) -> None:
-        self._order[key] = None
-
-    def remove(self, key) -> None:
-        del self._order[key]
-
-    def insert_many(self, keys) -> None:
-        """``insert`` of each key, in order (keys not present yet); a dict's stored hashes are reused."""
-        self._order.update(keys if isinstance(keys, dict) else dict.fromkeys(keys))
-
-    def present(self, keys) -> list:
-        return list(filter(self._order.__contains__, keys))
-
-    def isdisjoint(self, keys) -> bool:
-        return self._order.keys().isdisjoint(keys)
-
-    def remove_many(self, keys) -> None:
-        """``remove`` of each key, in order; KeyError at the first one not here (the ones before it are gone)."""
-        deque(map(self._order.__delitem__, keys), 0)
-
-    def victims(self, n: int) -> list:
-        order = self._order
-        if n >= len(order):
-            out = list(order)
-            order.clear()
-            return out
-        out = list(islice(order, n))
-        deque(map(order.__delitem__, out), 0)
-        return out
-
-    def touch(self, key) -> None:
-        order = self._order
-        value = order.pop(key)
-        order[key] = value
-
-    def victim(self):
-        """Remove and return the oldest key; KeyError when empty."""
-        order = self._order
-        if not order:
-            raise KeyError("victim(): no evictable key")
-        key = next(iter(order))
-        del order[key]
-        self._pops += 1
-        if self._pops > 64 + isqrt(len(order)):
-            self._order = dict(order)  # a copy has no holes (stored hashes: nothing is hashed again)
-            self._pops = 0
-        return key
-
-    def peek(self):
-        return next(iter(self._order))
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._order
-
-    def __len__(self) -> int:
-        return len(self._order)
-
-    def __iter__(self):
-        return iter(self._order)
 
 
 def _tier_policy(name: str):

@@ -310,7 +310,7 @@ def test_tier_lru_orders_like_the_pool_lru():
     import random
 
     from kvpoold.core.policy import LRUPolicy
-    from kvpoold.core.tiers import DictLRU
+    from kvpoold.core.policy import DictLRU
 
     rng = random.Random(7)
     ref, lru = LRUPolicy(), DictLRU()
