@@ -1,6 +1,7 @@
-"""Paged decode (and a little prefill) on the GPU: ours vs SDPA on contiguous K/V.
+"""Paged decode and prefill on the GPU: ours vs FlashInfer vs SDPA on contiguous K/V.
 
-    python3 benchmarks/bench_decode.py [--grid quick|full] [--json PATH]
+    python3 benchmarks/bench_decode.py [--grid none|quick|full] [--variants v7]
+        [--prefill 1024,4096] [--prefill-variants v7] [--no-gather] [--json PATH]
 
 Decode shape of issue 5: bfloat16, head_dim 128, 32 query / 8 KV heads,
 block size 16, block tables = random permutations of the pool. Timing: a
@@ -11,9 +12,25 @@ with CUDA events after warm-up and we report the median per call. Bandwidth
 is K+V bytes read per call over time, also as a fraction of the 4.18 TB/s
 device-to-device copy (read + write) measured on the H200 (issue 5).
 
-Rows: ``ours`` (planner's split-KV choice), ``ours sN`` (forced N splits, to
-tune the planner), ``sdpa`` (torch SDPA, contiguous K/V, no paging: the
-ceiling), ``gather+sdpa`` (index_select the blocks, then SDPA).
+Rows: ``ours VARIANT`` (each kernel variant of ``cuda_attention.VARIANTS``
+asked for, with the planner's split-KV and, for v7, stage choice), ``ours sN`` (default variant, forced N
+splits, to tune the planner), ``fi-tc`` / ``fi-cc`` (FlashInfer's
+``BatchDecodeWithPagedKVCacheWrapper`` with / without ``use_tensor_cores``),
+``sdpa`` (torch SDPA, contiguous K/V, no paging: the ceiling), ``gather+sdpa``
+(index the blocks, then SDPA). FlashInfer reads the very same pool and block
+tables: our pool stores per block [K|V][kv head][slot][dim], which is
+FlashInfer's HND layout of a [pages, 2, heads, page_size, dim] cache, so it
+gets a view, no copy. FlashInfer rows appear only where it imports (on the GPU
+machine: ``source .fi-bundle/activate.sh``); a failure there is printed and
+recorded, and the other rows still run.
+
+Prefill (one sequence of ``ctx`` new tokens, causal): SDPA on contiguous K/V,
+ours per variant (the kernel the planner runs for it is printed: ``dedicated
+mN`` = the prefill kernel with 64 N rows per CTA, ``generic`` = the split-KV
+kernel), and FlashInfer's ``BatchPrefillWithPagedKVCacheWrapper`` on the same
+paged pool, last: its first use builds a JIT module (over a minute on a fresh
+GPU machine). Rows print and the JSON is rewritten as soon as each is timed, so
+a run cut short keeps what it measured.
 """
 
 from __future__ import annotations
@@ -22,6 +39,8 @@ import argparse
 import json
 import math
 import statistics
+import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -31,6 +50,29 @@ import torch.nn.functional as F
 HQ, HKV, D, BS = 32, 8, 128, 16
 COPY_TBPS = 4.18
 L2_BYTES = 60e6
+FI_WORKSPACE = 256 * 1024 * 1024
+
+
+def flashinfer_or_none():
+    """FlashInfer if importable here, else None (it is optional: GPU machine only)."""
+    try:
+        import flashinfer
+
+        return flashinfer
+    except Exception as e:  # noqa: BLE001 - any import failure means: skip its rows
+        print(f"# flashinfer unavailable: {type(e).__name__}: {e}")
+        return None
+
+
+_FI_WS: dict = {}
+
+
+def fi_workspace() -> torch.Tensor:
+    """One float workspace shared by every FlashInfer wrapper: wrappers planned for the
+    same shapes hold identical plans, and their calls run one after another on one stream."""
+    if "ws" not in _FI_WS:
+        _FI_WS["ws"] = torch.zeros(FI_WORKSPACE, dtype=torch.uint8, device="cuda")
+    return _FI_WS["ws"]
 
 
 def graph_time_us(make_call, copies: int, replays: int = 20) -> float:
@@ -65,6 +107,23 @@ def graph_time_us(make_call, copies: int, replays: int = 20) -> float:
     return statistics.median(times)
 
 
+def eager_time_us(make_call, copies: int, replays: int = 20) -> float:
+    """Median per-call µs of ``copies`` calls launched from Python (includes launch overhead)."""
+    calls = [make_call(i) for i in range(copies)]
+    for c in calls:
+        c()
+    times = []
+    for _ in range(replays + 5):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for c in calls:
+            c()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) * 1e3 / copies)
+    return statistics.median(times[5:])
+
+
 def decode_case(batch: int, ctx: int, copies: int, gen: torch.Generator):
     """One pool holding ``copies`` disjoint sets of sequences; tables are random permutations."""
     blocks_per_seq = ctx // BS
@@ -77,7 +136,7 @@ def decode_case(batch: int, ctx: int, copies: int, gen: torch.Generator):
     return pool, tables, lens, qs
 
 
-def bench_decode(batch: int, ctx: int, split_options, gen) -> list[dict]:
+def bench_decode(batch: int, ctx: int, variants, split_options, fi, gen, with_gather=True) -> list[dict]:
     from kvpool.kernels import cuda_attention
     from kvpool.kernels._validate import check_attention
 
@@ -88,21 +147,31 @@ def bench_decode(batch: int, ctx: int, split_options, gen) -> list[dict]:
     outs = torch.empty_like(qs)
     rows = []
 
-    def ours(splits):
+    def ours(splits, variant=None):
         def make(i):
             a = check_attention(qs[i], k, v, tables[i], lens, None, None, outs[i])
             return lambda: cuda_attention.paged_attention(
-                a, qs[i], k, v, tables[i], lens, None, max_seq_len=ctx, num_splits=splits
+                a, qs[i], k, v, tables[i], lens, None, max_seq_len=ctx, num_splits=splits, variant=variant
             )
 
         return make
 
-    for splits in [None, *split_options]:
-        us = graph_time_us(ours(splits), copies)
-        name = "ours" if splits is None else f"ours s{splits}"
-        rows.append(dict(impl=name, batch=batch, ctx=ctx, us=us))
-    plan_splits = _planned_splits(batch, ctx)
-    rows[0]["splits"] = plan_splits
+    for variant in variants:
+        us = graph_time_us(ours(None, variant), copies)
+        plan = _decode_plan(batch, ctx, variant)
+        rows.append(dict(impl=f"ours {variant}", batch=batch, ctx=ctx, us=us, splits=plan.num_splits, stages=plan.pipe.stages))
+    for splits in split_options:
+        rows.append(dict(impl=f"ours s{splits}", batch=batch, ctx=ctx, us=graph_time_us(ours(splits), copies)))
+    if fi is not None:
+        for tc in (True, False):
+            name = "fi-tc" if tc else "fi-cc"
+            try:
+                us, backend = _flashinfer_decode(fi, tc, pool, tables, qs, outs, batch, ctx, copies)
+                rows.append(dict(impl=name, batch=batch, ctx=ctx, us=us, backend=backend))
+            except Exception as e:  # noqa: BLE001 - record and go on with the other rows
+                print(f"# {name} B{batch} L{ctx} failed: {type(e).__name__}: {str(e)[:300]}")
+                traceback.print_exc(limit=3)
+                rows.append(dict(impl=name, batch=batch, ctx=ctx, us=float("nan"), error=f"{type(e).__name__}: {e}"[:500]))
 
     # contiguous K/V for SDPA: [copies, B, Hkv, L, D] gathered once, outside timing
     def contiguous(i, which):
@@ -129,28 +198,58 @@ def bench_decode(batch: int, ctx: int, split_options, gen) -> list[dict]:
 
         return run
 
-    if kv_bytes <= 4e9:
+    if with_gather and kv_bytes <= 4e9:
         rows.append(dict(impl="gather+sdpa", batch=batch, ctx=ctx, us=graph_time_us(gather_sdpa, copies)))
     for r in rows:
+        if not math.isfinite(r["us"]):
+            r["us"] = r["tb_per_s"] = r["frac_copy"] = float("nan")
+            continue
         r["tb_per_s"] = kv_bytes / (r["us"] * 1e-6) / 1e12
         r["frac_copy"] = r["tb_per_s"] / COPY_TBPS
     return rows
 
 
-def _planned_splits(batch: int, ctx: int) -> int:
+def _flashinfer_decode(fi, tensor_cores: bool, pool, tables, qs, outs, batch, ctx, copies):
+    """FlashInfer paged decode on our pool: one wrapper per input copy (each holds its
+    own page indices), all planned alike and sharing one workspace."""
+    paged = pool[:, 0]  # [blocks, 2, Hkv, BS, D] = FlashInfer's HND cache, a view
+    per_seq = ctx // BS
+    indptr = torch.arange(0, (batch + 1) * per_seq, per_seq, dtype=torch.int32, device="cuda")
+    last = torch.full((batch,), BS, dtype=torch.int32, device="cuda")
+    wrappers = []
+    for i in range(copies):
+        w = fi.BatchDecodeWithPagedKVCacheWrapper(fi_workspace(), "HND", use_tensor_cores=tensor_cores)
+        w.plan(indptr, tables[i].reshape(-1).contiguous(), last, HQ, HKV, D, BS,
+               q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)  # fmt: skip
+        wrappers.append(w)
+    make = lambda i: lambda: wrappers[i].run(qs[i], paged, out=outs[i])  # noqa: E731
+    try:
+        us = graph_time_us(make, copies)
+    except Exception as e:  # noqa: BLE001 - not capturable here: time it eagerly, and say so
+        print(f"# FlashInfer decode not capturable ({type(e).__name__}: {str(e)[:200]}); eager timing")
+        torch.cuda.synchronize()
+        us = eager_time_us(make, copies)
+    return us, str(getattr(wrappers[0], "resolved_backend", "?"))
+
+
+def _decode_plan(batch: int, ctx: int, variant: str | None = None):
     from kvpool.kernels import cuda_attention
     from kvpool.kernels._validate import AttentionArgs, CacheGeometry
 
     geo = CacheGeometry(1, HKV, BS, D, 0, 0, torch.bfloat16, torch.device("cuda"))
     a = AttentionArgs(geo, batch, batch, HQ, HQ // HKV, 1.0, None)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    plan = cuda_attention.plan_attention(a, prefill=False, max_blocks=ctx // BS, max_seq_len=ctx, num_sms=sms)
-    return plan.num_splits
+    return cuda_attention.plan_attention(
+        a, prefill=False, max_blocks=ctx // BS, max_seq_len=ctx, num_sms=sms, variant=variant
+    )
 
 
-def bench_prefill(ctx: int, gen) -> list[dict]:
-    """One sequence, ``ctx`` new tokens, causal: ours (paged) vs SDPA (contiguous)."""
-    from kvpool.kernels import paged_prefill_attention
+def bench_prefill(ctx: int, variants, fi, gen, emit) -> list[dict]:
+    """One sequence, ``ctx`` new tokens, causal: SDPA (contiguous), then ours (paged), then
+    FlashInfer (paged; its first use builds a JIT module, a minute or more). ``emit(row)``
+    gets each row as soon as it is timed, so a run cut short still shows what it measured."""
+    from kvpool.kernels import cuda_attention
+    from kvpool.kernels._validate import check_attention
 
     nblk = ctx // BS
     pool = torch.randn((nblk, 1, 2, HKV, BS, D), dtype=torch.bfloat16, device="cuda")
@@ -160,19 +259,56 @@ def bench_prefill(ctx: int, gen) -> list[dict]:
     q = torch.randn((ctx, HQ, D), dtype=torch.bfloat16, device="cuda")
     out = torch.empty_like(q)
     k, v = pool[:, 0, 0], pool[:, 0, 1]
-    ours = graph_time_us(lambda i: lambda: paged_prefill_attention(q, k, v, table, lens, cu, out=out, max_seq_len=ctx), 1)
+    a = check_attention(q, k, v, table, lens, cu, None, out)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    flops = 4 * ctx * ctx / 2 * HQ * D
+    rows = []
+
+    def add(name, us, **extra):
+        sdpa_us = rows[0]["us"] if rows else us
+        row = dict(impl=name, ctx=ctx, us=us, tflops=flops / (us * 1e-6) / 1e12, frac_sdpa=sdpa_us / us, **extra)
+        rows.append(row)
+        emit(row)
+
     kc = pool[table[0].long(), 0, 0].permute(1, 0, 2, 3).reshape(1, HKV, ctx, D).contiguous()
     vc = pool[table[0].long(), 0, 1].permute(1, 0, 2, 3).reshape(1, HKV, ctx, D).contiguous()
     q4 = q.transpose(0, 1).unsqueeze(0).contiguous()
-    sdpa = graph_time_us(lambda i: lambda: F.scaled_dot_product_attention(q4, kc, vc, is_causal=True, enable_gqa=True), 1)
-    flops = 4 * ctx * ctx / 2 * HQ * D
-    return [
-        dict(impl=name, ctx=ctx, us=us, tflops=flops / (us * 1e-6) / 1e12)
-        for name, us in (("ours", ours), ("sdpa", sdpa))
-    ]
+    add("sdpa", graph_time_us(lambda i: lambda: F.scaled_dot_product_attention(q4, kc, vc, is_causal=True, enable_gqa=True), 1))
+    for variant in variants:
+        run = lambda variant=variant: cuda_attention.paged_attention(  # noqa: E731
+            a, q, k, v, table, lens, cu, max_seq_len=ctx, variant=variant
+        )
+        plan = cuda_attention.plan_attention(a, prefill=True, max_blocks=nblk, max_seq_len=ctx, num_sms=sms, variant=variant)
+        kernel = f"dedicated m{plan.pipe.mtiles}" if plan.pipe.dedicated else f"generic s{plan.num_splits}"
+        add(f"ours {variant}", graph_time_us(lambda i, run=run: run, 1), kernel=kernel)
+    if fi is not None:
+        try:
+            w = fi.BatchPrefillWithPagedKVCacheWrapper(fi_workspace(), "HND")
+            w.plan(cu, torch.tensor([0, nblk], dtype=torch.int32, device="cuda"), table.reshape(-1).contiguous(),
+                   torch.tensor([BS], dtype=torch.int32, device="cuda"), HQ, HKV, D, BS, causal=True,
+                   q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)  # fmt: skip
+            paged = pool[:, 0]
+            us = graph_time_us(lambda i: lambda: w.run(q, paged, out=out), 1)
+            add("fi-prefill", us, backend=str(getattr(w, "_backend", "?")))
+        except Exception as e:  # noqa: BLE001
+            print(f"# fi-prefill {ctx} failed: {type(e).__name__}: {str(e)[:300]}")
+            add("fi-prefill", float("nan"), error=f"{type(e).__name__}: {e}"[:500])
+    return rows
+
+
+def _finite(x):
+    """NaN (a failed row) as JSON null."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_finite(v) for v in x]
+    return x
 
 
 GRIDS = {
+    "none": [],
     "quick": [(1, 1024), (1, 16384), (16, 4096), (64, 4096)],
     "full": [(b, c) for b in (1, 16, 64, 256) for c in (1024, 4096, 16384)],
 }
@@ -182,28 +318,52 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--grid", choices=sorted(GRIDS), default="quick")
     p.add_argument("--splits", default="", help="comma-separated forced split counts to compare, e.g. 1,2,4")
+    p.add_argument("--splits-batches", default="", help="time the forced splits only at these batch sizes (default: all)")
+    p.add_argument("--variants", default="v7", help="our decode kernel variants to time (kvpool.kernels.cuda_attention.VARIANTS)")
+    p.add_argument("--prefill-variants", default="v7", help="our prefill kernel variants to time")
+    p.add_argument("--no-gather", action="store_true", help="skip the gather-then-SDPA decode rows")
+    p.add_argument("--no-flashinfer", action="store_true", help="skip FlashInfer even if it imports")
     p.add_argument("--prefill", default="1024,4096", help="prefill lengths ('' to skip)")
     p.add_argument("--json", default=None, help="write all rows here")
     args = p.parse_args()
     gen = torch.Generator().manual_seed(0)
-    split_options = [int(s) for s in args.splits.split(",") if s]
+    split_options = [int(x) for x in args.splits.split(",") if x]
+    split_batches = {int(x) for x in args.splits_batches.split(",") if x}
+    variants = [x for x in args.variants.split(",") if x]
+    prefill_variants = [x for x in args.prefill_variants.split(",") if x]
+    fi = None if args.no_flashinfer else flashinfer_or_none()
     dev = torch.cuda.get_device_name(0)
-    print(f"# decode bf16 D={D} Hq={HQ} Hkv={HKV} bs={BS} on {dev}; us per call (median of graph replays)")
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    fi_ver = getattr(fi, "__version__", None)
+    print(f"# decode bf16 D={D} Hq={HQ} Hkv={HKV} bs={BS} on {dev}, {stamp}, flashinfer {fi_ver}")
+    print("# us per call (median of CUDA-graph replays, inputs rotated past L2); copy% = K+V bytes / us vs 4.18 TB/s")
     print(f"{'B':>4} {'ctx':>6} {'impl':>12} {'us':>9} {'TB/s':>6} {'copy%':>6}")
-    rows = []
+    out = args.json or str(Path(__file__).parent / "results" / f"kernels-decode-{time.strftime('%Y%m%dT%H%M%S')}.json")
+    rows, prefill = [], []
+
+    def save():
+        doc = dict(device=dev, date=stamp, flashinfer=fi_ver, copy_tb_per_s=COPY_TBPS, decode=rows, prefill=prefill)
+        Path(out).write_text(json.dumps(_finite(doc), indent=1))
+
     for batch, ctx in GRIDS[args.grid]:
-        for r in bench_decode(batch, ctx, split_options, gen):
+        splits_here = split_options if not split_batches or batch in split_batches else []
+        for r in bench_decode(batch, ctx, variants, splits_here, fi, gen, with_gather=not args.no_gather):
             rows.append(r)
-            extra = f"  (splits={r['splits']})" if "splits" in r else ""
-            print(f"{batch:>4} {ctx:>6} {r['impl']:>12} {r['us']:>9.1f} {r['tb_per_s']:>6.2f} {100 * r['frac_copy']:>5.0f}%{extra}")
+            extra = f"  (splits={r['splits']}, stages={r['stages']})" if "splits" in r else ""
+            extra += f"  [{r['backend']}]" if "backend" in r else ""
+            print(f"{batch:>4} {ctx:>6} {r['impl']:>12} {r['us']:>9.1f} {r['tb_per_s']:>6.2f} {100 * r['frac_copy']:>5.0f}%{extra}", flush=True)
         torch.cuda.empty_cache()
-    prefill = []
+        save()
+    def emit_prefill(r):
+        prefill.append(r)
+        kernel = f"  [{r['kernel']}]" if "kernel" in r else ""
+        print(f"prefill ctx={r['ctx']:>6} {r['impl']:>11} {r['us']:>9.1f} us {r['tflops']:>6.1f} TFLOP/s {100 * r['frac_sdpa']:>4.0f}% of sdpa{kernel}", flush=True)
+        save()
+
     for ctx in [int(c) for c in args.prefill.split(",") if c]:
-        for r in bench_prefill(ctx, gen):
-            prefill.append(r)
-            print(f"prefill ctx={ctx:>6} {r['impl']:>6} {r['us']:>9.1f} us {r['tflops']:>6.1f} TFLOP/s")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"device": dev, "decode": rows, "prefill": prefill}, indent=1))
+        bench_prefill(ctx, prefill_variants, fi, gen, emit_prefill)
+    save()
+    print(f"# wrote {out}")
 
 
 if __name__ == "__main__":

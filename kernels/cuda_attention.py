@@ -3,17 +3,20 @@
 One call is at most two launches whatever the mix of lengths: the attention
 kernel over a fixed grid (query tiles x KV heads x splits; a CTA whose split
 starts past its sequence's keys exits at once) and, only when the plan has
-more than one split, the merge. The plan depends on shapes and on an upper
+more than one split and the variant does not fuse the merge, the merge (with
+the fused merge, the last split CTA of each tile merges it: one launch). The plan depends on shapes and on an upper
 bound of the sequence lengths (``max_seq_len``, default: what the block
 table can hold), never on the *contents* of ``seq_lens``: nothing here reads
 device memory, so a call never synchronizes and can be captured in a CUDA
 graph. Prefill maps CTAs to (sequence, query tile) through a device-side
-prefix sum of tiles per sequence (``tile_cum``), again without a sync.
+prefix sum of tiles per sequence, again without a sync: the dedicated prefill
+kernel computes it from ``cu_seqlens`` in each CTA (one launch per call), the
+split-KV kernel reads it from a ``tile_cum`` tensor made before the launch.
 
 Split-KV: when (query tiles x KV heads) alone would not fill the GPU, the
 key range is cut into ``num_splits`` chunks of ``chunk`` tokens; each CTA
-writes a normalized partial output plus its log2-sum-exp and the merge
-kernel combines them. That is what keeps a single 128k-token sequence from
+writes a normalized partial output plus its log2-sum-exp, which the merge
+(kernel or fused tail) combines. That is what keeps a single 128k-token sequence from
 running on 8 SMs.
 """
 
@@ -28,9 +31,8 @@ import torch
 
 from ._validate import AttentionArgs
 from .cuda_runtime import THREADS, ptr
-from .cuda_source import NUM_STAGES
 
-TILE = 16  # keys per MMA step; chunks are multiples of it
+TILE = 16  # keys per MMA step
 WARPS = THREADS // 32
 CTAS_PER_SM = 3  # what the kernel's registers allow at most
 SM_SMEM = 228 * 1024  # shared memory per SM (H100 / H200), 1 KiB of it reserved per CTA
@@ -40,10 +42,53 @@ _LOG2E = 1.4426950408889634
 
 
 @dataclass(frozen=True)
+class Pipeline:
+    """How K/V stream through shared memory: ``stages`` cp.async stages of ``keys``
+    keys each per ring; with split-KV, ``fused``: the last split CTA of a tile merges (no merge launch). ``dedicated``:
+    prefill on ``prefill_kernel`` instead, with ``mtiles`` 16-row MMA tiles per warp
+    (1 or 2: 64 or 128 query rows per CTA sharing each K/V tile; 0: the planner picks)."""
+
+    stages: int
+    keys: int
+    fused: bool = False
+    mtiles: int = 1
+    dedicated: bool = False
+
+
+# Decode with stages == 0: the planner picks per shape (``decode_stages``).
+AUTO_DECODE = Pipeline(0, 16, True)
+# Prefill on the dedicated kernel (``prefill_kernel``: 64-key tiles, 2 stages, Q in shared
+# memory, rows written from registers); mtiles 0 = the planner picks 64 or 128 rows per CTA.
+DEDICATED = Pipeline(2, 64, dedicated=True, mtiles=0)
+# Prefill where the dedicated kernel does not apply (float32, head_dim 256, forced splits,
+# or too few query tiles to fill the GPU without split-KV).
+GENERIC_PREFILL = Pipeline(3, 16)
+
+
+# Kernel variants, (decode pipeline, prefill pipeline): what the planner runs ("v7")
+# and, forced, each choice it makes per shape, so that tests cover every path and one
+# GPU run can time them side by side (benchmarks/NOTES-kernels.md). "v5": 3-stage
+# decode rings, prefill on the split-KV kernel. "v6": 2-stage decode rings (three CTAs
+# per SM). "v7": decode stages per shape (``decode_stages``), prefill on the dedicated
+# kernel where it applies ("v7m1" / "v7m2": 64 / 128 rows per CTA forced).
+VARIANTS: dict[str, tuple[Pipeline, Pipeline]] = {
+    "v5": (Pipeline(3, 16, True), GENERIC_PREFILL),
+    "v6": (Pipeline(2, 16, True), GENERIC_PREFILL),
+    "v7": (AUTO_DECODE, DEDICATED),
+    "v7m1": (AUTO_DECODE, Pipeline(2, 64, dedicated=True, mtiles=1)),
+    "v7m2": (AUTO_DECODE, Pipeline(2, 64, dedicated=True, mtiles=2)),
+}
+# What `variant=None` runs, per mode.
+DEFAULT_DECODE = "v7"
+DEFAULT_PREFILL = "v7"
+
+
+@dataclass(frozen=True)
 class AttentionPlan:
     dt: int  # 0 float32, 1 float16, 2 bfloat16
     head_dim: int
     warps_kv: int  # warps sharing one row tile (splitting its keys)
+    pipe: Pipeline
     tokens_per_cta: int
     grid: tuple[int, int, int]
     num_splits: int
@@ -74,21 +119,84 @@ def check_gpu_limits(a: AttentionArgs, q: torch.Tensor) -> None:
             raise ValueError(f"{name} = {value} must be a multiple of 16 (the kernel loads 16 bytes at a time)")
 
 
-def smem_bytes(dt: int, head_dim: int, rings: int) -> int:
-    """Dynamic shared memory: ``rings`` cp.async rings of NUM_STAGES (K, V) tiles,
+def smem_bytes(dt: int, head_dim: int, rings: int, pipe: Pipeline = GENERIC_PREFILL) -> int:
+    """Dynamic shared memory: ``rings`` cp.async rings of ``pipe.stages`` (K, V) stages,
     reused after the loop by the epilogue's [4 warps][16 rows][D + 1] floats + m, l."""
-    stage = 32 * head_dim * (4 if dt == 0 else 2)
-    epilogue = (WARPS * 16 * (head_dim + 1) + 2 * WARPS * 16) * 4
-    return max(rings * NUM_STAGES * stage, epilogue)
+    stage = 2 * pipe.keys * head_dim * (4 if dt == 0 else 2)
+    rows = WARPS * 16
+    epilogue = (rows * (head_dim + 1) + 2 * rows) * 4 + 16  # + the fused merge's flag
+    return max(rings * pipe.stages * stage, epilogue)
 
 
-def decode_warps_kv(dt: int, head_dim: int) -> int:
+def decode_warps_kv(dt: int, head_dim: int, pipe: Pipeline = GENERIC_PREFILL) -> int:
     """Decode gives each warp its own ring (4 key streams per CTA) when shared memory
     allows two CTAs per SM; float32 with head_dim 256 shares rings between warps."""
     for warps_kv in (WARPS, 2, 1):
-        if smem_bytes(dt, head_dim, warps_kv) <= SMEM_LIMIT:
+        if smem_bytes(dt, head_dim, warps_kv, pipe) <= SMEM_LIMIT:
             return warps_kv
     raise ValueError(f"head_dim {head_dim} does not fit in shared memory")
+
+
+def pipeline_for(variant: str | None, prefill: bool, dt: int, head_dim: int) -> Pipeline:
+    """The variant's pipeline, its stages halved (down to 16 keys) while one ring
+    would keep two CTAs off an SM (wide rows: head_dim 256 or float32)."""
+    name = variant if variant is not None else DEFAULT_PREFILL if prefill else DEFAULT_DECODE
+    if name not in VARIANTS:
+        raise ValueError(f"unknown kernel variant {name!r}; choose from {sorted(VARIANTS)}")
+    pipe = VARIANTS[name][1 if prefill else 0]
+    if pipe.dedicated:
+        if dt == 0 or head_dim > 128:
+            pipe = GENERIC_PREFILL
+        else:
+            return pipe
+    while pipe.keys > TILE and smem_bytes(dt, head_dim, 1, pipe) > SMEM_LIMIT // 2:
+        pipe = Pipeline(pipe.stages, pipe.keys // 2, pipe.fused)
+    return pipe
+
+
+def decode_stages(ctas: int, max_kv: int, num_sms: int) -> int:
+    """Stages per decode ring when the variant leaves it to the planner (``stages == 0``).
+
+    3 stages (96 KiB: two CTAs per SM) keep the most bytes in flight per warp and won
+    everywhere in run 5 except where (sequences x KV heads) is about one CTA per SM and
+    the contexts are long (B16 at 4k and 16k): there 2 stages (three CTAs per SM, one
+    split more) finished 2% sooner, while they lost 3-15% from B64 up and at B1.
+    """
+    return 2 if num_sms // 2 <= ctas < 2 * num_sms and max_kv >= 4096 else 3
+
+
+def plan_dedicated(a: AttentionArgs, pipe: Pipeline, num_sms: int, max_kv: int, bs_log2: int) -> AttentionPlan | None:
+    """The dedicated prefill kernel's plan, or None where it does not apply.
+
+    It has no split-KV, so the planner (``pipe.mtiles == 0``) uses it only when the
+    query tiles alone give at least two CTAs per SM; rows per CTA: 128 (each K/V
+    tile loaded once for twice the rows) when that still leaves four CTAs per SM,
+    else 64 (shorter CTAs balance the causal triangle better when the grid is
+    small). A variant that fixes ``mtiles`` always gets it (tests, benchmark).
+    """
+    geo = a.geo
+    kvh = geo.num_kv_heads
+
+    def grid_x(mt: int) -> int:
+        return a.num_tokens // ((64 * mt) // a.group) + a.num_seqs
+
+    if pipe.mtiles == 0 and grid_x(1) * kvh < 2 * num_sms:
+        return None
+    mt = pipe.mtiles or (2 if grid_x(2) * kvh >= 4 * num_sms else 1)
+    es = 2
+    smem = 64 * mt * geo.head_dim * es + 2 * (2 * 64 * geo.head_dim * es)
+    return AttentionPlan(
+        dt=_DT_CODE[geo.dtype],
+        head_dim=geo.head_dim,
+        warps_kv=1,
+        pipe=Pipeline(pipe.stages, pipe.keys, dedicated=True, mtiles=mt),
+        tokens_per_cta=(64 * mt) // a.group,
+        grid=(grid_x(mt) * kvh, 1, 1),  # KV head fastest: see prefill_kernel
+        num_splits=1,
+        chunk=max_kv,
+        smem_bytes=smem,
+        bs_log2=bs_log2,
+    )
 
 
 @functools.lru_cache(maxsize=4096)
@@ -116,24 +224,50 @@ def plan_attention(
     max_seq_len: int | None,
     num_sms: int,
     num_splits: int | None = None,
+    variant: str | None = None,
+    aligned_out: bool = True,
 ) -> AttentionPlan:
-    """Grid, split-KV and shared memory for one call (pure arithmetic on shapes)."""
+    """Grid, split-KV and shared memory for one call (pure arithmetic on shapes).
+
+    ``aligned_out``: ``out`` starts on 4 bytes (the dedicated prefill kernel stores
+    pairs of elements)."""
     geo = a.geo
     dt = _DT_CODE[geo.dtype]
-    warps_kv = 1 if prefill else decode_warps_kv(dt, geo.head_dim)
-    smem = smem_bytes(dt, geo.head_dim, warps_kv)
+    pipe = pipeline_for(variant, prefill, dt, geo.head_dim)
+    capacity = max_blocks * geo.block_size
+    max_kv = capacity if max_seq_len is None else max(1, min(int(max_seq_len), capacity))
+    bs_log2 = geo.block_size.bit_length() - 1
+    if pipe.dedicated:
+        plan = None
+        if num_splits in (None, 1) and aligned_out:
+            plan = plan_dedicated(a, pipe, num_sms, max_kv, bs_log2)
+        if plan is not None:
+            return plan
+        pipe = GENERIC_PREFILL
+    if pipe.stages == 0:
+        stages = decode_stages(a.num_seqs * geo.num_kv_heads, max_kv, num_sms)
+        pipe = Pipeline(stages, pipe.keys, pipe.fused)
+    warps_kv = 1 if prefill else decode_warps_kv(dt, geo.head_dim, pipe)
+    smem = smem_bytes(dt, geo.head_dim, warps_kv, pipe)
     tokens_per_cta = (16 * (WARPS // warps_kv)) // a.group
     if prefill:
         # sum over sequences of ceil(q_len / tq) <= T // tq + B
         grid_x = a.num_tokens // tokens_per_cta + a.num_seqs
     else:
         grid_x = a.num_seqs
-    capacity = max_blocks * geo.block_size
-    max_kv = capacity if max_seq_len is None else max(1, min(int(max_seq_len), capacity))
-    tiles = max(1, math.ceil(max_kv / TILE))
+    tiles = max(1, math.ceil(max_kv / pipe.keys))  # stages, the unit of a split
     if num_splits is None:
         slots = num_sms * min(CTAS_PER_SM, SM_SMEM // (smem + 1024))
-        num_splits = choose_splits(grid_x * geo.num_kv_heads, tiles, warps_kv, max(slots, num_sms))
+        ctas = grid_x * geo.num_kv_heads
+        num_splits = choose_splits(ctas, tiles, warps_kv, max(slots, num_sms))
+        if not prefill:
+            # Where one CTA per SM already takes 8 or more splits (small batches), stop
+            # there: run 6 timed B1 x 4k at 13.4 us with 16 splits (one per SM) against
+            # 14.7 with 32 (two per SM); the second CTA per SM costs more partials to merge
+            # than it gains (B1 x 1k and 16k: equal). Larger batches keep the full wave.
+            one_per_sm = choose_splits(ctas, tiles, warps_kv, num_sms)
+            if one_per_sm >= 8:
+                num_splits = one_per_sm
     num_splits = max(1, min(int(num_splits), tiles))
     chunk_tiles = math.ceil(tiles / num_splits)
     num_splits = math.ceil(tiles / chunk_tiles)
@@ -141,13 +275,39 @@ def plan_attention(
         dt=dt,
         head_dim=geo.head_dim,
         warps_kv=warps_kv,
+        pipe=pipe,
         tokens_per_cta=tokens_per_cta,
         grid=(grid_x, geo.num_kv_heads, num_splits),
         num_splits=num_splits,
-        chunk=chunk_tiles * TILE,
+        chunk=chunk_tiles * pipe.keys,
         smem_bytes=smem,
-        bs_log2=geo.block_size.bit_length() - 1,
+        bs_log2=bs_log2,
     )
+
+
+_COUNTERS: dict = {}
+
+
+def split_counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed arrival counters for the fused split merge, one per (tile, KV head).
+
+    Kept per (device, current stream): calls on one stream run one after another and
+    the kernel leaves every counter at zero again, so no memset is needed per call.
+    While a CUDA graph is being captured and the kept buffer is too small, a fresh
+    zeroed buffer (a memset in the graph) serves that call only.
+    """
+    if device.type != "cuda":  # the CPU emulator
+        return torch.zeros(n, dtype=torch.int32, device=device)
+    stream = torch.cuda.current_stream(device)
+    key = (device.index, stream.cuda_stream)
+    buf = _COUNTERS.get(key)
+    if buf is not None and buf.numel() >= n:
+        return buf
+    size = max(1024, 1 << (n - 1).bit_length())
+    fresh = torch.zeros(size, dtype=torch.int32, device=device)
+    if not torch.cuda.is_current_stream_capturing():
+        _COUNTERS[key] = fresh
+    return fresh
 
 
 def paged_attention(
@@ -161,9 +321,14 @@ def paged_attention(
     *,
     max_seq_len: int | None = None,
     num_splits: int | None = None,
+    variant: str | None = None,
     launcher=None,
 ) -> torch.Tensor:
-    """Decode (``cu_seqlens_q is None``) or prefill on the GPU; returns ``a.out``."""
+    """Decode (``cu_seqlens_q is None``) or prefill on the GPU; returns ``a.out``.
+
+    ``variant`` picks a kernel pipeline from ``VARIANTS`` (default: ``DEFAULT_DECODE`` /
+    ``DEFAULT_PREFILL``);
+    it exists so that one GPU run can time the shipped kernel against a candidate."""
     check_gpu_limits(a, q)
     if launcher is None:
         from .cuda_runtime import default_launcher
@@ -180,14 +345,18 @@ def paged_attention(
         max_seq_len=max_seq_len,
         num_sms=launcher.num_sms(q.device),
         num_splits=num_splits,
+        variant=variant,
+        aligned_out=out.data_ptr() % 4 == 0,
     )
     tile_cum = None
-    if prefill:
+    if prefill and not plan.pipe.dedicated:  # the dedicated kernel scans cu_seqlens itself
         q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
         tiles = torch.div(q_lens + (plan.tokens_per_cta - 1), plan.tokens_per_cta, rounding_mode="floor")
         tile_cum = torch.cumsum(tiles, 0).to(torch.int32)
-    part_o = part_lse = None
+    part_o = part_lse = counters = None
     if plan.num_splits > 1:
+        if plan.pipe.fused:
+            counters = split_counters(q.device, plan.grid[0] * plan.grid[1])
         part_o = torch.empty((a.num_tokens, a.num_q_heads, plan.num_splits, plan.head_dim), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((a.num_tokens, a.num_q_heads, plan.num_splits), dtype=torch.float32, device=q.device)
     geo = a.geo
@@ -199,11 +368,15 @@ def paged_attention(
         ptr(seq_lens), ptr(cu_seqlens_q), ptr(tile_cum),
         np.int32(a.num_seqs), np.int32(a.group), np.float32(a.scale * _LOG2E),
         np.int32(plan.chunk), np.int32(plan.num_splits),
-        ptr(out), ptr(part_o), ptr(part_lse),
+        ptr(out), ptr(part_o), ptr(part_lse), ptr(counters),
     )  # fmt: skip
-    key = ("attention", plan.dt, plan.head_dim, plan.warps_kv)
+    p = plan.pipe
+    if p.dedicated:
+        key = ("prefill", plan.dt, plan.head_dim, p.mtiles)
+    else:
+        key = ("attention", plan.dt, plan.head_dim, plan.warps_kv, p.stages, p.keys)
     launcher.launch(key, "attention", q.device, plan.grid, args, plan.smem_bytes)
-    if plan.num_splits > 1:
+    if plan.num_splits > 1 and counters is None:
         merge_args = (
             ptr(part_o), ptr(part_lse), ptr(out), ptr(seq_lens), ptr(cu_seqlens_q),
             np.int32(a.num_seqs), np.int32(a.num_tokens), np.int32(block_tables.shape[1]), np.int32(plan.bs_log2),

@@ -48,7 +48,7 @@ using std::max;
 #define __global__
 #define __device__
 #define __forceinline__ inline
-#define __launch_bounds__(x)
+#define __launch_bounds__(...)
 #define __shared__
 
 struct uint4 { unsigned x, y, z, w; };
@@ -67,7 +67,7 @@ static const int NT = 128;
 static Fiber fib[NT];
 static ucontext_t sched_ctx;
 static int cur;
-static dim3 blockIdx;
+static dim3 blockIdx, gridDim;
 static const dim3 blockDim = {NT, 1, 1};
 static Barrier warp_bar[NT / 32], cta_bar, named_bar[16];
 uint4 smem4[(232 * 1024) / 16];  // `extern __shared__ uint4 smem4[]` in the kernel binds here
@@ -109,6 +109,25 @@ static inline float __shfl_sync(unsigned, float v, int src) {
     const float r = xf[(cur & ~31) | (src & 31)][0]; bar_wait(my_warp());
     return r;
 }
+static inline int __shfl_sync(unsigned, int v, int src) {
+    xu[cur][2] = (unsigned)v; bar_wait(my_warp());
+    const int r = (int)xu[(cur & ~31) | (src & 31)][2]; bar_wait(my_warp());
+    return r;
+}
+static inline int __shfl_up_sync(unsigned, int v, unsigned d) {
+    xu[cur][2] = (unsigned)v; bar_wait(my_warp());
+    const int l = lane_id();
+    const int r = l >= (int)d ? (int)xu[cur - d][2] : v; bar_wait(my_warp());
+    return r;
+}
+static inline unsigned __ballot_sync(unsigned, int pred) {
+    xu[cur][3] = pred != 0; bar_wait(my_warp());
+    unsigned r = 0;
+    for (int l = 0; l < 32; ++l) r |= xu[(cur & ~31) | l][3] << l;
+    bar_wait(my_warp());
+    return r;
+}
+static inline int __ffs(unsigned x) { return x ? __builtin_ctz(x) + 1 : 0; }
 static inline int __any_sync(unsigned, int pred) {
     xu[cur][1] = pred != 0; bar_wait(my_warp());
     int r = 0;
@@ -144,6 +163,11 @@ static inline float bf16_to_f32(uint16_t h) { return __uint_as_float((unsigned)h
 
 _PRIMITIVES = r"""
 __device__ __forceinline__ uint4 ld16(const void* p) { uint4 r; std::memcpy(&r, p, 16); return r; }
+__device__ __forceinline__ float2 ldcg2(const float* p) { return float2{p[0], p[1]}; }
+__device__ __forceinline__ float ldcg1(const float* p) { return *p; }
+// CTAs run one after another here, so an arrival is a plain increment and a fence nothing.
+__device__ __forceinline__ int arrive(int* c) { return (*c)++; }
+__device__ __forceinline__ void fence() {}
 
 // cp.async: in "early" mode a copy lands when issued, in "late" mode only when
 // cp.async.wait_group retires its group. A kernel correct under both has its
@@ -173,6 +197,28 @@ __device__ __forceinline__ void group_sync(int id, int nthreads) {
     Barrier* b = &named_bar[id];
     b->size = nthreads;
     bar_wait(b);
+}
+
+// ldmatrix .x4 .trans: lane 8 i + r gives the address of row r of matrix i; register i of
+// lane 4 g + t receives (row 2 t, column g) low and (row 2 t + 1, column g) high.
+__device__ __forceinline__ void ldsm_x4_trans(const void* row, u32 (&r)[4]) {
+    const uint64_t a = (uint64_t)(uintptr_t)row;
+    xu[cur][6] = (unsigned)a; xu[cur][7] = (unsigned)(a >> 32);
+    bar_wait(my_warp());
+    const int base = cur & ~31, g = lane_id() >> 2, t = lane_id() & 3;
+    u32 v[4];
+    for (int i = 0; i < 4; ++i) {
+        v[i] = 0;
+        for (int h = 0; h < 2; ++h) {
+            const int src = base + 8 * i + 2 * t + h;
+            const uint64_t p = (uint64_t)xu[src][6] | ((uint64_t)xu[src][7] << 32);
+            uint16_t e;
+            std::memcpy(&e, (const char*)(uintptr_t)p + 2 * g, 2);
+            v[i] |= (u32)e << (16 * h);
+        }
+    }
+    bar_wait(my_warp());
+    for (int i = 0; i < 4; ++i) r[i] = v[i];
 }
 
 template <int DT> __device__ __forceinline__ u32 pack2(float lo, float hi) {
@@ -234,6 +280,7 @@ static char* stacks;
 static const size_t STACK = 256 * 1024;
 
 static int run_grid(unsigned gx, unsigned gy, unsigned gz, Body fn, void* arg) {
+    gridDim = dim3{gx, gy, gz};
     if (!stacks) stacks = (char*)std::malloc(STACK * NT);
     body_fn = fn; body_arg = arg;
     for (unsigned z = 0; z < gz; ++z)
@@ -281,7 +328,7 @@ def _params(kind: str, dt: int) -> list[tuple[str, str]]:
             ("const int*", "seq_lens"), ("const int*", "cu_seqlens"), ("const int*", "tile_cum"),
             ("int", "num_seqs"), ("int", "group"), ("float", "scale_log2"),
             ("int", "chunk"), ("int", "num_splits"),
-            (f"{t}*", "out"), ("float*", "part_o"), ("float*", "part_lse"),
+            (f"{t}*", "out"), ("float*", "part_o"), ("float*", "part_lse"), ("int*", "counters"),
         ]  # fmt: skip
     if kind == "merge":
         return [
@@ -304,7 +351,7 @@ def _emulated_source(module_key: tuple) -> tuple[str, dict[str, str]]:
     kernel_src = SOURCE[:begin] + _PRIMITIVES + SOURCE[end:]
     parts = [_PRELUDE, kernel_src, _LAUNCH]
     symbols = {}
-    dt = module_key[1] if module_key[0] == "attention" else 0
+    dt = module_key[1] if module_key[0] in ("attention", "prefill") else 0
     for short, expr in module_kernels(module_key).items():
         plist = _params(short, dt)
         params = ", ".join(f"{ty} {nm}" for ty, nm in plist)

@@ -30,11 +30,14 @@ _OPTIONS = ("-std=c++17", "--use_fast_math")
 def module_kernels(module_key: tuple) -> dict[str, str]:
     """Kernel short names → C++ name expressions of one compiled module."""
     if module_key[0] == "attention":
-        _, dt, d, warps_kv = module_key
+        _, dt, d, warps_kv, stages, keys = module_key
         return {
-            "attention": f"paged_attention_kernel<{dt},{d},{warps_kv}>",
+            "attention": f"paged_attention_kernel<{dt},{d},{warps_kv},{stages},{keys}>",
             "merge": f"merge_splits_kernel<{dt},{d}>",
         }
+    if module_key[0] == "prefill":
+        _, dt, d, mtiles = module_key
+        return {"attention": f"prefill_kernel<{dt},{d},{mtiles}>"}
     if module_key[0] == "write_kv":
         return {"write_kv": "write_kv_kernel"}
     raise KeyError(module_key)

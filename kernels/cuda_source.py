@@ -1,9 +1,9 @@
 """CUDA C++ source of the GPU kernels (compiled at first use by CuPy/NVRTC).
 
 Kept as a Python string so that it ships inside the package with no
-package-data configuration. Three kernels:
+package-data configuration. Four kernels:
 
-``paged_attention_kernel<DT, D, WKV>``
+``paged_attention_kernel<DT, D, WKV, NS, KT>``
     Decode and prefill in one kernel, on tensor cores (``mma.sync.m16n8k16``,
     fp32 accumulation). A CTA of 4 warps owns one (sequence, query tile, KV
     head, KV split) work item. The query tile's rows are (token, query head)
@@ -15,14 +15,18 @@ package-data configuration. Three kernels:
     short: float32, head_dim 256). Warps meet once, at the end, in shared
     memory.
 
-    Memory pipeline: K and V tiles (16 keys) stream into shared memory with
-    ``cp.async`` through a ring of ``NS`` stages per group of warps that
-    share a key range (one ring per warp in decode, one ring for the CTA in
-    prefill), so ``NS - 1`` tiles are always in flight and loads cost no
-    registers. Each 16-byte chunk is stored at a swizzled position so that
+    Memory pipeline: K and V stages (``KT`` keys each, a multiple of 16)
+    stream into shared memory with ``cp.async`` through a ring of ``NS``
+    stages per group of warps that share a key range (one ring per warp in
+    decode, one ring for the CTA in prefill), so ``NS - 1`` stages are always
+    in flight and loads cost no registers. Consecutive threads copy consecutive
+    16-byte chunks, so a warp instruction reads 512 contiguous bytes (run 4:
+    20-27% faster than fixed rows and chunk columns per thread). Each chunk is
+    stored at a swizzled position so that
     the fragment reads below are free of shared-memory bank conflicts
     (checked by arithmetic for head_dim 64/128/256; see NOTES-kernels.md
-    for what was measured).
+    for what was measured). The host picks (NS, KT) per kernel variant
+    (``cuda_attention.VARIANTS``) and shape.
 
     MMA mapping (lane = 4 * g + t; S = scores, P = probabilities):
       S[16 rows x 8 tokens] += Q[16 rows x 16 dims] * K^T[16 dims x 8 tokens]
@@ -39,15 +43,25 @@ package-data configuration. Three kernels:
     float32 caches run the same path with each operand split into two
     bfloat16 terms (hi + lo, three MMAs per product): about 16 mantissa bits.
 
+    With split-KV and an arrival-counter buffer (``counters``), the last split CTA of a (tile, KV
+    head) merges the tile's rows itself (``merge_row``) and resets its counter.
+
+``prefill_kernel<DT, D, MT>``
+    Prefill for 16-bit types and head_dim 64/128 when the query tiles fill the
+    GPU without split-KV: 4 warps x 16 MT rows per CTA (MT = 1 or 2), Q staged
+    once in shared memory, K/V in 64-key tiles through a 2-stage cp.async ring
+    (one barrier per tile), V operands by ``ldmatrix.trans``, causal masking only
+    on tiles that cross a row's limit, rows written straight from registers. The
+    grid is 1-D with the KV head fastest and the longest query tiles first.
+
 ``merge_splits_kernel<DT, D>``
-    Split-KV: one warp per (token, head) combines the per-split (normalized
-    output, log2-sum-exp) partials. Only launched when ``num_splits > 1``.
+    Split-KV without the fused merge: one warp per (token, head) combines the
+    per-split (normalized output, log2-sum-exp) partials. Only launched when
+    ``num_splits > 1`` and no counters were given.
 
 ``write_kv_kernel``
     Reshape-and-cache by slot mapping; dtype-blind 16-byte copies.
 """
-
-NUM_STAGES = 3  # cp.async ring depth; the host sizes shared memory with it
 
 SOURCE = r"""
 typedef unsigned int u32;
@@ -56,7 +70,6 @@ typedef long long i64;
 
 #define NEG_INF (__int_as_float(0xff800000))
 #define FULL_MASK 0xffffffffu
-#define NS @NUM_STAGES@
 
 // DT: 0 = float32, 1 = float16, 2 = bfloat16 (16-bit types travel as raw bits).
 template <int DT> struct Store { typedef u16 T; };
@@ -69,6 +82,22 @@ __device__ __forceinline__ uint4 ld16(const void* p) {
         : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
     return r;
 }
+
+// Loads through L2 only: partials written by other CTAs of the same launch.
+__device__ __forceinline__ float2 ldcg2(const float* p) {
+    float2 r;
+    asm volatile("ld.global.cg.v2.f32 {%0,%1}, [%2];" : "=f"(r.x), "=f"(r.y) : "l"(p));
+    return r;
+}
+__device__ __forceinline__ float ldcg1(const float* p) {
+    float r;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(r) : "l"(p));
+    return r;
+}
+// One arrival at a split counter (after a fence that publishes this CTA's partials);
+// returns the count before it. The last arrival resets it for the next call.
+__device__ __forceinline__ int arrive(int* c) { __threadfence(); return atomicAdd(c, 1); }
+__device__ __forceinline__ void fence() { __threadfence(); }
 
 // 16 bytes global -> shared without registers; ok == false writes zeros.
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool ok) {
@@ -105,6 +134,15 @@ template <int DT> __device__ __forceinline__ typename Store<DT>::T from_f32(floa
         else asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(x));
         return h;
     }
+}
+
+// Four 8x8 matrices of 16-bit elements from shared memory, transposed: lanes 8 i .. 8 i + 7
+// give the addresses of matrix i's 8 rows (16 bytes each); register i of lane 4 g + t gets
+// matrix i's elements (row 2 t, column g) and (row 2 t + 1, column g).
+__device__ __forceinline__ void ldsm_x4_trans(const void* row, u32 (&r)[4]) {
+    const u32 a = (u32)__cvta_generic_to_shared(row);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a) : "memory");
 }
 
 // c += A * B for one m16n8k16 tile; float32 accumulators.
@@ -183,7 +221,82 @@ __device__ __forceinline__ bool locate_tile(const int* tile_cum, int num_seqs, i
     return true;
 }
 
-template <int DT, int D, int WKV>
+// The same without a tile_cum buffer (one launch, no prefix-sum kernels before it):
+// each warp scans ceil(q_len / tq) over the sequences, 32 at a time, with shuffles.
+__device__ __forceinline__ bool locate_tile_scan(const int* cu_seqlens, int num_seqs, int tq, int x, int& b, int& tile) {
+    const int lane = threadIdx.x & 31;
+    int before = 0;                                          // tiles of the sequences passed
+    for (int s0 = 0; s0 < num_seqs; s0 += 32) {
+        const int j = s0 + lane;
+        const int n = j < num_seqs ? (cu_seqlens[j + 1] - cu_seqlens[j] + tq - 1) / tq : 0;
+        int inc = n;                                         // inclusive prefix sum over lanes
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int y = __shfl_up_sync(FULL_MASK, inc, o);
+            if (lane >= o) inc += y;
+        }
+        const unsigned hit = __ballot_sync(FULL_MASK, j < num_seqs && before + inc > x);
+        if (hit) {
+            const int l = __ffs(hit) - 1;
+            b = s0 + l;
+            tile = x - before - __shfl_sync(FULL_MASK, inc - n, l);
+            return true;
+        }
+        before += __shfl_sync(FULL_MASK, inc, 31);
+    }
+    return false;
+}
+
+// One warp merges one (query token, head) row: out = sum over the row's first
+// ns splits of 2^(lse_s - max) o_s / sum 2^(lse_s - max). Lanes own D/32
+// consecutive dims; the split loop is unrolled so that many partial rows are in
+// flight at once (a merge is latency-bound, not bandwidth).
+template <int DT, int D>
+__device__ __forceinline__ void merge_row(const float* part_o, const float* part_lse, typename Store<DT>::T* out,
+                                          i64 row, int ns, int num_splits, int lane)
+{
+    constexpr int DPL = D / 32;
+    const float* lse = part_lse + row * num_splits;
+    const float* po = part_o + row * num_splits * D + lane * DPL;
+    float M = NEG_INF;
+    for (int s = lane; s < ns; s += 32) M = fmaxf(M, ldcg1(lse + s));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(FULL_MASK, M, o));
+    float acc[DPL];
+#pragma unroll
+    for (int i = 0; i < DPL; ++i) acc[i] = 0.f;
+    float L = 0.f;
+    if (M != NEG_INF) {
+        for (int s0 = 0; s0 < ns; s0 += 32) {
+            const float w_lane = s0 + lane < ns ? exp2f(ldcg1(lse + s0 + lane) - M) : 0.f;
+            const int n = min(32, ns - s0);
+#pragma unroll 8
+            for (int j = 0; j < n; ++j) {
+                const float w = __shfl_sync(FULL_MASK, w_lane, j);
+                const float* p = po + (i64)(s0 + j) * D;
+                L += w;
+#pragma unroll
+                for (int i = 0; i < DPL / 2; ++i) {
+                    const float2 v = ldcg2(p + 2 * i);
+                    acc[2 * i] += w * v.x;
+                    acc[2 * i + 1] += w * v.y;
+                }
+            }
+        }
+    }
+    const float inv = L > 0.f ? 1.f / L : 0.f;
+    typename Store<DT>::T* o = out + row * D + lane * DPL;
+#pragma unroll
+    for (int i = 0; i < DPL; ++i) o[i] = from_f32<DT>(acc[i] * inv);
+}
+
+// Splits of a row that the attention kernel runs: those that start before the
+// row's last visible key (at least split 0, which also covers an empty row).
+__device__ __forceinline__ int splits_run(int lim, int chunk, int num_splits) {
+    return lim <= 0 ? 1 : min(num_splits, (lim + chunk - 1) / chunk);
+}
+
+template <int DT, int D, int WKV, int NS, int KT>
 __global__ void __launch_bounds__(128) paged_attention_kernel(
     const typename Store<DT>::T* __restrict__ q, i64 q_stride_t, i64 q_stride_h,
     const typename Store<DT>::T* __restrict__ k_cache, const typename Store<DT>::T* __restrict__ v_cache,
@@ -191,7 +304,7 @@ __global__ void __launch_bounds__(128) paged_attention_kernel(
     const int* __restrict__ block_tables, i64 bt_stride, int max_blocks,
     const int* __restrict__ seq_lens, const int* __restrict__ cu_seqlens, const int* __restrict__ tile_cum,
     int num_seqs, int group, float scale_log2, int chunk, int num_splits,
-    typename Store<DT>::T* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_lse)
+    typename Store<DT>::T* __restrict__ out, float* part_o, float* part_lse, int* __restrict__ counters)
 {
     using T = typename Store<DT>::T;
     constexpr int warps_kv = WKV;              // warps splitting one row tile's keys (4 decode, 1 prefill)
@@ -200,10 +313,13 @@ __global__ void __launch_bounds__(128) paged_attention_kernel(
     constexpr int ES = DT == 0 ? 4 : 2;
     constexpr int RB = D * ES;                 // bytes per K/V row
     constexpr int CPR = RB / 16;               // 16-byte chunks per row
-    constexpr int SB = 32 * RB;                // one stage: 16 K rows then 16 V rows
+    constexpr int SB = 2 * KT * RB;            // one stage: KT K rows then KT V rows
+    constexpr int NT = KT / 8;                 // 8-key n-tiles of S per stage
+    static_assert(KT % 16 == 0 && NS >= 2, "stages hold whole 16-key MMA steps");
     constexpr int NQ = D / 32;                 // Q/K 8-element chunks per lane (two k-steps each)
     constexpr int NV = D / 64;                 // 64-dim V chunks (eight n-tiles each)
     constexpr int SROW = D + 1;                // padded epilogue row
+    constexpr int RW = 16;                     // rows per warp (one m-tile)
     extern __shared__ uint4 smem4[];
     unsigned char* smem = reinterpret_cast<unsigned char*>(smem4);
 
@@ -213,7 +329,7 @@ __global__ void __launch_bounds__(128) paged_attention_kernel(
 
     int b, tile;
     if (!locate_tile(tile_cum, num_seqs, blockIdx.x, b, tile)) return;
-    const int tq = (16 * warps_row) / group;                 // query tokens per CTA tile
+    const int tq = (RW * warps_row) / group;                 // query tokens per CTA tile
     const int q_begin = cu_seqlens ? cu_seqlens[b] : b;
     const int q_len = cu_seqlens ? cu_seqlens[b + 1] - q_begin : 1;
     const int tok0 = tile * tq;
@@ -224,78 +340,95 @@ __global__ void __launch_bounds__(128) paged_attention_kernel(
     const int first_pos = seq_len - q_len;                   // position of query 0
     const int cta_hi = min(kv_len, first_pos + tok0 + ntok); // keys the tile's last token sees
     const int kv_begin = split * chunk;
-    if (kv_begin >= cta_hi && num_splits > 1) return;        // merge skips this split
+    if (kv_begin >= cta_hi && split > 0) return;             // merge skips this split
     const int kv_end = split == num_splits - 1 ? cta_hi : min(cta_hi, kv_begin + chunk);
 
-    // This lane's two rows: r0 = 16 * wr + g and r0 + 8; row r = (token r / group, head r % group).
+    // This lane's rows: r0 = RW * wr + g and r0 + 8; row r = (token r / group, head r % group).
     const int wr = warp / warps_kv, wk = warp - wr * warps_kv;
     int lim[2];                                              // row attends to positions < lim
     u32 qh[2][NQ][4], ql[2][NQ][4];
+    int lim_hi = 0;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-        const int r = 16 * wr + g + 8 * i;
+        const int r = RW * wr + g + 8 * i;
         const int tok = r / group, head = r - tok * group;
         const bool valid = r < ntok * group;
         lim[i] = valid ? min(first_pos + tok0 + tok + 1, kv_end) : 0;
+        lim_hi = max(lim_hi, lim[i]);
         const T* qp = q + (i64)(q_begin + tok0 + tok) * q_stride_t + (i64)(kvh * group + head) * q_stride_h + 8 * t4;
 #pragma unroll
         for (int c = 0; c < NQ; ++c) load8<DT>(qp + 32 * c, valid, qh[i][c], ql[i][c]);
     }
-    const int w_hi = __reduce_max_sync(FULL_MASK, max(lim[0], lim[1]));
+    const int w_hi = __reduce_max_sync(FULL_MASK, lim_hi);
 
     float acc[8 * NV][4];
 #pragma unroll
     for (int n = 0; n < 8 * NV; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
-    float m_run[2] = {NEG_INF, NEG_INF}, l_run[2] = {0.f, 0.f};
+    float m_run[2], l_run[2];
+    m_run[0] = m_run[1] = NEG_INF, l_run[0] = l_run[1] = 0.f;
 
     // The warps with the same wk share one ring and walk keys kv_begin + 16 (wk + warps_kv k).
     const int* bt = block_tables + (i64)b * bt_stride;
     const int bs_mask = (1 << bs_log2) - 1;
     const int head_row = kvh << bs_log2;                     // first row of this KV head in a block
-    const int step = 16 * warps_kv;
-    const int first = kv_begin + 16 * wk;
+    const int step = KT * warps_kv;
+    const int first = kv_begin + KT * wk;
     const int ntiles = kv_end > first ? (kv_end - first + step - 1) / step : 0;
     unsigned char* ring = smem + wk * (NS * SB);
 
-    // Ring filling. A stage holds 32 rows (K tokens 0-15, then V tokens 0-15) of CPR
-    // 16-byte chunks. TPR threads share a row per pass (at least 2, so a warp reads
-    // whole 32-byte sectors), a pass covers RPP rows, and each thread keeps the same
-    // rows and chunk column for every tile: its chunk addresses are constant offsets
-    // from one row pointer per row group, its swizzle one XOR.
-    constexpr int TPR = GT >= 64 ? GT / 32 : 2;
-    constexpr int RPP = GT / TPR;              // rows per pass: 16 or 32
-    constexpr int RG = 32 / RPP;               // passes over rows
-    constexpr int CG = CPR / TPR;              // chunks per row and thread
-    static_assert(CPR % TPR == 0 && RPP % 16 == 0, "the ring's threads must tile a stage");
+    // Ring filling: a stage holds KT K rows, then KT V rows, of CPR 16-byte chunks.
+    // Consecutive threads take consecutive 16-byte chunks of a key row and then of the
+    // next rows, so one warp instruction moves 512 contiguous bytes (whole 128-byte
+    // lines; a block's rows of one head are contiguous). Keys come in
+    // groups of 8 that never straddle a block (block_size >= 8, stages start at
+    // multiples of 8): one table read and one 64-bit offset per group and stage.
+    constexpr int LR = GT / CPR > 0 ? GT / CPR : 1;       // rows per pass (1 if a row needs several)
+    constexpr int LC = GT / CPR > 0 ? CPR : GT;           // threads per row in a pass
+    constexpr int LP = (KT * CPR) / GT;                   // passes per tensor and stage
+    constexpr int LRG = LR > 8 ? LR / 8 : 1;              // 8-key groups one pass touches
     const int gtid = 32 * wr + lane;
-    const int trow = gtid / TPR, tcol = gtid % TPR;
-    int rr_of[RG], xr_of[RG];
-#pragma unroll
-    for (int a = 0; a < RG; ++a) {
-        rr_of[a] = a * RPP + trow;                           // stage row: < 16 K, else V
-        xr_of[a] = tcol ^ swz(rr_of[a] & 15);
-    }
+    const int lrow = gtid / LC, lcol = gtid % LC;
+    static_assert(LP >= 1 && (KT * CPR) % GT == 0, "the ring's threads must tile a stage");
 
-    // Stream tile k (K and V, 16 keys each) into its stage; zeros past the sequence
+    // Stream tile k (K and V, KT keys each) into its stage; zeros past the sequence
     // or for a block id outside the pool.
     auto issue = [&](int k) {
         const int base = first + step * k;
         unsigned char* st = ring + (k % NS) * SB;
+        const unsigned char* kb = reinterpret_cast<const unsigned char*>(k_cache);
+        const unsigned char* vb = reinterpret_cast<const unsigned char*>(v_cache);
+        // Byte offsets of each 8-key group's first row (before the loads: the
+        // cp.async "memory" clobbers would stop the compiler from sharing table reads).
+        i64 gk[NT], gv[NT];
+        bool gok[NT];
 #pragma unroll
-        for (int a = 0; a < RG; ++a) {
-            const int rr = rr_of[a], r = rr & 15;
-            const int pos = base + r;
-            int id = -1;
-            if (pos < kv_len) id = bt[pos >> bs_log2];
-            const bool ok = pos < kv_len && (unsigned)id < (unsigned)num_blocks;
-            const T* cache = rr < 16 ? k_cache : v_cache;
-            const i64 stride = rr < 16 ? k_stride : v_stride;
-            const unsigned char* src = reinterpret_cast<const unsigned char*>(
-                cache + (ok ? (i64)id * stride + (i64)(head_row + (pos & bs_mask)) * D : 0)) + 16 * tcol;
-            unsigned char* dst = st + rr * RB;
+        for (int q = 0; q < NT; ++q) {
+            const int pos0 = base + 8 * q;
+            const int id = pos0 < kv_len ? bt[pos0 >> bs_log2] : -1;
+            gok[q] = (unsigned)id < (unsigned)num_blocks;
+            const i64 row_el = (i64)(head_row + (pos0 & bs_mask)) * D;
+            gk[q] = gok[q] ? ((i64)id * k_stride + row_el) * ES : 0;
+            gv[q] = gok[q] ? ((i64)id * v_stride + row_el) * ES : 0;
+        }
 #pragma unroll
-            for (int c = 0; c < CG; ++c)
-                cp_async16(dst + (((c * TPR) ^ xr_of[a]) << 4), src + 16 * TPR * c, ok);
+        for (int p = 0; p < LP; ++p) {
+            // pass p covers rows p * LR .. + LR - 1, or (LR == 1 and CPR > GT) a part of one row
+            const int r0 = GT >= CPR ? p * LR : (p * GT) / CPR;  // compile-time
+            const int r = r0 + (GT >= CPR ? lrow : 0);
+            const int j = GT >= CPR ? lcol : (p * GT) % CPR + lcol;
+            const int q = r0 >> 3;
+            i64 ko = gk[q], vo = gv[q];
+            bool ok = gok[q];
+            if constexpr (LRG > 1) {
+#pragma unroll
+                for (int e = 1; e < LRG; ++e)
+                    if ((r >> 3) == q + e) { ko = gk[q + e]; vo = gv[q + e]; ok = gok[q + e]; }
+            }
+            ok = ok && base + r < kv_len;
+            const int in_grp = (r & 7) * RB + 16 * j;
+            const int xo = (j ^ swz(r)) << 4;
+            cp_async16(st + r * RB + xo, kb + (ok ? ko + in_grp : 0), ok);
+            cp_async16(st + (KT + r) * RB + xo, vb + (ok ? vo + in_grp : 0), ok);
         }
     };
 
@@ -312,14 +445,15 @@ __global__ void __launch_bounds__(128) paged_attention_kernel(
         const int base = first + step * k;
         if (base >= w_hi) continue;                          // no row of this warp needs these keys
         const unsigned char* kt = ring + (k % NS) * SB;
-        const unsigned char* vt = kt + 16 * RB;
+        const unsigned char* vt = kt + KT * RB;
 
         // S = Q K^T: n-tile nt covers tokens 8 nt .. 8 nt + 7; this lane reads token 8 nt + g,
         // dims 32 c + 8 t4 .. + 7 (fragment elements of k-steps 2c and 2c + 1).
-        float s[2][4];
+        float s[NT][4];
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
+        for (int nt = 0; nt < NT; ++nt) {
             s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+            if (KT > 16 && base + 8 * nt >= w_hi) continue;  // past every row's causal limit (masked below)
 #pragma unroll
             for (int c = 0; c < NQ; ++c) {
                 u32 kh[4], kl[4];
@@ -336,10 +470,12 @@ __global__ void __launch_bounds__(128) paged_attention_kernel(
         }
 
         // Online softmax in the log2 domain. s[nt][e] is (row r0, token 8 nt + 2 t4 + e),
-        // s[nt][2 + e] is (row r0 + 8, same token); a row's 16 scores live on its 4 lanes.
+        // s[nt][2 + e] is (row r0 + 8, same token); a row's KT scores live on its 4 lanes.
+        float corr[2];
+        bool moved = false;
         float mx[2] = {NEG_INF, NEG_INF};
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt)
+        for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int i = e >> 1;
@@ -348,60 +484,68 @@ __global__ void __launch_bounds__(128) paged_attention_kernel(
                 s[nt][e] = x;
                 mx[i] = fmaxf(mx[i], x);
             }
-        float corr[2], msafe[2];
+        float msafe[2];
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
             mx[i] = fmaxf(mx[i], __shfl_xor_sync(FULL_MASK, mx[i], 1));
             mx[i] = fmaxf(mx[i], __shfl_xor_sync(FULL_MASK, mx[i], 2));
             const float m_new = fmaxf(m_run[i], mx[i]);
-            msafe[i] = m_new == NEG_INF ? 0.f : m_new;       // no key yet: keep exp2 finite
+            msafe[i] = m_new == NEG_INF ? 0.f : m_new;   // no key yet: keep exp2 finite
             corr[i] = m_new == m_run[i] ? 1.f : exp2f(m_run[i] - msafe[i]);
+            moved = moved || corr[i] != 1.f;
             m_run[i] = m_new;
             l_run[i] *= corr[i];
         }
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt)
+        for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 s[nt][e] = exp2f(s[nt][e] - msafe[e >> 1]);
                 l_run[e >> 1] += s[nt][e];
             }
-        if (__any_sync(FULL_MASK, corr[0] != 1.f || corr[1] != 1.f)) {   // rare once the max settles
+        if (__any_sync(FULL_MASK, moved)) {                  // rare once the max settles
 #pragma unroll
             for (int n = 0; n < 8 * NV; ++n) {
                 acc[n][0] *= corr[0]; acc[n][1] *= corr[0];
                 acc[n][2] *= corr[1]; acc[n][3] *= corr[1];
             }
         }
-        // P as the A operand: (row r0, tokens 2t4, 2t4+1), (r0+8, same), then tokens + 8.
-        u32 ph[4], pl[4];
-        ph[0] = pack2<DT>(s[0][0], s[0][1]); ph[1] = pack2<DT>(s[0][2], s[0][3]);
-        ph[2] = pack2<DT>(s[1][0], s[1][1]); ph[3] = pack2<DT>(s[1][2], s[1][3]);
-        if constexpr (DT == 0) {
-            pl[0] = pack2<2>(s[0][0] - bf16_low(ph[0]), s[0][1] - bf16_high(ph[0]));
-            pl[1] = pack2<2>(s[0][2] - bf16_low(ph[1]), s[0][3] - bf16_high(ph[1]));
-            pl[2] = pack2<2>(s[1][0] - bf16_low(ph[2]), s[1][1] - bf16_high(ph[2]));
-            pl[3] = pack2<2>(s[1][2] - bf16_low(ph[3]), s[1][3] - bf16_high(ph[3]));
-        }
-        // O += P V. This lane reads V tokens 2t4, 2t4+1, 8+2t4, 9+2t4 at dims 64c + 8g .. + 7;
-        // pairing two token rows gives the B operand of n-tile (c, j), output dim 64c + 8g + j.
 #pragma unroll
-        for (int c = 0; c < NV; ++c) {
-            u32 vh[4][4], vl[4][4];
+        for (int kk = 0; kk < KT / 16; ++kk) {
+            if (KT > 16 && base + 16 * kk >= w_hi) break;     // all-zero P from here on
+            // P as the A operand: (row r0, tokens 2t4, 2t4+1), (r0+8, same), then tokens + 8.
+            u32 ph[4], pl[4];
+            const float (&s0)[4] = s[2 * kk];
+            const float (&s1)[4] = s[2 * kk + 1];
+            ph[0] = pack2<DT>(s0[0], s0[1]); ph[1] = pack2<DT>(s0[2], s0[3]);
+            ph[2] = pack2<DT>(s1[0], s1[1]); ph[3] = pack2<DT>(s1[2], s1[3]);
+            if constexpr (DT == 0) {
+                pl[0] = pack2<2>(s0[0] - bf16_low(ph[0]), s0[1] - bf16_high(ph[0]));
+                pl[1] = pack2<2>(s0[2] - bf16_low(ph[1]), s0[3] - bf16_high(ph[1]));
+                pl[2] = pack2<2>(s1[0] - bf16_low(ph[2]), s1[1] - bf16_high(ph[2]));
+                pl[3] = pack2<2>(s1[2] - bf16_low(ph[3]), s1[3] - bf16_high(ph[3]));
+            }
+            // O += P V. This lane reads V tokens 2t4, 2t4+1, 8+2t4, 9+2t4 (of this 16-key step)
+            // at dims 64c + 8g .. + 7; pairing two token rows gives the B operand of n-tile
+            // (c, j), output dim 64c + 8g + j.
 #pragma unroll
-            for (int rr = 0; rr < 4; ++rr)
-                read8<DT, D>(vt, 8 * (rr >> 1) + 2 * t4 + (rr & 1), 64 * c + 8 * g, vh[rr], vl[rr]);
+            for (int c = 0; c < NV; ++c) {
+                u32 vh[4][4], vl[4][4];
 #pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                const u32 sel = (j & 1) ? 0x7632u : 0x5410u;
-                const int k2 = j >> 1;
-                const u32 b0 = __byte_perm(vh[0][k2], vh[1][k2], sel);
-                const u32 b1 = __byte_perm(vh[2][k2], vh[3][k2], sel);
-                mma<DT>(acc[8 * c + j], ph[0], ph[1], ph[2], ph[3], b0, b1);
-                if constexpr (DT == 0) {
-                    mma<DT>(acc[8 * c + j], ph[0], ph[1], ph[2], ph[3],
-                            __byte_perm(vl[0][k2], vl[1][k2], sel), __byte_perm(vl[2][k2], vl[3][k2], sel));
-                    mma<DT>(acc[8 * c + j], pl[0], pl[1], pl[2], pl[3], b0, b1);
+                for (int rr = 0; rr < 4; ++rr)
+                    read8<DT, D>(vt, 16 * kk + 8 * (rr >> 1) + 2 * t4 + (rr & 1), 64 * c + 8 * g, vh[rr], vl[rr]);
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    const u32 sel = (j & 1) ? 0x7632u : 0x5410u;
+                    const int k2 = j >> 1;
+                    const u32 b0 = __byte_perm(vh[0][k2], vh[1][k2], sel);
+                    const u32 b1 = __byte_perm(vh[2][k2], vh[3][k2], sel);
+                    mma<DT>(acc[8 * c + j], ph[0], ph[1], ph[2], ph[3], b0, b1);
+                    if constexpr (DT == 0) {
+                        mma<DT>(acc[8 * c + j], ph[0], ph[1], ph[2], ph[3],
+                                __byte_perm(vl[0][k2], vl[1][k2], sel), __byte_perm(vl[2][k2], vl[3][k2], sel));
+                        mma<DT>(acc[8 * c + j], pl[0], pl[1], pl[2], pl[3], b0, b1);
+                    }
                 }
             }
         }
@@ -417,22 +561,23 @@ __global__ void __launch_bounds__(128) paged_attention_kernel(
     }
     __syncthreads();                                         // the rings are free: reuse them
     float* smf = reinterpret_cast<float*>(smem);
-    float* so = smf + warp * 16 * SROW;
-    float* sm_m = smf + 4 * 16 * SROW;
-    float* sm_l = sm_m + 64;
+    float* so = smf + warp * RW * SROW;
+    float* sm_m = smf + 4 * RW * SROW;
+    float* sm_l = sm_m + 4 * RW;
 #pragma unroll
     for (int c = 0; c < NV; ++c)
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
             const int d0 = 64 * c + 16 * t4 + j;                 // output cols 2t4, 2t4+1 of n-tile (c, j)
-            so[g * SROW + d0] = acc[8 * c + j][0];
-            so[g * SROW + d0 + 8] = acc[8 * c + j][1];
-            so[(g + 8) * SROW + d0] = acc[8 * c + j][2];
-            so[(g + 8) * SROW + d0 + 8] = acc[8 * c + j][3];
+            float* o0 = so + g * SROW + d0;
+            o0[0] = acc[8 * c + j][0];
+            o0[8] = acc[8 * c + j][1];
+            o0[8 * SROW] = acc[8 * c + j][2];
+            o0[8 * SROW + 8] = acc[8 * c + j][3];
         }
     if (t4 == 0) {
-        sm_m[warp * 16 + g] = m_run[0]; sm_m[warp * 16 + g + 8] = m_run[1];
-        sm_l[warp * 16 + g] = l_run[0]; sm_l[warp * 16 + g + 8] = l_run[1];
+        sm_m[warp * RW + g] = m_run[0]; sm_m[warp * RW + g + 8] = m_run[1];
+        sm_l[warp * RW + g] = l_run[0]; sm_l[warp * RW + g + 8] = l_run[1];
     }
     __syncthreads();
 
@@ -440,15 +585,15 @@ __global__ void __launch_bounds__(128) paged_attention_kernel(
     const int rows = ntok * group;
     for (int idx = threadIdx.x; idx < rows * D; idx += blockDim.x) {
         const int r = idx / D, d = idx - r * D;
-        const int w0 = (r >> 4) * warps_kv, lr = r & 15;
+        const int w0 = (r / RW) * warps_kv, lr = r % RW;
         float M = NEG_INF;
-        for (int w = w0; w < w0 + warps_kv; ++w) M = fmaxf(M, sm_m[w * 16 + lr]);
+        for (int w = w0; w < w0 + warps_kv; ++w) M = fmaxf(M, sm_m[w * RW + lr]);
         float L = 0.f, O = 0.f;
         if (M != NEG_INF) {
             for (int w = w0; w < w0 + warps_kv; ++w) {
-                const float f = exp2f(sm_m[w * 16 + lr] - M);
-                L += f * sm_l[w * 16 + lr];
-                O += f * smf[(w * 16 + lr) * SROW + d];
+                const float f = exp2f(sm_m[w * RW + lr] - M);
+                L += f * sm_l[w * RW + lr];
+                O += f * smf[(w * RW + lr) * SROW + d];
             }
         }
         const float o = L > 0.f ? O / L : 0.f;
@@ -462,20 +607,305 @@ __global__ void __launch_bounds__(128) paged_attention_kernel(
             if (d == 0) part_lse[pi] = L > 0.f ? M + log2f(L) : NEG_INF;
         }
     }
+    if (num_splits == 1 || counters == nullptr) return;      // merge_splits_kernel follows
+
+    // Fused merge: the last split CTA of this (tile, KV head) to finish merges its rows,
+    // saving a launch and its latency (what dominates small batches).
+    int* flag = reinterpret_cast<int*>(sm_l + 4 * RW);
+    __syncthreads();                                         // every partial of this CTA is written
+    if (threadIdx.x == 0) {
+        const int expected = splits_run(cta_hi, chunk, num_splits);
+        int* c = counters + ((i64)blockIdx.x * gridDim.y + blockIdx.y);
+        const int last = arrive(c) == expected - 1;
+        if (last) *c = 0;                                    // ready for the next call on this stream
+        *flag = last;
+    }
+    __syncthreads();
+    if (!*flag) return;
+    fence();                                                 // the other splits' partials are visible
+    for (int r = warp; r < rows; r += 4) {
+        const int tok = r / group;
+        const i64 row = (i64)(q_begin + tok0 + tok) * hq + kvh * group + (r - tok * group);
+        const int lim = min(first_pos + tok0 + tok + 1, kv_len);
+        merge_row<DT, D>(part_o, part_lse, out, row, lim <= 0 ? 0 : splits_run(lim, chunk, num_splits), num_splits, lane);
+    }
 }
 
-// One warp per (query token, head): out = sum over the row's splits of
-// 2^(lse_s - max) o_s / sum 2^(lse_s - max). A split counts only if the
-// attention kernel ran it for this row (it covers some of the row's keys).
-// Lanes own D/32 consecutive dims; the split loop is unrolled so that many
-// partial rows are in flight at once (the merge is latency-bound, not bandwidth).
+// Swizzle of the prefill kernel's tiles: chunk j of row r sits at chunk j ^ swz_p(r).
+// swz_p is a bijection on r % 8 (ldmatrix's 8 rows of one chunk hit 8 bank groups) whose
+// values for rows 2q and 2q + 1 differ in bit 2 (a quarter-warp reading rows 2q, 2q + 1 x
+// chunks 4c .. 4c + 3, the Q and K fragment reads, hits 8 bank groups too).
+__device__ __forceinline__ int swz_p(int r) { return ((r & 1) << 2) | ((r >> 1) & 3); }
+
+// Dedicated prefill (16-bit types, head_dim 64/128): a CTA of 4 warps owns RW = 16 MT
+// query rows per warp (64 MT per CTA) of one KV head and walks the keys in 64-key tiles.
+// Per tile: one cp.async group (K and V, 2-stage ring), one __syncthreads, then per warp
+// S = Q K^T over 64 keys (Q fragments re-read from shared memory, so registers hold the
+// 64-key S and the output accumulators only), one online-softmax step (masking only on
+// tiles that cross a row's causal limit) and O += P V. Rows are written straight from
+// registers: no split-KV, no cross-warp merge. V fragments come from ldmatrix.trans.
+// The grid runs the longest query tiles (the last ones of each sequence) first.
+template <int DT, int D, int MT>
+__global__ void __launch_bounds__(128, 2) prefill_kernel(
+    const typename Store<DT>::T* __restrict__ q, i64 q_stride_t, i64 q_stride_h,
+    const typename Store<DT>::T* __restrict__ k_cache, const typename Store<DT>::T* __restrict__ v_cache,
+    i64 k_stride, i64 v_stride, int num_blocks, int num_kv_heads, int bs_log2,
+    const int* __restrict__ block_tables, i64 bt_stride, int max_blocks,
+    const int* __restrict__ seq_lens, const int* __restrict__ cu_seqlens, const int* __restrict__ tile_cum,
+    int num_seqs, int group, float scale_log2, int chunk, int num_splits,
+    typename Store<DT>::T* __restrict__ out, float* part_o, float* part_lse, int* __restrict__ counters)
+{
+    static_assert(DT != 0 && (D == 64 || D == 128), "16-bit types, head_dim 64 or 128");
+    using T = typename Store<DT>::T;
+    constexpr int KT = 64;                     // keys per tile
+    constexpr int RB = D * 2;                  // bytes per K/V/Q row
+    constexpr int CPR = RB / 16;               // 16-byte chunks per row
+    constexpr int RW = 16 * MT;                // rows per warp
+    constexpr int BM = 4 * RW;                 // rows per CTA
+    constexpr int NT = KT / 8;                 // 8-key n-tiles of S
+    constexpr int NQ = D / 32;                 // 8-element Q/K chunks per lane (two k-steps each)
+    constexpr int NV = D / 64;                 // 64-dim V chunks (eight n-tiles each)
+    constexpr int SB = 2 * KT * RB;            // one stage: KT K rows then KT V rows
+    constexpr int LR = 128 / CPR;              // rows per fill pass
+    constexpr int LP = KT / LR;                // fill passes per tensor and tile
+    extern __shared__ uint4 smem4[];
+    unsigned char* smem = reinterpret_cast<unsigned char*>(smem4);
+    unsigned char* qs = smem;                  // BM rows of Q, swizzled like K
+    unsigned char* ring = smem + BM * RB;
+
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tid = threadIdx.x;
+    const int g = lane >> 2, t4 = lane & 3;
+    // One grid dimension, KV head fastest: CTAs start in order of blockIdx, so every KV
+    // head's longest tiles (the last of each sequence) start first.
+    const int kvh = blockIdx.x % num_kv_heads;
+    const int x = gridDim.x / num_kv_heads - 1 - blockIdx.x / num_kv_heads;
+    const int tq = BM / group;                 // query tokens per CTA
+    int b, tile;
+    if (!locate_tile_scan(cu_seqlens, num_seqs, tq, x, b, tile)) return;
+    const int q_begin = cu_seqlens[b];
+    const int q_len = cu_seqlens[b + 1] - q_begin;
+    const int tok0 = tile * tq;
+    const int ntok = min(tq, q_len - tok0);
+    if (ntok <= 0) return;
+    const int seq_len = seq_lens[b];
+    const int kv_len = min(seq_len, max_blocks << bs_log2);
+    const int first_pos = seq_len - q_len;
+    const int cta_hi = max(0, min(kv_len, first_pos + tok0 + ntok));
+    const int ntiles = (cta_hi + KT - 1) / KT;
+    const int hq = num_kv_heads * group;
+    const int nrows = ntok * group;
+
+    // Q tile -> shared memory (zeros for rows past the tile), in the first cp.async group.
+    {
+        const int lc = tid % CPR;
+#pragma unroll
+        for (int p = 0; p < BM / LR; ++p) {
+            const int r = p * LR + tid / CPR;
+            const int tok = r / group, head = r - tok * group;
+            const bool ok = r < nrows;
+            const T* src = q + (ok ? (i64)(q_begin + tok0 + tok) * q_stride_t + (i64)(kvh * group + head) * q_stride_h : 0);
+            cp_async16(qs + r * RB + ((lc ^ swz_p(r)) << 4), reinterpret_cast<const unsigned char*>(src) + 16 * lc, ok);
+        }
+    }
+    // Tile k's K and V rows: pass p covers rows p LR .. + LR - 1 (whole 8-key groups,
+    // never straddling a block); consecutive threads copy consecutive 16-byte chunks.
+    const int* bt = block_tables + (i64)b * bt_stride;
+    const int bs_mask = (1 << bs_log2) - 1;
+    const int head_row = kvh << bs_log2;
+    const unsigned char* kb = reinterpret_cast<const unsigned char*>(k_cache);
+    const unsigned char* vb = reinterpret_cast<const unsigned char*>(v_cache);
+    const int lrow = tid / CPR, lcol = tid % CPR;
+    auto issue = [&](int k) {
+        unsigned char* st = ring + (k & 1) * SB;
+        int ids[LP];
+#pragma unroll
+        for (int p = 0; p < LP; ++p) {                  // table reads first (all in flight), then the copies
+            const int pos = KT * k + p * LR + lrow;
+            ids[p] = pos < kv_len ? bt[pos >> bs_log2] : -1;
+        }
+#pragma unroll
+        for (int p = 0; p < LP; ++p) {
+            const int r = p * LR + lrow;
+            const bool ok = (unsigned)ids[p] < (unsigned)num_blocks;
+            const i64 row_el = (i64)(head_row + ((KT * k + r) & bs_mask)) * D;
+            const i64 ko = ok ? ((i64)ids[p] * k_stride + row_el) * 2 + 16 * lcol : 0;
+            const i64 vo = ok ? ((i64)ids[p] * v_stride + row_el) * 2 + 16 * lcol : 0;
+            const int xo = r * RB + ((lcol ^ swz_p(r)) << 4);
+            cp_async16(st + xo, kb + ko, ok);
+            cp_async16(st + KT * RB + xo, vb + vo, ok);
+        }
+    };
+    if (ntiles > 0) issue(0);
+    cp_async_commit();
+
+    // This lane's rows: m-tile m, half i -> row RW warp + 16 m + g + 8 i = (token, head).
+    int lim[MT][2];
+    int lo = 0x7fffffff, hi = 0;
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const int r = RW * warp + 16 * m + g + 8 * i;
+            const bool valid = r < nrows;
+            lim[m][i] = valid ? max(0, min(first_pos + tok0 + r / group + 1, kv_len)) : 0;
+            if (valid) { lo = min(lo, lim[m][i]); hi = max(hi, lim[m][i]); }
+        }
+    // 16-byte chunk j of row r of a tile, as four registers (elements 2k, 2k + 1 in reg k).
+    auto chunk_at = [](const unsigned char* tile, int r, int j) {
+        return *reinterpret_cast<const uint4*>(tile + r * RB + ((j ^ swz_p(r)) << 4));
+    };
+    const int w_hi = __reduce_max_sync(FULL_MASK, hi);     // keys past this: no row of the warp
+    const int w_lo = -__reduce_max_sync(FULL_MASK, -lo);   // keys below this: every row, unmasked
+
+    float acc[MT][8 * NV][4];
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int n = 0; n < 8 * NV; ++n) acc[m][n][0] = acc[m][n][1] = acc[m][n][2] = acc[m][n][3] = 0.f;
+    float m_run[MT][2], l_run[MT][2];
+#pragma unroll
+    for (int m = 0; m < MT; ++m) m_run[m][0] = m_run[m][1] = NEG_INF, l_run[m][0] = l_run[m][1] = 0.f;
+
+    for (int k = 0; k < ntiles; ++k) {
+        cp_async_wait<0>();                                // tile k (and Q) landed for this thread
+        __syncthreads();                                   // for all threads; tile k - 1 is consumed
+        if (k + 1 < ntiles) issue(k + 1);
+        cp_async_commit();
+        const int base = KT * k;
+        if (base >= w_hi) continue;
+        const unsigned char* kt = ring + (k & 1) * SB;
+        const unsigned char* vt = kt + KT * RB;
+
+        // S = Q K^T (lane: token 8 nt + g of K, dims 32 c + 8 t4 .. + 7 of Q and K).
+        float s[MT][NT][4];
+#pragma unroll
+        for (int m = 0; m < MT; ++m)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) s[m][nt][0] = s[m][nt][1] = s[m][nt][2] = s[m][nt][3] = 0.f;
+#pragma unroll
+        for (int c = 0; c < NQ; ++c) {
+            uint4 qa[MT][2];
+#pragma unroll
+            for (int m = 0; m < MT; ++m)
+#pragma unroll
+                for (int i = 0; i < 2; ++i) qa[m][i] = chunk_at(qs, RW * warp + 16 * m + g + 8 * i, 4 * c + t4);
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                if (base + 8 * nt >= w_hi) break;            // masked below, never read by P V
+                const uint4 kh = chunk_at(kt, 8 * nt + g, 4 * c + t4);
+#pragma unroll
+                for (int m = 0; m < MT; ++m) {
+                    mma<DT>(s[m][nt], qa[m][0].x, qa[m][1].x, qa[m][0].y, qa[m][1].y, kh.x, kh.y);
+                    mma<DT>(s[m][nt], qa[m][0].z, qa[m][1].z, qa[m][0].w, qa[m][1].w, kh.z, kh.w);
+                }
+            }
+        }
+
+        // Online softmax in the log2 domain; s[m][nt][e]: row half e >> 1, key 8 nt + 2 t4 + (e & 1).
+        const bool masked = base + KT > w_lo;              // a diagonal (or last) tile for this warp
+        float corr[MT][2];
+        bool moved = false;
+#pragma unroll
+        for (int m = 0; m < MT; ++m) {
+            float mx[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    float x = s[m][nt][e] * scale_log2;
+                    if (masked && base + 8 * nt + 2 * t4 + (e & 1) >= lim[m][e >> 1]) x = NEG_INF;
+                    s[m][nt][e] = x;
+                    mx[e >> 1] = fmaxf(mx[e >> 1], x);
+                }
+            float msafe[2];
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                mx[i] = fmaxf(mx[i], __shfl_xor_sync(FULL_MASK, mx[i], 1));
+                mx[i] = fmaxf(mx[i], __shfl_xor_sync(FULL_MASK, mx[i], 2));
+                const float m_new = fmaxf(m_run[m][i], mx[i]);
+                msafe[i] = m_new == NEG_INF ? 0.f : m_new;
+                corr[m][i] = m_new == m_run[m][i] ? 1.f : exp2f(m_run[m][i] - msafe[i]);
+                moved = moved || corr[m][i] != 1.f;
+                m_run[m][i] = m_new;
+                l_run[m][i] *= corr[m][i];
+            }
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    s[m][nt][e] = exp2f(s[m][nt][e] - msafe[e >> 1]);
+                    l_run[m][e >> 1] += s[m][nt][e];
+                }
+        }
+        if (__any_sync(FULL_MASK, moved)) {
+#pragma unroll
+            for (int m = 0; m < MT; ++m)
+#pragma unroll
+                for (int n = 0; n < 8 * NV; ++n) {
+                    acc[m][n][0] *= corr[m][0]; acc[m][n][1] *= corr[m][0];
+                    acc[m][n][2] *= corr[m][1]; acc[m][n][3] *= corr[m][1];
+                }
+        }
+
+        // O += P V, 16 keys per step. One ldmatrix.x4.trans gives the B operands of two
+        // 8-dim n-tiles (matrices: keys 0-7 / 8-15 x dims 16 n2 .. + 7, then + 8 .. + 15);
+        // lane l addresses key 16 kk + 8 ((l >> 3) & 1) + (l & 7), chunk 2 n2 + (l >> 4).
+        // P comes straight from the S accumulators.
+#pragma unroll
+        for (int kk = 0; kk < KT / 16; ++kk) {
+            if (base + 16 * kk >= w_hi) break;
+            u32 ph[MT][4];
+#pragma unroll
+            for (int m = 0; m < MT; ++m) {
+                const float (&s0)[4] = s[m][2 * kk];
+                const float (&s1)[4] = s[m][2 * kk + 1];
+                ph[m][0] = pack2<DT>(s0[0], s0[1]); ph[m][1] = pack2<DT>(s0[2], s0[3]);
+                ph[m][2] = pack2<DT>(s1[0], s1[1]); ph[m][3] = pack2<DT>(s1[2], s1[3]);
+            }
+            const int vr = 16 * kk + 8 * ((lane >> 3) & 1) + (lane & 7);
+            const unsigned char* vrow = vt + vr * RB;
+            const int vx = swz_p(vr);
+#pragma unroll
+            for (int n2 = 0; n2 < D / 16; ++n2) {
+                u32 vb4[4];
+                ldsm_x4_trans(vrow + (((2 * n2 + (lane >> 4)) ^ vx) << 4), vb4);
+#pragma unroll
+                for (int m = 0; m < MT; ++m) {
+                    mma<DT>(acc[m][2 * n2], ph[m][0], ph[m][1], ph[m][2], ph[m][3], vb4[0], vb4[1]);
+                    mma<DT>(acc[m][2 * n2 + 1], ph[m][0], ph[m][1], ph[m][2], ph[m][3], vb4[2], vb4[3]);
+                }
+            }
+        }
+    }
+    cp_async_wait<0>();
+
+    // Epilogue: a lane holds dims 8 n + 2 t4, + 1 of each of its rows (C columns of
+    // n-tile n): one 4-byte store per n-tile, a quad of lanes covers 16 contiguous bytes.
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            float l = l_run[m][i];
+            l += __shfl_xor_sync(FULL_MASK, l, 1);
+            l += __shfl_xor_sync(FULL_MASK, l, 2);
+            const int r = RW * warp + 16 * m + g + 8 * i;
+            if (r >= nrows) continue;
+            const float inv = l > 0.f ? 1.f / l : 0.f;
+            const int tok = r / group;
+            const i64 row = (i64)(q_begin + tok0 + tok) * hq + kvh * group + (r - tok * group);
+            u32* o = reinterpret_cast<u32*>(out + row * D) + t4;
+#pragma unroll
+            for (int n = 0; n < D / 8; ++n) o[4 * n] = pack2<DT>(acc[m][n][2 * i] * inv, acc[m][n][2 * i + 1] * inv);
+        }
+}
+
+// One warp per (query token, head), when the attention kernel did not merge.
 template <int DT, int D>
 __global__ void __launch_bounds__(128) merge_splits_kernel(
     const float* __restrict__ part_o, const float* __restrict__ part_lse, typename Store<DT>::T* __restrict__ out,
     const int* __restrict__ seq_lens, const int* __restrict__ cu_seqlens, int num_seqs, int num_tokens, int max_blocks,
     int bs_log2, int hq, int num_splits, int chunk)
 {
-    constexpr int DPL = D / 32;
     const int lane = threadIdx.x & 31;
     const i64 row = (i64)blockIdx.x * 4 + (threadIdx.x >> 5);  // = token * hq + head
     if (row >= (i64)num_tokens * hq) return;
@@ -495,40 +925,7 @@ __global__ void __launch_bounds__(128) merge_splits_kernel(
     const int seq_len = seq_lens[b];
     const int kv_len = min(seq_len, max_blocks << bs_log2);
     const int lim = min(seq_len - q_len + (qi - q_begin) + 1, kv_len);
-    const int ns = lim <= 0 ? 0 : min(num_splits, (lim + chunk - 1) / chunk);
-    const float* lse = part_lse + row * num_splits;
-    const float* po = part_o + row * num_splits * D + lane * DPL;
-
-    float M = NEG_INF;
-    for (int s = lane; s < ns; s += 32) M = fmaxf(M, lse[s]);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(FULL_MASK, M, o));
-    float acc[DPL];
-#pragma unroll
-    for (int i = 0; i < DPL; ++i) acc[i] = 0.f;
-    float L = 0.f;
-    if (M != NEG_INF) {
-        for (int s0 = 0; s0 < ns; s0 += 32) {
-            const float w_lane = s0 + lane < ns ? exp2f(lse[s0 + lane] - M) : 0.f;
-            const int n = min(32, ns - s0);
-#pragma unroll 8
-            for (int j = 0; j < n; ++j) {
-                const float w = __shfl_sync(FULL_MASK, w_lane, j);
-                const float2* p = reinterpret_cast<const float2*>(po + (i64)(s0 + j) * D);
-                L += w;
-#pragma unroll
-                for (int i = 0; i < DPL / 2; ++i) {
-                    const float2 v = p[i];
-                    acc[2 * i] += w * v.x;
-                    acc[2 * i + 1] += w * v.y;
-                }
-            }
-        }
-    }
-    const float inv = L > 0.f ? 1.f / L : 0.f;
-    typename Store<DT>::T* o = out + row * D + lane * DPL;
-#pragma unroll
-    for (int i = 0; i < DPL; ++i) o[i] = from_f32<DT>(acc[i] * inv);
+    merge_row<DT, D>(part_o, part_lse, out, row, lim <= 0 ? 0 : splits_run(lim, chunk, num_splits), num_splits, lane);
 }
 
 // Reshape-and-cache: one CTA per token copies its K and V rows (all heads) into
@@ -555,4 +952,4 @@ __global__ void __launch_bounds__(128) write_kv_kernel(
         reinterpret_cast<uint4*>(dst)[v] = reinterpret_cast<const uint4*>(src)[v];
     }
 }
-""".replace("@NUM_STAGES@", str(NUM_STAGES))
+"""

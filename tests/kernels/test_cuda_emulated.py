@@ -39,34 +39,58 @@ CONFIGS = [
 ]
 
 
-def _run(launcher, case, q, cu, num_splits, max_seq_len=None):
+VARIANTS = sorted(cuda_attention.VARIANTS)
+# variants that differ in their decode / prefill pipeline (v7m1 / v7m2 decode exactly like v7)
+DECODE_VARIANTS = sorted({cuda_attention.VARIANTS[v][0]: v for v in reversed(VARIANTS)}.values())
+PREFILL_VARIANTS = sorted({cuda_attention.VARIANTS[v][1]: v for v in reversed(VARIANTS)}.values())
+
+
+def _run(launcher, case, q, cu, num_splits, max_seq_len=None, variant=None):
     out = poisoned(q.shape, q.dtype)
     a = check_attention(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, cu, None, out)
     cuda_attention.paged_attention(
         a, q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, cu,
-        max_seq_len=max_seq_len, num_splits=num_splits, launcher=launcher,
+        max_seq_len=max_seq_len, num_splits=num_splits, variant=variant, launcher=launcher,
     )  # fmt: skip
     return out
 
 
+@pytest.mark.parametrize("variant", DECODE_VARIANTS)
 @pytest.mark.parametrize("dtype, d, bs, group, splits", CONFIGS)
-def test_emulated_decode(launcher, dtype, d, bs, group, splits):
+def test_emulated_decode(launcher, dtype, d, bs, group, splits, variant):
     rng = random.Random(d + bs + group)
     lens = [0, 1, bs, 2 * bs + 1, rng.randint(1, 70), 300]  # 300: many pipelined tiles per warp
     case = make_case(lens, num_kv_heads=2, block_size=bs, head_dim=d, dtype=dtype, seed=group)
     q = (2 * torch.randn(len(lens), 2 * group, d)).to(dtype)
-    out = _run(launcher, case, q, None, splits)
+    out = _run(launcher, case, q, None, splits, variant=variant)
     want = ref.paged_decode_reference(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens)
     assert_matches_reference(out, want, "cuda")
 
 
+@pytest.mark.parametrize("variant", PREFILL_VARIANTS)
 @pytest.mark.parametrize("dtype, d, bs, group, splits", CONFIGS)
-def test_emulated_prefill(launcher, dtype, d, bs, group, splits):
-    lens, q_lens = [19, 0, 2 * bs, 5], [19, 0, 3, 1]  # full, empty, chunked, decode-like
+def test_emulated_prefill(launcher, dtype, d, bs, group, splits, variant):
+    # full (150: several 64-key stages, the causal diagonal inside one), empty, chunked, decode-like
+    lens, q_lens = [150, 0, 2 * bs, 5], [150, 0, 3, 1]
     case = make_case(lens, num_kv_heads=2, block_size=bs, head_dim=d, dtype=dtype, seed=7)
     cu = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     q = torch.randn(int(cu[-1]), 2 * group, d).to(dtype)
-    out = _run(launcher, case, q, cu, splits)
+    out = _run(launcher, case, q, cu, splits, variant=variant)
+    want = ref.paged_prefill_reference(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, cu)
+    assert_matches_reference(out, want, "cuda")
+
+
+@pytest.mark.parametrize("variant", ["v7m1", "v7m2"])
+def test_emulated_prefill_many_sequences(launcher, variant):
+    """More sequences than a warp has lanes: the dedicated kernel's in-kernel scan of
+    cu_seqlens walks them 32 at a time (empty ones, chunks and full prompts mixed)."""
+    rng = random.Random(3)
+    lens = [rng.choice([0, 1, 9, 40, 70]) for _ in range(70)]
+    q_lens = [rng.choice([0, n, min(n, 3)]) for n in lens]
+    case = make_case(lens, num_kv_heads=1, block_size=8, head_dim=64, dtype=torch.bfloat16, seed=5)
+    cu = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    q = torch.randn(int(cu[-1]), 2, 64).to(torch.bfloat16)
+    out = _run(launcher, case, q, cu, None, variant=variant)
     want = ref.paged_prefill_reference(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, cu)
     assert_matches_reference(out, want, "cuda")
 
@@ -91,3 +115,46 @@ def test_emulated_write_kv(launcher):
     cuda_write_kv.write_kv(geo, key, value, case.k_cache, case.v_cache, slots, launcher=launcher)
     assert torch.equal(case.k_cache.double(), torch.from_numpy(want_k))
     assert torch.equal(case.v_cache.double(), torch.from_numpy(want_v))
+
+
+def _plan(num_tokens, num_seqs, *, dtype=torch.bfloat16, d=128, prefill=True, ctx=4096, splits=None, variant="v7"):
+    from kvpool.kernels._validate import AttentionArgs, CacheGeometry
+
+    geo = CacheGeometry(1, 8, 16, d, 0, 0, dtype, torch.device("cpu"))
+    a = AttentionArgs(geo, num_seqs, num_tokens, 32, 4, 1.0, None)
+    return cuda_attention.plan_attention(
+        a, prefill=prefill, max_blocks=ctx // 16, max_seq_len=ctx, num_sms=132, num_splits=splits, variant=variant
+    )
+
+
+def test_planner_picks_the_prefill_kernel_per_shape():
+    """Dedicated kernel, 128 rows per CTA, for a long prefill; 64 rows where 128 would leave
+    fewer than four CTAs per SM; the split-KV kernel where the query tiles cannot fill the
+    GPU (a short chunk after a long prefix), for float32 / head_dim 256, and for forced splits."""
+    long = _plan(4096, 1)
+    assert long.pipe.dedicated and long.pipe.mtiles == 2 and long.grid == (129 * 8, 1, 1)
+    mid = _plan(1024, 1, ctx=1024)
+    assert mid.pipe.dedicated and mid.pipe.mtiles == 1 and mid.grid == (65 * 8, 1, 1)
+    chunk = _plan(64, 1, ctx=32768)
+    assert not chunk.pipe.dedicated and chunk.num_splits > 1
+    for other in (_plan(4096, 1, dtype=torch.float32), _plan(4096, 1, d=256), _plan(4096, 1, splits=2)):
+        assert not other.pipe.dedicated
+    assert _plan(4096, 1, variant="v7m1").pipe.mtiles == 1  # a forced row count is kept
+
+
+def test_planner_picks_decode_stages_per_shape():
+    """Two stages (three CTAs per SM) only where sequences x KV heads is about one CTA per SM
+    and contexts are long; three elsewhere."""
+    stages = {(b, ctx): _plan(b, b, prefill=False, ctx=ctx).pipe.stages for b in (1, 16, 64) for ctx in (1024, 4096)}
+    assert stages == {(1, 1024): 3, (1, 4096): 3, (16, 1024): 3, (16, 4096): 2, (64, 1024): 3, (64, 4096): 3}
+
+
+def test_planner_picks_decode_splits_per_shape():
+    """Batch 1: one CTA per SM (8 KV heads x 16 splits); batch 16: two or three CTAs per SM
+    (2 or 3 splits); batch 64 fills the GPU unsplit."""
+    splits = {(b, ctx): _plan(b, b, prefill=False, ctx=ctx).num_splits for b in (1, 16, 64) for ctx in (1024, 4096, 16384)}
+    assert splits == {
+        (1, 1024): 16, (1, 4096): 16, (1, 16384): 16,
+        (16, 1024): 2, (16, 4096): 3, (16, 16384): 3,
+        (64, 1024): 1, (64, 4096): 1, (64, 16384): 1,
+    }  # fmt: skip

@@ -10,8 +10,9 @@ import random
 import pytest
 import torch
 
-from kvpool.kernels import paged_decode_attention, paged_prefill_attention, write_kv
+from kvpool.kernels import cuda_attention, paged_decode_attention, paged_prefill_attention, write_kv
 from kvpool.kernels import reference as ref
+from kvpool.kernels._validate import check_attention
 from kvpool.kernels.testing import assert_matches_reference, make_case, poisoned
 
 pytestmark = [
@@ -20,6 +21,18 @@ pytestmark = [
 ]
 DEV = "cuda"
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+VARIANTS = sorted(cuda_attention.VARIANTS)  # every kernel variant the benchmark may time
+# variants that differ in their decode / prefill pipeline (v7m1 / v7m2 decode exactly like v7)
+DECODE_VARIANTS = sorted({cuda_attention.VARIANTS[v][0]: v for v in reversed(VARIANTS)}.values())
+PREFILL_VARIANTS = sorted({cuda_attention.VARIANTS[v][1]: v for v in reversed(VARIANTS)}.values())
+
+
+def _attend(variant, q, case, cu=None, scale=None, out=None):
+    """One call of a given kernel variant through the same host code as the public wrappers."""
+    a = check_attention(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, cu, scale, out)
+    return cuda_attention.paged_attention(
+        a, q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, cu, variant=variant
+    )
 
 
 def _lengths(rng, bs, n, longest):
@@ -27,9 +40,10 @@ def _lengths(rng, bs, n, longest):
     return [rng.choice(special) if rng.random() < 0.4 else rng.randint(1, longest) for _ in range(n)]
 
 
+@pytest.mark.parametrize("variant", DECODE_VARIANTS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("seed", range(8))
-def test_gpu_decode_matches_reference(dtype, seed):
+def test_gpu_decode_matches_reference(dtype, seed, variant):
     rng = random.Random(seed)
     bs, d = rng.choice([8, 16, 32]), rng.choice([64, 128, 256])
     hkv, group = rng.choice([1, 2, 4]), rng.choice([1, 2, 3, 4, 8])
@@ -38,14 +52,15 @@ def test_gpu_decode_matches_reference(dtype, seed):
     q = (2 * torch.randn(len(lens), hkv * group, d, device=DEV)).to(dtype)
     out = poisoned(q.shape, dtype, DEV)
     scale = rng.choice([None, 0.05])
-    paged_decode_attention(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, scale=scale, out=out)
+    _attend(variant, q, case, scale=scale, out=out)
     want = ref.paged_decode_reference(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, scale)
     assert_matches_reference(out, want, "cuda")
 
 
+@pytest.mark.parametrize("variant", PREFILL_VARIANTS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("seed", range(6))
-def test_gpu_prefill_matches_reference(dtype, seed):
+def test_gpu_prefill_matches_reference(dtype, seed, variant):
     rng = random.Random(50 + seed)
     bs, d = rng.choice([8, 16, 32]), rng.choice([64, 128, 256])
     hkv, group = rng.choice([1, 2]), rng.choice([1, 2, 4, 5, 8])
@@ -58,7 +73,30 @@ def test_gpu_prefill_matches_reference(dtype, seed):
     cu = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(DEV)
     q = torch.randn(int(cu[-1]), hkv * group, d, device=DEV).to(dtype)
     out = poisoned(q.shape, dtype, DEV)
-    paged_prefill_attention(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, cu, out=out)
+    _attend(variant, q, case, cu=cu, out=out)
+    want = ref.paged_prefill_reference(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, cu)
+    assert_matches_reference(out, want, "cuda")
+
+
+@pytest.mark.parametrize("variant", ["v7m1", "v7m2", None])
+def test_gpu_prefill_at_serving_size(variant):
+    """Prefill the size the planner sends to the dedicated kernel (None: its own pick),
+    a long prompt plus a chunk that extends a cached prefix, GQA group 4."""
+    lens, q_lens = [700, 650], [560, 90]
+    case = make_case(lens, num_kv_heads=8, block_size=16, head_dim=128, dtype=torch.bfloat16, num_layers=1, device=DEV)
+    cu = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(DEV)
+    q = torch.randn(int(cu[-1]), 32, 128, device=DEV).to(torch.bfloat16)
+    out = poisoned(q.shape, q.dtype, DEV)
+    a = check_attention(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, cu, None, out)
+    plan = cuda_attention.plan_attention(
+        a, prefill=True, max_blocks=case.block_tables.shape[1], max_seq_len=None,
+        num_sms=torch.cuda.get_device_properties(0).multi_processor_count, variant=variant,
+    )  # fmt: skip
+    assert plan.pipe.dedicated
+    if variant is None:
+        paged_prefill_attention(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, cu, out=out)
+    else:
+        _attend(variant, q, case, cu=cu, out=out)
     want = ref.paged_prefill_reference(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, cu)
     assert_matches_reference(out, want, "cuda")
 
@@ -73,6 +111,31 @@ def test_gpu_long_context_split_kv(seq_len):
     paged_decode_attention(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, out=out)
     want = ref.paged_decode_reference(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens)
     assert_matches_reference(out, want, "cuda")
+
+
+@pytest.mark.parametrize("variant", [v for v in DECODE_VARIANTS if cuda_attention.VARIANTS[v][0].fused])
+def test_gpu_fused_merge_leaves_counters_at_zero(variant):
+    """Split-KV with the merge fused: repeated calls (eager, then in a CUDA graph) stay
+    right, which needs every arrival counter back at zero after each call."""
+    lens = [9000, 1, 0, 4000]
+    case = make_case(lens, num_kv_heads=2, block_size=16, head_dim=128, dtype=torch.bfloat16, device=DEV)
+    q = torch.randn(4, 8, 128, device=DEV).to(torch.bfloat16)
+    want = ref.paged_decode_reference(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens)
+    out = poisoned(q.shape, q.dtype, DEV)
+    for _ in range(3):
+        out.fill_(float("nan"))
+        _attend(variant, q, case, out=out)
+        assert_matches_reference(out, want, "cuda")
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _attend(variant, q, case, out=out)
+    for _ in range(3):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_matches_reference(out, want, "cuda")
+    assert all(int(c.abs().sum()) == 0 for c in cuda_attention._COUNTERS.values())
 
 
 def test_gpu_decode_on_contiguous_caches_with_hint():
