@@ -26,8 +26,8 @@ recorded, and the other rows still run.
 
 Prefill (one sequence of ``ctx`` new tokens, causal): SDPA on contiguous K/V,
 ours per variant (the kernel the planner runs for it is printed: ``dedicated
-mN`` = the prefill kernel with 64 N rows per CTA, ``generic`` = the split-KV
-kernel), and FlashInfer's ``BatchPrefillWithPagedKVCacheWrapper`` on the same
+wW mN`` = the prefill kernel with W warps of 16 N rows per CTA, ``generic`` = the
+split-KV kernel), and FlashInfer's ``BatchPrefillWithPagedKVCacheWrapper`` on the same
 paged pool, last: its first use builds a JIT module (over a minute on a fresh
 GPU machine). Rows print and the JSON is rewritten as soon as each is timed, so
 a run cut short keeps what it measured.
@@ -279,7 +279,7 @@ def bench_prefill(ctx: int, variants, fi, gen, emit) -> list[dict]:
             a, q, k, v, table, lens, cu, max_seq_len=ctx, variant=variant
         )
         plan = cuda_attention.plan_attention(a, prefill=True, max_blocks=nblk, max_seq_len=ctx, num_sms=sms, variant=variant)
-        kernel = f"dedicated m{plan.pipe.mtiles}" if plan.pipe.dedicated else f"generic s{plan.num_splits}"
+        kernel = f"dedicated w{plan.pipe.warps} m{plan.pipe.mtiles}" if plan.pipe.dedicated else f"generic s{plan.num_splits}"
         add(f"ours {variant}", graph_time_us(lambda i, run=run: run, 1), kernel=kernel)
     if fi is not None:
         try:

@@ -45,14 +45,16 @@ _LOG2E = 1.4426950408889634
 class Pipeline:
     """How K/V stream through shared memory: ``stages`` cp.async stages of ``keys``
     keys each per ring; with split-KV, ``fused``: the last split CTA of a tile merges (no merge launch). ``dedicated``:
-    prefill on ``prefill_kernel`` instead, with ``mtiles`` 16-row MMA tiles per warp
-    (1 or 2: 64 or 128 query rows per CTA sharing each K/V tile; 0: the planner picks)."""
+    prefill on ``prefill_kernel`` instead, with ``warps`` warps of ``mtiles`` 16-row MMA
+    tiles each (4 x 1 or 4 x 2: 64 or 128 query rows per CTA sharing each K/V tile; 8 x 1:
+    128 rows, Q fragments in registers, one CTA per SM; mtiles 0: the planner picks)."""
 
     stages: int
     keys: int
     fused: bool = False
     mtiles: int = 1
     dedicated: bool = False
+    warps: int = 4
 
 
 # Decode with stages == 0: the planner picks per shape (``decode_stages``).
@@ -60,6 +62,19 @@ AUTO_DECODE = Pipeline(0, 16, True)
 # Prefill on the dedicated kernel (``prefill_kernel``: 64-key tiles, 2 stages, Q in shared
 # memory, rows written from registers); mtiles 0 = the planner picks 64 or 128 rows per CTA.
 DEDICATED = Pipeline(2, 64, dedicated=True, mtiles=0)
+# 8 warps x 16 rows (128 rows per CTA, one CTA per SM), 3 stages: each K/V tile serves
+# as many rows as mtiles=2 without its 255 registers and spill (see prefill_kernel).
+W8 = Pipeline(3, 64, dedicated=True, mtiles=1, warps=8)
+# Whether the planner (mtiles 0) may pick W8, and for which grids (in waves of one CTA
+# per SM). Measured on the H200 (NOTES-kernels.md, run 8; one bf16 sequence, 8 KV heads,
+# group 4, 132 SMs): at 1k tokens (2.0 waves) W8 took 65.1 us against 71.1 for 64 rows on
+# 4 warps and 90.3 for 128; at 4k (7.8 waves) it took 855 us against 712 for 128 rows on
+# 4 warps (two CTAs per SM hide each other's barriers better on a long grid). So W8 is
+# taken from W8_MIN_WAVES up to below W8_MAX_WAVES; where between 2 and 7.8 waves the
+# cross-over lies is not measured.
+W8_AUTO = True
+W8_MIN_WAVES = 2
+W8_MAX_WAVES = 4
 # Prefill where the dedicated kernel does not apply (float32, head_dim 256, forced splits,
 # or too few query tiles to fill the GPU without split-KV).
 GENERIC_PREFILL = Pipeline(3, 16)
@@ -70,13 +85,15 @@ GENERIC_PREFILL = Pipeline(3, 16)
 # GPU run can time them side by side (benchmarks/NOTES-kernels.md). "v5": 3-stage
 # decode rings, prefill on the split-KV kernel. "v6": 2-stage decode rings (three CTAs
 # per SM). "v7": decode stages per shape (``decode_stages``), prefill on the dedicated
-# kernel where it applies ("v7m1" / "v7m2": 64 / 128 rows per CTA forced).
+# kernel where it applies ("v7m1" / "v7m2": 64 / 128 rows per CTA forced; "v7w8": 8 warps
+# x 16 rows per CTA, 3-stage ring, Q in registers).
 VARIANTS: dict[str, tuple[Pipeline, Pipeline]] = {
     "v5": (Pipeline(3, 16, True), GENERIC_PREFILL),
     "v6": (Pipeline(2, 16, True), GENERIC_PREFILL),
     "v7": (AUTO_DECODE, DEDICATED),
     "v7m1": (AUTO_DECODE, Pipeline(2, 64, dedicated=True, mtiles=1)),
     "v7m2": (AUTO_DECODE, Pipeline(2, 64, dedicated=True, mtiles=2)),
+    "v7w8": (AUTO_DECODE, W8),
 }
 # What `variant=None` runs, per mode.
 DEFAULT_DECODE = "v7"
@@ -169,29 +186,36 @@ def plan_dedicated(a: AttentionArgs, pipe: Pipeline, num_sms: int, max_kv: int, 
     """The dedicated prefill kernel's plan, or None where it does not apply.
 
     It has no split-KV, so the planner (``pipe.mtiles == 0``) uses it only when the
-    query tiles alone give at least two CTAs per SM; rows per CTA: 128 (each K/V
-    tile loaded once for twice the rows) when that still leaves four CTAs per SM,
-    else 64 (shorter CTAs balance the causal triangle better when the grid is
-    small). A variant that fixes ``mtiles`` always gets it (tests, benchmark).
+    query tiles alone give at least two CTAs per SM; rows per CTA: 128 on 8 warps
+    (``W8``: each K/V tile loaded once for twice the rows, registers to spare) when
+    that gives ``W8_MIN_WAVES`` to ``W8_MAX_WAVES`` waves of one CTA per SM, else 128 on 4 warps when
+    that leaves four CTAs per SM, else 64 (shorter CTAs balance the causal triangle
+    better when the grid is small). A variant that fixes ``mtiles`` always gets it
+    (tests, benchmark).
     """
     geo = a.geo
     kvh = geo.num_kv_heads
 
-    def grid_x(mt: int) -> int:
-        return a.num_tokens // ((64 * mt) // a.group) + a.num_seqs
+    def grid_x(rows: int) -> int:
+        return a.num_tokens // (rows // a.group) + a.num_seqs
 
-    if pipe.mtiles == 0 and grid_x(1) * kvh < 2 * num_sms:
-        return None
-    mt = pipe.mtiles or (2 if grid_x(2) * kvh >= 4 * num_sms else 1)
+    if pipe.mtiles == 0:
+        if grid_x(64) * kvh < 2 * num_sms:
+            return None
+        if W8_AUTO and W8_MIN_WAVES * num_sms <= grid_x(128) * kvh < W8_MAX_WAVES * num_sms:
+            pipe = W8
+        else:
+            pipe = Pipeline(pipe.stages, pipe.keys, dedicated=True, mtiles=2 if grid_x(128) * kvh >= 4 * num_sms else 1)
+    rows = 16 * pipe.mtiles * pipe.warps
     es = 2
-    smem = 64 * mt * geo.head_dim * es + 2 * (2 * 64 * geo.head_dim * es)
+    smem = rows * geo.head_dim * es + pipe.stages * (2 * pipe.keys * geo.head_dim * es)
     return AttentionPlan(
         dt=_DT_CODE[geo.dtype],
         head_dim=geo.head_dim,
         warps_kv=1,
-        pipe=Pipeline(pipe.stages, pipe.keys, dedicated=True, mtiles=mt),
-        tokens_per_cta=(64 * mt) // a.group,
-        grid=(grid_x(mt) * kvh, 1, 1),  # KV head fastest: see prefill_kernel
+        pipe=pipe,
+        tokens_per_cta=rows // a.group,
+        grid=(grid_x(rows) * kvh, 1, 1),  # KV head fastest: see prefill_kernel
         num_splits=1,
         chunk=max_kv,
         smem_bytes=smem,
@@ -372,7 +396,7 @@ def paged_attention(
     )  # fmt: skip
     p = plan.pipe
     if p.dedicated:
-        key = ("prefill", plan.dt, plan.head_dim, p.mtiles)
+        key = ("prefill", plan.dt, plan.head_dim, p.mtiles, p.warps, p.stages)
     else:
         key = ("attention", plan.dt, plan.head_dim, plan.warps_kv, p.stages, p.keys)
     launcher.launch(key, "attention", q.device, plan.grid, args, plan.smem_bytes)

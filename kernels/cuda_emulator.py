@@ -6,7 +6,8 @@ bookkeeping) and GPU time is scarce; CI has no GPU at all. This module
 compiles ``cuda_source.SOURCE`` with the host C++ compiler, replacing only
 the region between ``BEGIN PRIMITIVES`` and ``END PRIMITIVES`` (inline PTX:
 16-byte loads, float→16-bit conversions, ``mma.sync``) with host code that
-implements the PTX ISA's definitions, and runs each CTA's 128 threads as
+implements the PTX ISA's definitions, and runs each CTA's threads (128, or 256 for
+the 8-warp prefill kernel) as
 cooperative fibers (``ucontext``) in one OS thread. Warp shuffles, warp
 reductions, MMAs and ``__syncthreads`` are barriers between fibers, so the
 kernel code runs unchanged, lane by lane, deterministically.
@@ -30,7 +31,7 @@ import threading
 import numpy as np
 import torch
 
-from .cuda_runtime import module_kernels
+from .cuda_runtime import block_threads, module_kernels
 from .cuda_source import SOURCE
 
 _PRELUDE = r"""
@@ -63,17 +64,18 @@ static inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f
 enum { RUNNABLE, WAITING, DONE };
 struct Barrier { int size, count; };
 struct Fiber { ucontext_t ctx; int state; Barrier* wait; unsigned tid; };
-static const int NT = 128;
-static Fiber fib[NT];
+static const int MAXT = 256;  // most threads per CTA (the 8-warp prefill kernel)
+static int nthr = 128;        // threads of the grid being run (set per launch)
+static Fiber fib[MAXT];
 static ucontext_t sched_ctx;
 static int cur;
 static dim3 blockIdx, gridDim;
-static const dim3 blockDim = {NT, 1, 1};
-static Barrier warp_bar[NT / 32], cta_bar, named_bar[16];
+#define blockDim (dim3{(unsigned)nthr, 1, 1})
+static Barrier warp_bar[MAXT / 32], cta_bar, named_bar[16];
 uint4 smem4[(232 * 1024) / 16];  // `extern __shared__ uint4 smem4[]` in the kernel binds here
 struct Copy { void* dst; const void* src; bool ok; };
-static std::vector<Copy> pending[NT];
-static std::vector<size_t> groups[NT];   // end index in pending[] of each committed group
+static std::vector<Copy> pending[MAXT];
+static std::vector<size_t> groups[MAXT];   // end index in pending[] of each committed group
 static int cp_mode_late = 0;
 extern "C" void emu_set_cp_async_late(int late) { cp_mode_late = late; }
 
@@ -83,7 +85,7 @@ static inline dim3 cur_tid() { return dim3{fib[cur].tid, 0, 0}; }
 static void bar_wait(Barrier* b) {
     if (++b->count == b->size) {
         b->count = 0;
-        for (int i = 0; i < NT; ++i)
+        for (int i = 0; i < nthr; ++i)
             if (fib[i].state == WAITING && fib[i].wait == b) fib[i].state = RUNNABLE;
         return;
     }
@@ -93,8 +95,8 @@ static void bar_wait(Barrier* b) {
 }
 
 // Per-warp exchange slots for collectives.
-static unsigned xu[NT][8];
-static float xf[NT][4];
+static unsigned xu[MAXT][8];
+static float xf[MAXT][4];
 static inline int lane_id() { return cur & 31; }
 static inline Barrier* my_warp() { return &warp_bar[cur >> 5]; }
 
@@ -279,19 +281,21 @@ static void fiber_main(int i) {
 static char* stacks;
 static const size_t STACK = 256 * 1024;
 
-static int run_grid(unsigned gx, unsigned gy, unsigned gz, Body fn, void* arg) {
+static int run_grid(unsigned gx, unsigned gy, unsigned gz, unsigned threads, Body fn, void* arg) {
+    if (threads % 32 || threads > (unsigned)MAXT) return 2;
     gridDim = dim3{gx, gy, gz};
-    if (!stacks) stacks = (char*)std::malloc(STACK * NT);
+    nthr = (int)threads;
+    if (!stacks) stacks = (char*)std::malloc(STACK * MAXT);
     body_fn = fn; body_arg = arg;
     for (unsigned z = 0; z < gz; ++z)
     for (unsigned y = 0; y < gy; ++y)
     for (unsigned x = 0; x < gx; ++x) {
         blockIdx = dim3{x, y, z};
-        for (int w = 0; w < NT / 32; ++w) warp_bar[w] = Barrier{32, 0};
-        cta_bar = Barrier{NT, 0};
+        for (int w = 0; w < nthr / 32; ++w) warp_bar[w] = Barrier{32, 0};
+        cta_bar = Barrier{nthr, 0};
         for (int i = 0; i < 16; ++i) named_bar[i] = Barrier{0, 0};
-        for (int i = 0; i < NT; ++i) { pending[i].clear(); groups[i].clear(); }
-        for (int i = 0; i < NT; ++i) {
+        for (int i = 0; i < nthr; ++i) { pending[i].clear(); groups[i].clear(); }
+        for (int i = 0; i < nthr; ++i) {
             fib[i].state = RUNNABLE; fib[i].wait = nullptr; fib[i].tid = i;
             getcontext(&fib[i].ctx);
             fib[i].ctx.uc_stack.ss_sp = stacks + STACK * i;
@@ -301,7 +305,7 @@ static int run_grid(unsigned gx, unsigned gy, unsigned gz, Body fn, void* arg) {
         }
         for (;;) {
             bool progress = false, all_done = true;
-            for (int i = 0; i < NT; ++i) {
+            for (int i = 0; i < nthr; ++i) {
                 if (fib[i].state == DONE) continue;
                 all_done = false;
                 if (fib[i].state != RUNNABLE) continue;
@@ -362,9 +366,9 @@ def _emulated_source(module_key: tuple) -> tuple[str, dict[str, str]]:
             f"""
 struct Args_{sym} {{ {"; ".join(f"{ty} {nm}" for ty, nm in plist)}; }};
 static void body_{sym}(void* p) {{ Args_{sym}* a = (Args_{sym}*)p; {expr}({body_call}); }}
-extern "C" int emu_{sym}(unsigned gx, unsigned gy, unsigned gz, {params}) {{
+extern "C" int emu_{sym}(unsigned gx, unsigned gy, unsigned gz, unsigned threads, {params}) {{
     Args_{sym} a = {{ {call} }};
-    return run_grid(gx, gy, gz, body_{sym}, &a);
+    return run_grid(gx, gy, gz, threads, body_{sym}, &a);
 }}
 """
         )
@@ -426,10 +430,12 @@ class EmulatorLauncher:
         lib, symbols = self._lib(module_key)
         fn = getattr(lib, symbols[name])
         fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_uint] * 3 + [_CTYPE[type(a)] for a in args]
+        fn.argtypes = [ctypes.c_uint] * 4 + [_CTYPE[type(a)] for a in args]
         values = [int(a) if isinstance(a, np.uint64) else a.item() for a in args]
         with _LOCK:  # the fiber scheduler is global state
             lib.emu_set_cp_async_late(self._late)
-            rc = fn(*[int(g) for g in grid], *values)
+            rc = fn(*[int(g) for g in grid], block_threads(module_key), *values)
+        if rc == 2:
+            raise ValueError(f"the emulator runs 32 to 256 threads per CTA in whole warps; got {block_threads(module_key)}")
         if rc:
             raise RuntimeError(f"emulated {name} deadlocked: a collective was reached by only part of a warp/CTA")

@@ -36,11 +36,16 @@ def module_kernels(module_key: tuple) -> dict[str, str]:
             "merge": f"merge_splits_kernel<{dt},{d}>",
         }
     if module_key[0] == "prefill":
-        _, dt, d, mtiles = module_key
-        return {"attention": f"prefill_kernel<{dt},{d},{mtiles}>"}
+        _, dt, d, mtiles, warps, stages = module_key
+        return {"attention": f"prefill_kernel<{dt},{d},{mtiles},{warps},{stages}>"}
     if module_key[0] == "write_kv":
         return {"write_kv": "write_kv_kernel"}
     raise KeyError(module_key)
+
+
+def block_threads(module_key: tuple) -> int:
+    """Threads per CTA of a module's kernels: 128, or 32 per warp of a prefill key."""
+    return 32 * module_key[4] if module_key[0] == "prefill" else THREADS
 
 
 def ptr(t: torch.Tensor | None) -> np.uint64:
@@ -83,7 +88,7 @@ class CupyLauncher:
             fn.max_dynamic_shared_size_bytes = SMEM_OPT_IN  # opt in above the 48 KiB default
             self._smem_set.add((device.index, module_key, name))
         with cupy.cuda.Device(device.index), self._stream(device):
-            fn(tuple(grid), (THREADS, 1, 1), tuple(args), shared_mem=smem)
+            fn(tuple(grid), (block_threads(module_key), 1, 1), tuple(args), shared_mem=smem)
 
     def _stream(self, device: torch.device):
         """CuPy's handle on torch's current stream (cached: one object per stream)."""

@@ -46,13 +46,14 @@ package-data configuration. Four kernels:
     With split-KV and an arrival-counter buffer (``counters``), the last split CTA of a (tile, KV
     head) merges the tile's rows itself (``merge_row``) and resets its counter.
 
-``prefill_kernel<DT, D, MT>``
+``prefill_kernel<DT, D, MT, NW, NS>``
     Prefill for 16-bit types and head_dim 64/128 when the query tiles fill the
-    GPU without split-KV: 4 warps x 16 MT rows per CTA (MT = 1 or 2), Q staged
-    once in shared memory, K/V in 64-key tiles through a 2-stage cp.async ring
-    (one barrier per tile), V operands by ``ldmatrix.trans``, causal masking only
-    on tiles that cross a row's limit, rows written straight from registers. The
-    grid is 1-D with the KV head fastest and the longest query tiles first.
+    GPU without split-KV: NW warps x 16 MT rows per CTA (4 x 1, 4 x 2, or 8 x 1
+    with Q fragments kept in registers), Q staged once in shared memory, K/V in
+    64-key tiles through an NS-stage cp.async ring (one barrier per tile), V
+    operands by ``ldmatrix.trans``, causal masking only on tiles that cross a
+    row's limit, rows written straight from registers. The grid is 1-D with the
+    KV head fastest and the longest query tiles first.
 
 ``merge_splits_kernel<DT, D>``
     Split-KV without the fused merge: one warp per (token, head) combines the
@@ -637,16 +638,21 @@ __global__ void __launch_bounds__(128) paged_attention_kernel(
 // chunks 4c .. 4c + 3, the Q and K fragment reads, hits 8 bank groups too).
 __device__ __forceinline__ int swz_p(int r) { return ((r & 1) << 2) | ((r >> 1) & 3); }
 
-// Dedicated prefill (16-bit types, head_dim 64/128): a CTA of 4 warps owns RW = 16 MT
-// query rows per warp (64 MT per CTA) of one KV head and walks the keys in 64-key tiles.
-// Per tile: one cp.async group (K and V, 2-stage ring), one __syncthreads, then per warp
-// S = Q K^T over 64 keys (Q fragments re-read from shared memory, so registers hold the
-// 64-key S and the output accumulators only), one online-softmax step (masking only on
-// tiles that cross a row's causal limit) and O += P V. Rows are written straight from
+// Dedicated prefill (16-bit types, head_dim 64/128): a CTA of NW warps owns RW = 16 MT
+// query rows per warp (16 MT NW per CTA) of one KV head and walks the keys in 64-key tiles.
+// Per tile: one cp.async group (K and V, NS-stage ring), one __syncthreads, then per warp
+// S = Q K^T over 64 keys (with 4 warps, Q fragments re-read from shared memory, so
+// registers hold the 64-key S and the output accumulators only), one online-softmax
+// step (masking only on tiles that cross a row's causal limit) and O += P V. Rows are written straight from
 // registers: no split-KV, no cross-warp merge. V fragments come from ldmatrix.trans.
 // The grid runs the longest query tiles (the last ones of each sequence) first.
-template <int DT, int D, int MT>
-__global__ void __launch_bounds__(128, 2) prefill_kernel(
+// NW = 8 (with MT = 1, NS = 3): 8 warps x 16 rows = 128 rows per CTA, so each K/V byte
+// brought from L2 serves as many rows as MT = 2 while each warp keeps MT = 1's registers
+// (no spill at one CTA per SM, 255 registers allowed); with that room the warp keeps its
+// Q fragments in registers (read from shared memory once, not once per tile), and a
+// 3-stage ring keeps two tiles in flight while the single CTA on the SM computes.
+template <int DT, int D, int MT, int NW = 4, int NS = 2>
+__global__ void __launch_bounds__(32 * NW, 8 / NW) prefill_kernel(
     const typename Store<DT>::T* __restrict__ q, i64 q_stride_t, i64 q_stride_h,
     const typename Store<DT>::T* __restrict__ k_cache, const typename Store<DT>::T* __restrict__ v_cache,
     i64 k_stride, i64 v_stride, int num_blocks, int num_kv_heads, int bs_log2,
@@ -660,13 +666,16 @@ __global__ void __launch_bounds__(128, 2) prefill_kernel(
     constexpr int KT = 64;                     // keys per tile
     constexpr int RB = D * 2;                  // bytes per K/V/Q row
     constexpr int CPR = RB / 16;               // 16-byte chunks per row
+    static_assert((NW == 4 || NW == 8) && NS >= 2, "4 or 8 warps, 2+ stages");
+    constexpr int NTH = 32 * NW;               // threads per CTA
+    constexpr bool QREG = NW == 8;             // Q fragments live in registers
     constexpr int RW = 16 * MT;                // rows per warp
-    constexpr int BM = 4 * RW;                 // rows per CTA
+    constexpr int BM = NW * RW;                // rows per CTA
     constexpr int NT = KT / 8;                 // 8-key n-tiles of S
     constexpr int NQ = D / 32;                 // 8-element Q/K chunks per lane (two k-steps each)
     constexpr int NV = D / 64;                 // 64-dim V chunks (eight n-tiles each)
     constexpr int SB = 2 * KT * RB;            // one stage: KT K rows then KT V rows
-    constexpr int LR = 128 / CPR;              // rows per fill pass
+    constexpr int LR = NTH / CPR;              // rows per fill pass
     constexpr int LP = KT / LR;                // fill passes per tensor and tile
     extern __shared__ uint4 smem4[];
     unsigned char* smem = reinterpret_cast<unsigned char*>(smem4);
@@ -716,7 +725,7 @@ __global__ void __launch_bounds__(128, 2) prefill_kernel(
     const unsigned char* vb = reinterpret_cast<const unsigned char*>(v_cache);
     const int lrow = tid / CPR, lcol = tid % CPR;
     auto issue = [&](int k) {
-        unsigned char* st = ring + (k & 1) * SB;
+        unsigned char* st = ring + (k % NS) * SB;
         int ids[LP];
 #pragma unroll
         for (int p = 0; p < LP; ++p) {                  // table reads first (all in flight), then the copies
@@ -735,8 +744,11 @@ __global__ void __launch_bounds__(128, 2) prefill_kernel(
             cp_async16(st + KT * RB + xo, vb + vo, ok);
         }
     };
-    if (ntiles > 0) issue(0);
-    cp_async_commit();
+#pragma unroll
+    for (int k = 0; k < NS - 1; ++k) {                  // tiles 0 .. NS - 2 in flight (Q with tile 0)
+        if (k < ntiles) issue(k);
+        cp_async_commit();
+    }
 
     // This lane's rows: m-tile m, half i -> row RW warp + 16 m + g + 8 i = (token, head).
     int lim[MT][2];
@@ -766,14 +778,25 @@ __global__ void __launch_bounds__(128, 2) prefill_kernel(
 #pragma unroll
     for (int m = 0; m < MT; ++m) m_run[m][0] = m_run[m][1] = NEG_INF, l_run[m][0] = l_run[m][1] = 0.f;
 
+    uint4 qreg[QREG ? NQ : 1][MT][2];                       // QREG: this lane's Q fragments, all tiles
     for (int k = 0; k < ntiles; ++k) {
-        cp_async_wait<0>();                                // tile k (and Q) landed for this thread
+        cp_async_wait<NS - 2>();                           // tile k (and Q) landed for this thread
         __syncthreads();                                   // for all threads; tile k - 1 is consumed
-        if (k + 1 < ntiles) issue(k + 1);
+        if (k + NS - 1 < ntiles) issue(k + NS - 1);        // into tile k - 1's stage
         cp_async_commit();
+        if constexpr (QREG) {
+            if (k == 0) {
+#pragma unroll
+                for (int c = 0; c < NQ; ++c)
+#pragma unroll
+                    for (int m = 0; m < MT; ++m)
+#pragma unroll
+                        for (int i = 0; i < 2; ++i) qreg[c][m][i] = chunk_at(qs, RW * warp + 16 * m + g + 8 * i, 4 * c + t4);
+            }
+        }
         const int base = KT * k;
         if (base >= w_hi) continue;
-        const unsigned char* kt = ring + (k & 1) * SB;
+        const unsigned char* kt = ring + (k % NS) * SB;
         const unsigned char* vt = kt + KT * RB;
 
         // S = Q K^T (lane: token 8 nt + g of K, dims 32 c + 8 t4 .. + 7 of Q and K).
@@ -788,7 +811,10 @@ __global__ void __launch_bounds__(128, 2) prefill_kernel(
 #pragma unroll
             for (int m = 0; m < MT; ++m)
 #pragma unroll
-                for (int i = 0; i < 2; ++i) qa[m][i] = chunk_at(qs, RW * warp + 16 * m + g + 8 * i, 4 * c + t4);
+                for (int i = 0; i < 2; ++i) {
+                    if constexpr (QREG) qa[m][i] = qreg[c][m][i];
+                    else qa[m][i] = chunk_at(qs, RW * warp + 16 * m + g + 8 * i, 4 * c + t4);
+                }
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
                 if (base + 8 * nt >= w_hi) break;            // masked below, never read by P V

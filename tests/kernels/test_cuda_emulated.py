@@ -40,7 +40,7 @@ CONFIGS = [
 
 
 VARIANTS = sorted(cuda_attention.VARIANTS)
-# variants that differ in their decode / prefill pipeline (v7m1 / v7m2 decode exactly like v7)
+# variants that differ in their decode / prefill pipeline (v7m1 / v7m2 / v7w8 decode exactly like v7)
 DECODE_VARIANTS = sorted({cuda_attention.VARIANTS[v][0]: v for v in reversed(VARIANTS)}.values())
 PREFILL_VARIANTS = sorted({cuda_attention.VARIANTS[v][1]: v for v in reversed(VARIANTS)}.values())
 
@@ -80,7 +80,7 @@ def test_emulated_prefill(launcher, dtype, d, bs, group, splits, variant):
     assert_matches_reference(out, want, "cuda")
 
 
-@pytest.mark.parametrize("variant", ["v7m1", "v7m2"])
+@pytest.mark.parametrize("variant", ["v7m1", "v7m2", "v7w8"])
 def test_emulated_prefill_many_sequences(launcher, variant):
     """More sequences than a warp has lanes: the dedicated kernel's in-kernel scan of
     cu_seqlens walks them 32 at a time (empty ones, chunks and full prompts mixed)."""
@@ -127,14 +127,22 @@ def _plan(num_tokens, num_seqs, *, dtype=torch.bfloat16, d=128, prefill=True, ct
     )
 
 
-def test_planner_picks_the_prefill_kernel_per_shape():
-    """Dedicated kernel, 128 rows per CTA, for a long prefill; 64 rows where 128 would leave
-    fewer than four CTAs per SM; the split-KV kernel where the query tiles cannot fill the
-    GPU (a short chunk after a long prefix), for float32 / head_dim 256, and for forced splits."""
-    long = _plan(4096, 1)
-    assert long.pipe.dedicated and long.pipe.mtiles == 2 and long.grid == (129 * 8, 1, 1)
-    mid = _plan(1024, 1, ctx=1024)
-    assert mid.pipe.dedicated and mid.pipe.mtiles == 1 and mid.grid == (65 * 8, 1, 1)
+def test_planner_picks_the_prefill_kernel_per_shape(monkeypatch):
+    """Dedicated kernel, 8 warps x 16 rows per CTA, where that grid is two to four waves of
+    one CTA per SM (1k tokens x 8 KV heads on 132 SMs); else 4 warps x 32 rows where that
+    leaves four CTAs per SM (4k), else 4 x 16 rows; the split-KV kernel where the query tiles
+    cannot fill the GPU (a short chunk after a long prefix), for float32 / head_dim 256,
+    and for forced splits."""
+    long = _plan(4096, 1)  # 7.8 waves: 128 rows on 4 warps, two CTAs per SM
+    assert long.pipe.dedicated and long.pipe.warps == 4 and long.pipe.mtiles == 2 and long.grid == (129 * 8, 1, 1)
+    mid = _plan(1024, 1, ctx=1024)  # 2 waves
+    assert mid.pipe == cuda_attention.W8 and mid.grid == (33 * 8, 1, 1) and mid.tokens_per_cta == 32
+    assert mid.smem_bytes == 128 * 256 + 3 * 2 * 64 * 256
+    small = _plan(768, 1, ctx=768)  # 25 x 8 = 200 CTAs of 128 rows: under two waves
+    assert small.pipe.dedicated and small.pipe.warps == 4 and small.pipe.mtiles == 1 and small.grid == (49 * 8, 1, 1)
+    monkeypatch.setattr(cuda_attention, "W8_AUTO", False)  # the switch that takes W8 out of the planner's hands
+    off = _plan(1024, 1, ctx=1024)
+    assert off.pipe.mtiles == 1 and off.pipe.warps == 4 and off.grid == (65 * 8, 1, 1)
     chunk = _plan(64, 1, ctx=32768)
     assert not chunk.pipe.dedicated and chunk.num_splits > 1
     for other in (_plan(4096, 1, dtype=torch.float32), _plan(4096, 1, d=256), _plan(4096, 1, splits=2)):

@@ -22,7 +22,7 @@ pytestmark = [
 DEV = "cuda"
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 VARIANTS = sorted(cuda_attention.VARIANTS)  # every kernel variant the benchmark may time
-# variants that differ in their decode / prefill pipeline (v7m1 / v7m2 decode exactly like v7)
+# variants that differ in their decode / prefill pipeline (v7m1 / v7m2 / v7w8 decode exactly like v7)
 DECODE_VARIANTS = sorted({cuda_attention.VARIANTS[v][0]: v for v in reversed(VARIANTS)}.values())
 PREFILL_VARIANTS = sorted({cuda_attention.VARIANTS[v][1]: v for v in reversed(VARIANTS)}.values())
 
@@ -78,7 +78,7 @@ def test_gpu_prefill_matches_reference(dtype, seed, variant):
     assert_matches_reference(out, want, "cuda")
 
 
-@pytest.mark.parametrize("variant", ["v7m1", "v7m2", None])
+@pytest.mark.parametrize("variant", ["v7m1", "v7m2", "v7w8", None])
 def test_gpu_prefill_at_serving_size(variant):
     """Prefill the size the planner sends to the dedicated kernel (None: its own pick),
     a long prompt plus a chunk that extends a cached prefix, GQA group 4."""
