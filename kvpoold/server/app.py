@@ -389,8 +389,6 @@ async def _reap_forever(service: PoolService) -> None:
     while True:
         await asyncio.sleep(REAP_INTERVAL_S)
         try:
-            for session, reason in service.sessions.lapsed(service.config.lease_seconds):  # issue 9
-                service.drop(session, reason)
             service.reap()
         except Exception:  # noqa: BLE001 - the reaper must survive a bad session
             log.exception("reaper failed")

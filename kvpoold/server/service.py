@@ -124,11 +124,17 @@ class PoolService:
         return released
 
     def reap(self) -> int:
-        """Drop every session whose client is gone; returns how many."""
-        expired = self.sessions.expired(self.config.grace_seconds)
+        """Drop every session whose lease ran out (a frozen client), then every one whose client is gone.
+
+        Returns how many.
+        """
+        lapsed = self.sessions.lapsed(self.config.lease_seconds)
+        for s, reason in lapsed:
+            self.drop(s, reason)
+        expired = self.sessions.expired(self.config.grace_seconds)  # of the sessions still here
         for s, reason in expired:
             self.drop(s, reason)
-        return len(expired)
+        return len(lapsed) + len(expired)
 
     # -- sequence calls: the session's pool -----------------------------------------
     def create(self, session: Session, prompts: list[tuple[np.ndarray, str]]) -> list[SequenceInfo]:
@@ -239,11 +245,6 @@ class PoolService:
             return False, str(exc) or "invariant violated"
         where = f" in {len(self.pools)} pools" if len(self.pools) > 1 else ""
         return True, f"{len(ids)} sessions, {self.live_sequences} sequences{where}: all invariants hold"
-
-    def flush_tiers(self) -> None:
-        """Shutdown hook: persist what must survive a restart (every pool's disk tier index)."""
-        for pool in self.pools:
-            pool.tiers.close()
 
     def close(self) -> None:
         """Flush every pool's tiers, then release its arenas and backend (device memory)."""

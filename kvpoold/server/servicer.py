@@ -323,6 +323,22 @@ class KVPoolServicer(pb_grpc.KVPoolServicer):
                                  admin_socket=cfg.admin_socket_path())
 
     # -- tiers (issue 6) -------------------------------------------------------------------------
+    def _once_arrived(self, tiers, inflight: list, token: bytes, then):
+        """``then()`` now if nothing is in flight, else a coroutine that runs it once the bytes arrived.
+
+        After the wait the session is looked up again: one dropped meanwhile (its lease ran
+        out while it was frozen) gets UNAUTHENTICATED, never block tables it no longer holds.
+        """
+        if not inflight:
+            return then()
+
+        async def when_arrived():
+            await tiers.wait(inflight)
+            self.service.session(token)
+            return then()
+
+        return when_arrived()
+
     def _arrivals_reply(self, session, infos, no_wait: bool, reply, swap_in: bool):
         """Reply now (``no_wait``, or nothing in flight), or once the sequences' bytes arrived."""
         tiers = self.service.tiers_of(session)
@@ -332,13 +348,8 @@ class KVPoolServicer(pb_grpc.KVPoolServicer):
             if not no_wait:
                 tiers.forget(session.id, [t.info.seq_id for t in tracked])
             return reply(sequences=[_tracked_table(t) for t in tracked])
-
-        async def when_arrived():
-            await tiers.wait(inflight)
-            self.service.session(session.token)  # issue 9: dropped meanwhile (lease): UNAUTHENTICATED, not tables
-            return reply(sequences=[_tracked_table(t) for t in tiers.settled(session.id, tracked)])
-
-        return when_arrived()
+        return self._once_arrived(tiers, inflight, session.token, lambda: reply(
+            sequences=[_tracked_table(t) for t in tiers.settled(session.id, tracked)]))
 
     @_unary
     def SwapOut(self, request):
@@ -351,16 +362,8 @@ class KVPoolServicer(pb_grpc.KVPoolServicer):
             tiers.forget(session.id, ids)
             return pb.SwapOutReply(blocks=host + disk, host_blocks=host, disk_blocks=disk)
 
-        inflight = tiers.arrivals_of(session.id, ids)
-        if not inflight:
-            return swap()
-
-        async def when_arrived():  # a block is copied out only once its own bytes are complete
-            await tiers.wait(inflight)
-            self.service.session(request.session)  # issue 9: still attached after the wait
-            return swap()
-
-        return when_arrived()
+        # a block is copied out only once its own bytes are complete
+        return self._once_arrived(tiers, tiers.arrivals_of(session.id, ids), session.token, swap)
 
     @_unary
     def SwapIn(self, request):
@@ -377,13 +380,4 @@ class KVPoolServicer(pb_grpc.KVPoolServicer):
         def reply():
             return pb.WaitReply(sequences=[_tracked_table(t) for t in tiers.finish(session.id, ids)])
 
-        inflight = tiers.arrivals_of(session.id, ids)
-        if not inflight:
-            return reply()
-
-        async def when_arrived():
-            await tiers.wait(inflight)
-            self.service.session(request.session)  # issue 9: still attached after the wait
-            return reply()
-
-        return when_arrived()
+        return self._once_arrived(tiers, tiers.arrivals_of(session.id, ids), session.token, reply)

@@ -161,6 +161,18 @@ def _preadv_all(fd: int, bufs: list, offset: int) -> None:
         done = pos
 
 
+def _vectored(io, f, bufs: list, offset: int) -> None:
+    """``io`` (``_pwritev_all`` / ``_preadv_all``) through O_DIRECT when ``f`` has it and every
+    buffer is aligned; buffered when not, or when the kernel refuses this one (EINVAL)."""
+    direct = f.dfd is not None and all(_aligned(b) for b in bufs)
+    try:
+        io(f.dfd if direct else f.fd, bufs, offset)
+    except OSError as exc:
+        if not direct or exc.errno != errno.EINVAL:
+            raise
+        io(f.fd, bufs, offset)
+
+
 class DiskEntry:
     __slots__ = ("gid", "offset", "nbytes", "checksum", "ready", "ok", "logged", "persist", "pins", "forgotten",
                  "freed")
@@ -437,15 +449,9 @@ class DiskStore:
             for key, e, view, _ in job:
                 e.checksum = checksum(view[:e.nbytes])
             bufs = [view[:f.stride] if view.nbytes >= f.stride else view for _, _, view, _ in job]
-            direct = f.dfd is not None and all(_aligned(b) for b in bufs)
             if _FAIL_WRITE is not None:
                 _FAIL_WRITE()
-            try:
-                _pwritev_all(f.dfd if direct else f.fd, bufs, job[0][1].offset)
-            except OSError as exc:
-                if not direct or exc.errno != errno.EINVAL:
-                    raise
-                _pwritev_all(f.fd, bufs, job[0][1].offset)  # O_DIRECT refused this one: buffered
+            _vectored(_pwritev_all, f, bufs, job[0][1].offset)
         except Exception as exc:  # noqa: BLE001 - reported through the completion
             error = exc
         for _, e, _, _ in job:
@@ -518,15 +524,9 @@ class DiskStore:
             self.meters.disk_read.start()
             nbytes = 0
             try:
-                direct = f.dfd is not None and all(_aligned(b) for b in bufs)
                 if _FAIL_READ is not None:
                     _FAIL_READ()
-                try:
-                    _preadv_all(f.dfd if direct else f.fd, bufs, job[0][1].offset)
-                except OSError as exc:
-                    if not direct or exc.errno != errno.EINVAL:
-                        raise
-                    _preadv_all(f.fd, bufs, job[0][1].offset)
+                _vectored(_preadv_all, f, bufs, job[0][1].offset)
                 results = []
                 for (_, e, _, _), buf in zip(job, bufs):
                     ok = checksum(buf) == e.checksum

@@ -434,10 +434,6 @@ class TransferEngine:
         c = np.asarray([keys[i][0] for i in idx.tolist()], np.int64)
         return {int(cid): idx[c == cid] for cid in np.unique(c)}
 
-    def _chunk(self, block_bytes: int) -> int:
-        """Blocks per pipelined piece of a batch."""
-        return self.pipeline_blocks
-
     def _flush_out(self, keys: list, dst: np.ndarray, block: np.ndarray, outs: np.ndarray) -> None:
         """Device reads: copy blocks to host slots (the host tier's, or staging for the disk), per class.
 
@@ -452,7 +448,7 @@ class TransferEngine:
             cls = self.classes[cid]
             bb = cls.block_bytes
             ids = block[idx]
-            step = self._chunk(bb)
+            step = self.pipeline_blocks
             meter = self.meters.host_write
             meter.start()
             events: list = []
@@ -529,7 +525,7 @@ class TransferEngine:
                     self._disk_in(cls, arr, _pick(keys, idx[from_disk]), from_disk)
             # in pieces of ``pipeline_blocks``: a piece's slots are looked up while the copies of the
             # pieces before it run, and its slots are freed (on the loop) while the pieces after it run
-            step = self._chunk(cls.block_bytes)
+            step = self.pipeline_blocks
             for c0 in range(0, len(from_host), step):
                 part = from_host[c0:c0 + step]
                 offs = self.host.pop_array(_pick(keys, idx[part]))

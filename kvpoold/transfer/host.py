@@ -112,10 +112,9 @@ class HostStore:
         """The size of the slot a block of ``nbytes`` takes."""
         return self.slots.round(max(1, nbytes))
 
-    def alloc_many(self, nbytes: int, n: int, more: int = 0) -> list[int]:
-        """Offsets of up to ``n`` free slots for blocks of ``nbytes`` (fewer when the buffer is full);
-        ``more``: how many the caller asks for next (``SlotAllocator.alloc_many``)."""
-        return self.slots.alloc_many(nbytes, n, more)
+    def alloc_many(self, nbytes: int, n: int) -> list[int]:
+        """Offsets of up to ``n`` free slots for blocks of ``nbytes`` (fewer when the buffer is full)."""
+        return self.slots.alloc_many(nbytes, n)
 
     def alloc_array(self, nbytes: int, n: int) -> np.ndarray:
         """``alloc_many`` as an int64 array (no list: what the engine hands the copier)."""

@@ -143,14 +143,13 @@ class SlotAllocator:
         self.used += bigger[0]
         return off
 
-    def alloc_many(self, nbytes: int, n: int, more: int = 0) -> list[int]:
+    def alloc_many(self, nbytes: int, n: int) -> list[int]:
         """Up to ``n`` slots of ``nbytes`` at once (fewer when full), in ascending order.
 
         A batch's slots are then mostly consecutive, so a copy or a write
         moves them in few large runs; the cost is a slice and a few array
-        operations per call, not per slot.  ``more`` (how many slots the
-        caller will ask for next) is accepted for callers that take a batch
-        in pieces; each piece is a slice of the sorted free list anyway.
+        operations per call, not per slot (a batch taken in pieces: each
+        piece is a slice of the sorted free list).
         """
         return self.alloc_array(nbytes, n).tolist()
 

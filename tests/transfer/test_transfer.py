@@ -457,11 +457,11 @@ def test_slots_taken_in_pieces_are_the_lowest_free_ones():
     s.free_many(freed[:20])
     s.free_many(freed[20:])  # a heap, not in order
     low = sorted(freed)
-    # a batch of 24 in pieces of 4 (the caller says how many more follow): each piece is the lowest left
-    got = [s.alloc_many(4096, 4, more=24 - 4 * (i + 1)) for i in range(3)]
+    # a batch taken in pieces of 4: each piece is the lowest left
+    got = [s.alloc_many(4096, 4) for _ in range(3)]
     assert got == [low[0:4], low[4:8], low[8:12]]
     s.free_many([low[1], low[5]])  # frees between pieces: still the lowest first
-    assert s.alloc_many(4096, 3, more=9) == [low[1], low[5], low[12]]
+    assert s.alloc_many(4096, 3) == [low[1], low[5], low[12]]
     s.free(low[0])
     assert s.alloc(4096) == low[0] and s.alloc_many(4096, 2) == low[13:15]
     assert s.used == (64 - 40 + 15) * 4096  # 15 of the 40 freed slots taken again
