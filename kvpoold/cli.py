@@ -93,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     flags = {k: getattr(args, k) for k in FLAG_KEYS if getattr(args, k) is not None}
     try:
         config = load_config(path=args.config, flags=flags)
+        from kvpoold.faults import check_environment
+
+        check_environment()  # a bad KVPOOLD_FAILPOINTS is a configuration error: one line, exit 2
     except ConfigError as exc:
         print(f"kvpoold: bad configuration: {exc}", file=sys.stderr)
         return 2

@@ -34,14 +34,16 @@ import os
 import threading
 import time
 
+from kvpoold.config import ConfigError
+
 ENV = "KVPOOLD_FAILPOINTS"
 POINTS = ("disk.write", "disk.read")
 
 log = logging.getLogger("kvpoold")
 
 
-class FailpointError(ValueError):
-    """``KVPOOLD_FAILPOINTS`` does not parse; the message says what is wrong."""
+class FailpointError(ConfigError):
+    """``KVPOOLD_FAILPOINTS`` does not parse; the message says what is wrong (a configuration error)."""
 
 
 class Failpoint:
@@ -95,6 +97,11 @@ def parse(spec: str) -> dict[str, Failpoint]:
 
 
 ARMED: dict[str, Failpoint] = parse(os.environ.get(ENV, ""))
+
+
+def check_environment() -> None:
+    """Raise ``FailpointError`` if ``KVPOOLD_FAILPOINTS`` does not parse (the daemon's start-up checks)."""
+    parse(os.environ.get(ENV, ""))
 
 
 def announce() -> None:

@@ -77,3 +77,6 @@ def test_kvpoold_config_errors_name_the_key(tmp_path):
     assert out.returncode == 2 and "unknown key 'pool_byts'" in out.stderr
     out = kvpoold("--config", str(tmp_path / "missing.toml"))
     assert out.returncode == 2 and "does not exist" in out.stderr
+    for bad, why in (("disk.write=BOGUS", "unknown action 'BOGUS'"), ("nosuch=EIO", "expected point=action")):
+        out = kvpoold("--check-config", env={"KVPOOLD_FAILPOINTS": bad})  # the testing-only fault switch
+        assert out.returncode == 2 and why in out.stderr and out.stderr.count("\n") == 1, out.stderr
