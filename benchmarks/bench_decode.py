@@ -25,8 +25,9 @@ machine: ``source .fi-bundle/activate.sh``); a failure there is printed and
 recorded, and the other rows still run.
 
 Prefill (one sequence of ``ctx`` new tokens, causal): SDPA on contiguous K/V,
-ours per variant (the kernel the planner runs for it is printed: ``dedicated
-wW mN`` = the prefill kernel with W warps of 16 N rows per CTA, ``generic`` = the
+ours per variant (the kernel the planner runs for it is printed: ``wgmma gG kK sS`` =
+the warpgroup-MMA kernel with G warpgroups, K-key tiles and S stages; ``dedicated
+wW mN`` = the mma.sync prefill kernel with W warps of 16 N rows per CTA, ``generic`` = the
 split-KV kernel), and FlashInfer's ``BatchPrefillWithPagedKVCacheWrapper`` on the same
 paged pool, last: its first use builds a JIT module (over a minute on a fresh
 GPU machine). Rows print and the JSON is rewritten as soon as each is timed, so
@@ -250,6 +251,7 @@ def bench_prefill(ctx: int, variants, fi, gen, emit) -> list[dict]:
     gets each row as soon as it is timed, so a run cut short still shows what it measured."""
     from kvpool.kernels import cuda_attention
     from kvpool.kernels._validate import check_attention
+    from kvpool.kernels.cuda_runtime import has_wgmma
 
     nblk = ctx // BS
     pool = torch.randn((nblk, 1, 2, HKV, BS, D), dtype=torch.bfloat16, device="cuda")
@@ -278,8 +280,14 @@ def bench_prefill(ctx: int, variants, fi, gen, emit) -> list[dict]:
         run = lambda variant=variant: cuda_attention.paged_attention(  # noqa: E731
             a, q, k, v, table, lens, cu, max_seq_len=ctx, variant=variant
         )
-        plan = cuda_attention.plan_attention(a, prefill=True, max_blocks=nblk, max_seq_len=ctx, num_sms=sms, variant=variant)
-        kernel = f"dedicated w{plan.pipe.warps} m{plan.pipe.mtiles}" if plan.pipe.dedicated else f"generic s{plan.num_splits}"
+        plan = cuda_attention.plan_attention(
+            a, prefill=True, max_blocks=nblk, max_seq_len=ctx, num_sms=sms, variant=variant, wgmma=has_wgmma(0)
+        )
+        p = plan.pipe
+        if p.wgmma:
+            kernel = f"wgmma g{p.warps // 4} k{p.keys} s{p.stages}"
+        else:
+            kernel = f"dedicated w{p.warps} m{p.mtiles}" if p.dedicated else f"generic s{plan.num_splits}"
         add(f"ours {variant}", graph_time_us(lambda i, run=run: run, 1), kernel=kernel)
     if fi is not None:
         try:

@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
+from . import cuda_tma
 from ._validate import AttentionArgs
+from .cuda_source_sm90 import WG_GROUPS, WG_KEYS, WG_STAGES
 from .cuda_runtime import THREADS, ptr
 
 TILE = 16  # keys per MMA step
@@ -47,7 +49,11 @@ class Pipeline:
     keys each per ring; with split-KV, ``fused``: the last split CTA of a tile merges (no merge launch). ``dedicated``:
     prefill on ``prefill_kernel`` instead, with ``warps`` warps of ``mtiles`` 16-row MMA
     tiles each (4 x 1 or 4 x 2: 64 or 128 query rows per CTA sharing each K/V tile; 8 x 1:
-    128 rows, Q fragments in registers, one CTA per SM; mtiles 0: the planner picks)."""
+    128 rows, Q fragments in registers, one CTA per SM; mtiles 0: the planner picks).
+    ``wgmma``: on a device with warpgroup MMA (Hopper), prefill on ``prefill_wg_kernel``
+    with ``warps // 4`` warpgroups of 64 rows and ``keys``-key tiles; elsewhere the
+    pipeline is the ``mma.sync`` planner's (``DEDICATED``), as it is where no TMA tensor
+    map of the pool can be had (``cuda_tma.maps_for``)."""
 
     stages: int
     keys: int
@@ -55,6 +61,7 @@ class Pipeline:
     mtiles: int = 1
     dedicated: bool = False
     warps: int = 4
+    wgmma: bool = False
 
 
 # Decode with stages == 0: the planner picks per shape (``decode_stages``).
@@ -75,6 +82,10 @@ W8 = Pipeline(3, 64, dedicated=True, mtiles=1, warps=8)
 W8_AUTO = True
 W8_MIN_WAVES = 2
 W8_MAX_WAVES = 4
+# Prefill on warpgroup MMA (sm_90a, ``prefill_wg_kernel``; its shape is fixed in
+# cuda_source_sm90). Forced (mtiles 1), it runs whatever the grid; the planner's (mtiles 0)
+# only where the query tiles alone give two CTAs per SM, else split-KV as in v7.
+WGMMA = Pipeline(WG_STAGES, WG_KEYS, dedicated=True, warps=4 * WG_GROUPS, wgmma=True)
 # Prefill where the dedicated kernel does not apply (float32, head_dim 256, forced splits,
 # or too few query tiles to fill the GPU without split-KV).
 GENERIC_PREFILL = Pipeline(3, 16)
@@ -86,7 +97,9 @@ GENERIC_PREFILL = Pipeline(3, 16)
 # decode rings, prefill on the split-KV kernel. "v6": 2-stage decode rings (three CTAs
 # per SM). "v7": decode stages per shape (``decode_stages``), prefill on the dedicated
 # kernel where it applies ("v7m1" / "v7m2": 64 / 128 rows per CTA forced; "v7w8": 8 warps
-# x 16 rows per CTA, 3-stage ring, Q in registers).
+# x 16 rows per CTA, 3-stage ring, Q in registers). "v8": as v7, but prefill on warpgroup
+# MMA with TMA loads where the device has them (Hopper) and the grid fills it ("v8f":
+# whatever the grid); elsewhere v8 is v7.
 VARIANTS: dict[str, tuple[Pipeline, Pipeline]] = {
     "v5": (Pipeline(3, 16, True), GENERIC_PREFILL),
     "v6": (Pipeline(2, 16, True), GENERIC_PREFILL),
@@ -94,10 +107,12 @@ VARIANTS: dict[str, tuple[Pipeline, Pipeline]] = {
     "v7m1": (AUTO_DECODE, Pipeline(2, 64, dedicated=True, mtiles=1)),
     "v7m2": (AUTO_DECODE, Pipeline(2, 64, dedicated=True, mtiles=2)),
     "v7w8": (AUTO_DECODE, W8),
+    "v8": (AUTO_DECODE, replace(WGMMA, mtiles=0)),
+    "v8f": (AUTO_DECODE, WGMMA),
 }
 # What `variant=None` runs, per mode.
 DEFAULT_DECODE = "v7"
-DEFAULT_PREFILL = "v7"
+DEFAULT_PREFILL = "v8"
 
 
 @dataclass(frozen=True)
@@ -182,7 +197,9 @@ def decode_stages(ctas: int, max_kv: int, num_sms: int) -> int:
     return 2 if num_sms // 2 <= ctas < 2 * num_sms and max_kv >= 4096 else 3
 
 
-def plan_dedicated(a: AttentionArgs, pipe: Pipeline, num_sms: int, max_kv: int, bs_log2: int) -> AttentionPlan | None:
+def plan_dedicated(
+    a: AttentionArgs, pipe: Pipeline, num_sms: int, max_kv: int, bs_log2: int, wgmma: bool = False
+) -> AttentionPlan | None:
     """The dedicated prefill kernel's plan, or None where it does not apply.
 
     It has no split-KV, so the planner (``pipe.mtiles == 0``) uses it only when the
@@ -191,7 +208,9 @@ def plan_dedicated(a: AttentionArgs, pipe: Pipeline, num_sms: int, max_kv: int, 
     that gives ``W8_MIN_WAVES`` to ``W8_MAX_WAVES`` waves of one CTA per SM, else 128 on 4 warps when
     that leaves four CTAs per SM, else 64 (shorter CTAs balance the causal triangle
     better when the grid is small). A variant that fixes ``mtiles`` always gets it
-    (tests, benchmark).
+    (tests, benchmark). With ``wgmma`` (Hopper, and TMA maps of the pool to hand) a
+    ``wgmma`` pipeline runs ``prefill_wg_kernel`` under the same grid rule; without, it
+    falls back to the ``mma.sync`` planner above.
     """
     geo = a.geo
     kvh = geo.num_kv_heads
@@ -199,16 +218,22 @@ def plan_dedicated(a: AttentionArgs, pipe: Pipeline, num_sms: int, max_kv: int, 
     def grid_x(rows: int) -> int:
         return a.num_tokens // (rows // a.group) + a.num_seqs
 
+    if pipe.wgmma and (not wgmma or a.scale <= 0):
+        pipe = DEDICATED  # no warpgroup MMA here (or a scale the kernel's softmax does not take)
     if pipe.mtiles == 0:
         if grid_x(64) * kvh < 2 * num_sms:
             return None
-        if W8_AUTO and W8_MIN_WAVES * num_sms <= grid_x(128) * kvh < W8_MAX_WAVES * num_sms:
+        if pipe.wgmma:
+            pipe = WGMMA
+        elif W8_AUTO and W8_MIN_WAVES * num_sms <= grid_x(128) * kvh < W8_MAX_WAVES * num_sms:
             pipe = W8
         else:
             pipe = Pipeline(pipe.stages, pipe.keys, dedicated=True, mtiles=2 if grid_x(128) * kvh >= 4 * num_sms else 1)
     rows = 16 * pipe.mtiles * pipe.warps
     es = 2
     smem = rows * geo.head_dim * es + pipe.stages * (2 * pipe.keys * geo.head_dim * es)
+    if pipe.wgmma:
+        smem += 1024 + 16 * pipe.stages  # 1 KiB to align the swizzled tiles, two mbarriers per stage
     return AttentionPlan(
         dt=_DT_CODE[geo.dtype],
         head_dim=geo.head_dim,
@@ -250,11 +275,12 @@ def plan_attention(
     num_splits: int | None = None,
     variant: str | None = None,
     aligned_out: bool = True,
+    wgmma: bool = False,
 ) -> AttentionPlan:
     """Grid, split-KV and shared memory for one call (pure arithmetic on shapes).
 
     ``aligned_out``: ``out`` starts on 4 bytes (the dedicated prefill kernel stores
-    pairs of elements)."""
+    pairs of elements). ``wgmma``: the device has warpgroup MMA (sm_90a)."""
     geo = a.geo
     dt = _DT_CODE[geo.dtype]
     pipe = pipeline_for(variant, prefill, dt, geo.head_dim)
@@ -264,7 +290,7 @@ def plan_attention(
     if pipe.dedicated:
         plan = None
         if num_splits in (None, 1) and aligned_out:
-            plan = plan_dedicated(a, pipe, num_sms, max_kv, bs_log2)
+            plan = plan_dedicated(a, pipe, num_sms, max_kv, bs_log2, wgmma)
         if plan is not None:
             return plan
         pipe = GENERIC_PREFILL
@@ -362,6 +388,10 @@ def paged_attention(
     if a.num_seqs == 0 or a.num_tokens == 0:
         return out
     prefill = cu_seqlens_q is not None
+    geo = a.geo
+    maps = None  # TMA tensor maps of the pool, for the warpgroup-MMA prefill kernel
+    if prefill and geo.head_dim <= 128 and getattr(launcher, "wgmma", lambda device: False)(q.device):
+        maps = cuda_tma.maps_for(geo, k_cache, v_cache)
     plan = plan_attention(
         a,
         prefill=prefill,
@@ -371,6 +401,7 @@ def paged_attention(
         num_splits=num_splits,
         variant=variant,
         aligned_out=out.data_ptr() % 4 == 0,
+        wgmma=maps is not None,
     )
     tile_cum = None
     if prefill and not plan.pipe.dedicated:  # the dedicated kernel scans cu_seqlens itself
@@ -383,7 +414,6 @@ def paged_attention(
             counters = split_counters(q.device, plan.grid[0] * plan.grid[1])
         part_o = torch.empty((a.num_tokens, a.num_q_heads, plan.num_splits, plan.head_dim), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((a.num_tokens, a.num_q_heads, plan.num_splits), dtype=torch.float32, device=q.device)
-    geo = a.geo
     args = (
         ptr(q), np.int64(q.stride(0)), np.int64(q.stride(1)),
         ptr(k_cache), ptr(v_cache), np.int64(geo.k_block_stride), np.int64(geo.v_block_stride),
@@ -395,7 +425,10 @@ def paged_attention(
         ptr(out), ptr(part_o), ptr(part_lse), ptr(counters),
     )  # fmt: skip
     p = plan.pipe
-    if p.dedicated:
+    if p.wgmma:
+        key = ("prefill_wg", plan.dt, plan.head_dim)
+        args = (*args, ptr(maps[0]), ptr(maps[1]))
+    elif p.dedicated:
         key = ("prefill", plan.dt, plan.head_dim, p.mtiles, p.warps, p.stages)
     else:
         key = ("attention", plan.dt, plan.head_dim, plan.warps_kv, p.stages, p.keys)

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from .cuda_source import SOURCE
+from .cuda_source_sm90 import SOURCE_SM90, WG_GROUPS
 
 THREADS = 128
 SMEM_OPT_IN = 227 * 1024  # largest dynamic shared memory a CTA may use on sm_80 / sm_90
@@ -38,14 +39,22 @@ def module_kernels(module_key: tuple) -> dict[str, str]:
     if module_key[0] == "prefill":
         _, dt, d, mtiles, warps, stages = module_key
         return {"attention": f"prefill_kernel<{dt},{d},{mtiles},{warps},{stages}>"}
+    if module_key[0] == "prefill_wg":
+        _, dt, d = module_key
+        return {"attention": f"prefill_wg_kernel<{dt},{d}>"}
     if module_key[0] == "write_kv":
         return {"write_kv": "write_kv_kernel"}
     raise KeyError(module_key)
 
 
 def block_threads(module_key: tuple) -> int:
-    """Threads per CTA of a module's kernels: 128, or 32 per warp of a prefill key."""
-    return 32 * module_key[4] if module_key[0] == "prefill" else THREADS
+    """Threads per CTA of a module's kernels: 128, 32 per warp of a prefill key, or 128 per
+    warpgroup of a warpgroup-MMA prefill key."""
+    if module_key[0] == "prefill":
+        return 32 * module_key[4]
+    if module_key[0] == "prefill_wg":
+        return 128 * WG_GROUPS
+    return THREADS
 
 
 def ptr(t: torch.Tensor | None) -> np.uint64:
@@ -59,8 +68,82 @@ def _functions(device_index: int, module_key: tuple) -> dict:
 
     names = module_kernels(module_key)
     with cupy.cuda.Device(device_index):
+        if module_key[0] == "prefill_wg":
+            return compile_sm90a(SOURCE + SOURCE_SM90, names)
         module = cupy.RawModule(code=SOURCE, options=_OPTIONS, name_expressions=list(names.values()))
         return {short: module.get_function(expr) for short, expr in names.items()}
+
+
+class Sm90aKernel:
+    """A kernel of a module compiled for sm_90a, called like a ``cupy.RawKernel``."""
+
+    _MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    _NUM_REGS = 4  # CU_FUNC_ATTRIBUTE_NUM_REGS
+    _LOCAL_BYTES = 3  # CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES
+
+    def __init__(self, function) -> None:
+        self._function = function
+
+    @property
+    def max_dynamic_shared_size_bytes(self) -> int:
+        from cupy.cuda import driver
+
+        return driver.funcGetAttribute(self._MAX_DYNAMIC_SHARED, self._function.ptr)
+
+    @max_dynamic_shared_size_bytes.setter
+    def max_dynamic_shared_size_bytes(self, value: int) -> None:
+        from cupy.cuda import driver
+
+        driver.funcSetAttribute(self._function.ptr, self._MAX_DYNAMIC_SHARED, int(value))
+
+    @property
+    def num_regs(self) -> int:
+        from cupy.cuda import driver
+
+        return driver.funcGetAttribute(self._NUM_REGS, self._function.ptr)
+
+    @property
+    def local_size_bytes(self) -> int:
+        from cupy.cuda import driver
+
+        return driver.funcGetAttribute(self._LOCAL_BYTES, self._function.ptr)
+
+    def __call__(self, grid, block, args, shared_mem: int = 0) -> None:
+        self._function(tuple(grid), tuple(block), args, shared_mem=shared_mem)
+
+
+def compile_sm90a(source: str, names: dict[str, str]) -> dict[str, Sm90aKernel]:
+    """Compile ``source`` for sm_90a with NVRTC and load it on the current device.
+
+    CuPy's own compile path derives ``-arch`` from the device (``sm_90``) and has no
+    way to ask for the architecture-specific ``sm_90a`` that ``wgmma`` needs, so this
+    drives NVRTC (CuPy's binding of it) directly; the module is cached per process
+    by ``_functions``.
+    """
+    from cupy.cuda import function
+    from cupy_backends.cuda.libs import nvrtc
+
+    prog = nvrtc.createProgram(source, "kvpool_sm90a.cu", (), ())
+    try:
+        for expr in names.values():
+            nvrtc.addNameExpression(prog, expr)
+        try:
+            nvrtc.compileProgram(prog, (*_OPTIONS, "-arch=sm_90a"))
+        except nvrtc.NVRTCError as exc:
+            raise RuntimeError(f"NVRTC failed to compile the sm_90a kernels: {nvrtc.getProgramLog(prog)}") from exc
+        lowered = {short: nvrtc.getLoweredName(prog, expr) for short, expr in names.items()}
+        cubin = nvrtc.getCUBIN(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    module = function.Module()
+    module.load(cubin)
+    return {short: Sm90aKernel(module.get_function(name)) for short, name in lowered.items()}
+
+
+@functools.lru_cache(maxsize=None)
+def has_wgmma(device_index: int) -> bool:
+    """Whether the device runs sm_90a code (Hopper: compute capability 9.0)."""
+    return torch.cuda.get_device_capability(device_index) == (9, 0)
 
 
 @functools.lru_cache(maxsize=None)
@@ -80,6 +163,9 @@ class CupyLauncher:
 
     def num_sms(self, device: torch.device) -> int:
         return num_sms(device.index)
+
+    def wgmma(self, device: torch.device) -> bool:
+        return has_wgmma(device.index)
 
     def launch(self, module_key: tuple, name: str, device: torch.device, grid, args, smem: int = 0) -> None:
         cupy = self._cupy

@@ -1,7 +1,7 @@
 """CUDA C++ source of the GPU kernels (compiled at first use by CuPy/NVRTC).
 
 Kept as a Python string so that it ships inside the package with no
-package-data configuration. Four kernels:
+package-data configuration. Four kernels here, a fifth in ``cuda_source_sm90``:
 
 ``paged_attention_kernel<DT, D, WKV, NS, KT>``
     Decode and prefill in one kernel, on tensor cores (``mma.sync.m16n8k16``,
@@ -54,6 +54,11 @@ package-data configuration. Four kernels:
     operands by ``ldmatrix.trans``, causal masking only on tiles that cross a
     row's limit, rows written straight from registers. The grid is 1-D with the
     KV head fastest and the longest query tiles first.
+
+``prefill_wg_kernel<DT, D>`` (in ``cuda_source_sm90``, appended to this source and
+    compiled for sm_90a only)
+    The same prefill on Hopper's warpgroup MMA with K/V loaded by TMA; what
+    the planner runs there in place of ``prefill_kernel``.
 
 ``merge_splits_kernel<DT, D>``
     Split-KV without the fused merge: one warp per (token, head) combines the
@@ -248,6 +253,28 @@ __device__ __forceinline__ bool locate_tile_scan(const int* cu_seqlens, int num_
     return false;
 }
 
+// One online-softmax step for a lane's two rows (log2 domain): mx holds the rows' score
+// maxima over this lane's keys of the new tile. Reduces them over the lane's quad, updates
+// the running max m_run and sum l_run, and gives the max to subtract in msafe (0 for a row
+// with no key yet, so that exp2 stays finite) and the factor for the old accumulators in
+// corr. Returns whether any factor differs from 1.
+__device__ __forceinline__ bool softmax_step(float (&mx)[2], float (&m_run)[2], float (&l_run)[2], float (&msafe)[2],
+                                             float (&corr)[2]) {
+    bool moved = false;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        mx[i] = fmaxf(mx[i], __shfl_xor_sync(FULL_MASK, mx[i], 1));
+        mx[i] = fmaxf(mx[i], __shfl_xor_sync(FULL_MASK, mx[i], 2));
+        const float m_new = fmaxf(m_run[i], mx[i]);
+        msafe[i] = m_new == NEG_INF ? 0.f : m_new;
+        corr[i] = m_new == m_run[i] ? 1.f : exp2f(m_run[i] - msafe[i]);
+        moved = moved || corr[i] != 1.f;
+        m_run[i] = m_new;
+        l_run[i] *= corr[i];
+    }
+    return moved;
+}
+
 // One warp merges one (query token, head) row: out = sum over the row's first
 // ns splits of 2^(lse_s - max) o_s / sum 2^(lse_s - max). Lanes own D/32
 // consecutive dims; the split loop is unrolled so that many partial rows are in
@@ -297,15 +324,20 @@ __device__ __forceinline__ int splits_run(int lim, int chunk, int num_splits) {
     return lim <= 0 ? 1 : min(num_splits, (lim + chunk - 1) / chunk);
 }
 
+// The argument list every attention kernel takes (cuda_attention.paged_attention passes one
+// tuple to whichever it launches; the Hopper prefill kernel appends its two TMA maps).
+#define ATTENTION_PARAMS                                                                                   \
+    const typename Store<DT>::T* __restrict__ q, i64 q_stride_t, i64 q_stride_h,                          \
+    const typename Store<DT>::T* __restrict__ k_cache, const typename Store<DT>::T* __restrict__ v_cache, \
+    i64 k_stride, i64 v_stride, int num_blocks, int num_kv_heads, int bs_log2,                            \
+    const int* __restrict__ block_tables, i64 bt_stride, int max_blocks,                                  \
+    const int* __restrict__ seq_lens, const int* __restrict__ cu_seqlens, const int* __restrict__ tile_cum, \
+    int num_seqs, int group, float scale_log2, int chunk, int num_splits,                                 \
+    typename Store<DT>::T* __restrict__ out, float* part_o, float* part_lse, int* __restrict__ counters
+
 template <int DT, int D, int WKV, int NS, int KT>
 __global__ void __launch_bounds__(128) paged_attention_kernel(
-    const typename Store<DT>::T* __restrict__ q, i64 q_stride_t, i64 q_stride_h,
-    const typename Store<DT>::T* __restrict__ k_cache, const typename Store<DT>::T* __restrict__ v_cache,
-    i64 k_stride, i64 v_stride, int num_blocks, int num_kv_heads, int bs_log2,
-    const int* __restrict__ block_tables, i64 bt_stride, int max_blocks,
-    const int* __restrict__ seq_lens, const int* __restrict__ cu_seqlens, const int* __restrict__ tile_cum,
-    int num_seqs, int group, float scale_log2, int chunk, int num_splits,
-    typename Store<DT>::T* __restrict__ out, float* part_o, float* part_lse, int* __restrict__ counters)
+    ATTENTION_PARAMS)
 {
     using T = typename Store<DT>::T;
     constexpr int warps_kv = WKV;              // warps splitting one row tile's keys (4 decode, 1 prefill)
@@ -486,17 +518,7 @@ __global__ void __launch_bounds__(128) paged_attention_kernel(
                 mx[i] = fmaxf(mx[i], x);
             }
         float msafe[2];
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            mx[i] = fmaxf(mx[i], __shfl_xor_sync(FULL_MASK, mx[i], 1));
-            mx[i] = fmaxf(mx[i], __shfl_xor_sync(FULL_MASK, mx[i], 2));
-            const float m_new = fmaxf(m_run[i], mx[i]);
-            msafe[i] = m_new == NEG_INF ? 0.f : m_new;   // no key yet: keep exp2 finite
-            corr[i] = m_new == m_run[i] ? 1.f : exp2f(m_run[i] - msafe[i]);
-            moved = moved || corr[i] != 1.f;
-            m_run[i] = m_new;
-            l_run[i] *= corr[i];
-        }
+        moved = softmax_step(mx, m_run, l_run, msafe, corr);
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -632,6 +654,63 @@ __global__ void __launch_bounds__(128) paged_attention_kernel(
     }
 }
 
+// What a prefill CTA works on (both prefill kernels): its (sequence, query tile, KV head)
+// and key bounds. The grid is 1-D with the KV head fastest: CTAs start in order of
+// blockIdx, so every KV head's longest tiles (the last of each sequence) start first.
+struct PrefillTile { int b, kvh, q_begin, tok0, ntok, kv_len, first_pos, cta_hi, nrows; };
+__device__ __forceinline__ bool prefill_tile(const int* cu_seqlens, const int* seq_lens, int num_seqs, int num_kv_heads,
+                                             int max_blocks, int bs_log2, int group, int tq, PrefillTile& t) {
+    t.kvh = blockIdx.x % num_kv_heads;
+    const int x = gridDim.x / num_kv_heads - 1 - blockIdx.x / num_kv_heads;
+    int tile;
+    if (!locate_tile_scan(cu_seqlens, num_seqs, tq, x, t.b, tile)) return false;
+    t.q_begin = cu_seqlens[t.b];
+    const int q_len = cu_seqlens[t.b + 1] - t.q_begin;
+    t.tok0 = tile * tq;
+    t.ntok = min(tq, q_len - t.tok0);
+    if (t.ntok <= 0) return false;
+    const int seq_len = seq_lens[t.b];
+    t.kv_len = min(seq_len, max_blocks << bs_log2);
+    t.first_pos = seq_len - q_len;
+    t.cta_hi = max(0, min(t.kv_len, t.first_pos + t.tok0 + t.ntok));
+    t.nrows = t.ntok * group;
+    return true;
+}
+
+// A prefill tile's BM query rows into shared memory by cp.async, zeros past the last row:
+// row r is (token r / group, head r % group of KV head t.kvh); 16-byte chunk c of row r goes
+// to byte offset(r, c). Threads take consecutive chunks (CPR per row, LR rows per pass).
+template <int BM, int LR, int CPR, typename T, typename Offset>
+__device__ __forceinline__ void load_q_tile(unsigned char* qs, const T* q, i64 q_stride_t, i64 q_stride_h,
+                                            const PrefillTile& t, int group, int tid, Offset offset) {
+    const int lc = tid % CPR;
+#pragma unroll
+    for (int p = 0; p < BM / LR; ++p) {
+        const int r = p * LR + tid / CPR;
+        const int tok = r / group, head = r - tok * group;
+        const bool ok = r < t.nrows;
+        const T* src = q + (ok ? (i64)(t.q_begin + t.tok0 + tok) * q_stride_t + (i64)(t.kvh * group + head) * q_stride_h : 0);
+        cp_async16(qs + offset(r, lc), reinterpret_cast<const unsigned char*>(src) + 16 * lc, ok);
+    }
+}
+
+// Writes a lane's share of prefill row r (if the tile has it) from MMA accumulators: the
+// lane holds head dims 8 n + 2 t4 and + 1 (acc(n, 0), acc(n, 1), unnormalized; l is the
+// lane's part of the row sum). One 4-byte store per n-tile: a quad covers 16 bytes.
+template <int DT, int D, typename Acc>
+__device__ __forceinline__ void store_prefill_row(typename Store<DT>::T* out, const PrefillTile& t, int group, int hq,
+                                                  int r, float l, int t4, Acc acc) {
+    l += __shfl_xor_sync(FULL_MASK, l, 1);
+    l += __shfl_xor_sync(FULL_MASK, l, 2);
+    if (r >= t.nrows) return;
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const int tok = r / group;
+    const i64 row = (i64)(t.q_begin + t.tok0 + tok) * hq + t.kvh * group + (r - tok * group);
+    u32* o = reinterpret_cast<u32*>(out + row * D) + t4;
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) o[4 * n] = pack2<DT>(acc(n, 0) * inv, acc(n, 1) * inv);
+}
+
 // Swizzle of the prefill kernel's tiles: chunk j of row r sits at chunk j ^ swz_p(r).
 // swz_p is a bijection on r % 8 (ldmatrix's 8 rows of one chunk hit 8 bank groups) whose
 // values for rows 2q and 2q + 1 differ in bit 2 (a quarter-warp reading rows 2q, 2q + 1 x
@@ -653,13 +732,7 @@ __device__ __forceinline__ int swz_p(int r) { return ((r & 1) << 2) | ((r >> 1) 
 // 3-stage ring keeps two tiles in flight while the single CTA on the SM computes.
 template <int DT, int D, int MT, int NW = 4, int NS = 2>
 __global__ void __launch_bounds__(32 * NW, 8 / NW) prefill_kernel(
-    const typename Store<DT>::T* __restrict__ q, i64 q_stride_t, i64 q_stride_h,
-    const typename Store<DT>::T* __restrict__ k_cache, const typename Store<DT>::T* __restrict__ v_cache,
-    i64 k_stride, i64 v_stride, int num_blocks, int num_kv_heads, int bs_log2,
-    const int* __restrict__ block_tables, i64 bt_stride, int max_blocks,
-    const int* __restrict__ seq_lens, const int* __restrict__ cu_seqlens, const int* __restrict__ tile_cum,
-    int num_seqs, int group, float scale_log2, int chunk, int num_splits,
-    typename Store<DT>::T* __restrict__ out, float* part_o, float* part_lse, int* __restrict__ counters)
+    ATTENTION_PARAMS)
 {
     static_assert(DT != 0 && (D == 64 || D == 128), "16-bit types, head_dim 64 or 128");
     using T = typename Store<DT>::T;
@@ -684,43 +757,20 @@ __global__ void __launch_bounds__(32 * NW, 8 / NW) prefill_kernel(
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tid = threadIdx.x;
     const int g = lane >> 2, t4 = lane & 3;
-    // One grid dimension, KV head fastest: CTAs start in order of blockIdx, so every KV
-    // head's longest tiles (the last of each sequence) start first.
-    const int kvh = blockIdx.x % num_kv_heads;
-    const int x = gridDim.x / num_kv_heads - 1 - blockIdx.x / num_kv_heads;
-    const int tq = BM / group;                 // query tokens per CTA
-    int b, tile;
-    if (!locate_tile_scan(cu_seqlens, num_seqs, tq, x, b, tile)) return;
-    const int q_begin = cu_seqlens[b];
-    const int q_len = cu_seqlens[b + 1] - q_begin;
-    const int tok0 = tile * tq;
-    const int ntok = min(tq, q_len - tok0);
-    if (ntok <= 0) return;
-    const int seq_len = seq_lens[b];
-    const int kv_len = min(seq_len, max_blocks << bs_log2);
-    const int first_pos = seq_len - q_len;
-    const int cta_hi = max(0, min(kv_len, first_pos + tok0 + ntok));
-    const int ntiles = (cta_hi + KT - 1) / KT;
-    const int hq = num_kv_heads * group;
-    const int nrows = ntok * group;
+    PrefillTile pt;                            // BM / group query tokens per CTA
+    if (!prefill_tile(cu_seqlens, seq_lens, num_seqs, num_kv_heads, max_blocks, bs_log2, group, BM / group, pt)) return;
+    const int nrows = pt.nrows, kv_len = pt.kv_len;
+    const int q0 = pt.first_pos + pt.tok0;     // position of the tile's first token
+    const int ntiles = (pt.cta_hi + KT - 1) / KT;
 
-    // Q tile -> shared memory (zeros for rows past the tile), in the first cp.async group.
-    {
-        const int lc = tid % CPR;
-#pragma unroll
-        for (int p = 0; p < BM / LR; ++p) {
-            const int r = p * LR + tid / CPR;
-            const int tok = r / group, head = r - tok * group;
-            const bool ok = r < nrows;
-            const T* src = q + (ok ? (i64)(q_begin + tok0 + tok) * q_stride_t + (i64)(kvh * group + head) * q_stride_h : 0);
-            cp_async16(qs + r * RB + ((lc ^ swz_p(r)) << 4), reinterpret_cast<const unsigned char*>(src) + 16 * lc, ok);
-        }
-    }
+    // Q tile -> shared memory, in the first cp.async group.
+    load_q_tile<BM, LR, CPR>(qs, q, q_stride_t, q_stride_h, pt, group, tid,
+                             [](int r, int c) { return r * RB + ((c ^ swz_p(r)) << 4); });
     // Tile k's K and V rows: pass p covers rows p LR .. + LR - 1 (whole 8-key groups,
     // never straddling a block); consecutive threads copy consecutive 16-byte chunks.
-    const int* bt = block_tables + (i64)b * bt_stride;
+    const int* bt = block_tables + (i64)pt.b * bt_stride;
     const int bs_mask = (1 << bs_log2) - 1;
-    const int head_row = kvh << bs_log2;
+    const int head_row = pt.kvh << bs_log2;
     const unsigned char* kb = reinterpret_cast<const unsigned char*>(k_cache);
     const unsigned char* vb = reinterpret_cast<const unsigned char*>(v_cache);
     const int lrow = tid / CPR, lcol = tid % CPR;
@@ -759,7 +809,7 @@ __global__ void __launch_bounds__(32 * NW, 8 / NW) prefill_kernel(
         for (int i = 0; i < 2; ++i) {
             const int r = RW * warp + 16 * m + g + 8 * i;
             const bool valid = r < nrows;
-            lim[m][i] = valid ? max(0, min(first_pos + tok0 + r / group + 1, kv_len)) : 0;
+            lim[m][i] = valid ? max(0, min(q0 + r / group + 1, kv_len)) : 0;
             if (valid) { lo = min(lo, lim[m][i]); hi = max(hi, lim[m][i]); }
         }
     // 16-byte chunk j of row r of a tile, as four registers (elements 2k, 2k + 1 in reg k).
@@ -844,17 +894,7 @@ __global__ void __launch_bounds__(32 * NW, 8 / NW) prefill_kernel(
                     mx[e >> 1] = fmaxf(mx[e >> 1], x);
                 }
             float msafe[2];
-#pragma unroll
-            for (int i = 0; i < 2; ++i) {
-                mx[i] = fmaxf(mx[i], __shfl_xor_sync(FULL_MASK, mx[i], 1));
-                mx[i] = fmaxf(mx[i], __shfl_xor_sync(FULL_MASK, mx[i], 2));
-                const float m_new = fmaxf(m_run[m][i], mx[i]);
-                msafe[i] = m_new == NEG_INF ? 0.f : m_new;
-                corr[m][i] = m_new == m_run[m][i] ? 1.f : exp2f(m_run[m][i] - msafe[i]);
-                moved = moved || corr[m][i] != 1.f;
-                m_run[m][i] = m_new;
-                l_run[m][i] *= corr[m][i];
-            }
+            moved = softmax_step(mx, m_run[m], l_run[m], msafe, corr[m]) || moved;
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -905,24 +945,13 @@ __global__ void __launch_bounds__(32 * NW, 8 / NW) prefill_kernel(
     }
     cp_async_wait<0>();
 
-    // Epilogue: a lane holds dims 8 n + 2 t4, + 1 of each of its rows (C columns of
-    // n-tile n): one 4-byte store per n-tile, a quad of lanes covers 16 contiguous bytes.
+    // Epilogue: rows written straight from the accumulators (C columns of n-tile n).
 #pragma unroll
     for (int m = 0; m < MT; ++m)
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            float l = l_run[m][i];
-            l += __shfl_xor_sync(FULL_MASK, l, 1);
-            l += __shfl_xor_sync(FULL_MASK, l, 2);
-            const int r = RW * warp + 16 * m + g + 8 * i;
-            if (r >= nrows) continue;
-            const float inv = l > 0.f ? 1.f / l : 0.f;
-            const int tok = r / group;
-            const i64 row = (i64)(q_begin + tok0 + tok) * hq + kvh * group + (r - tok * group);
-            u32* o = reinterpret_cast<u32*>(out + row * D) + t4;
-#pragma unroll
-            for (int n = 0; n < D / 8; ++n) o[4 * n] = pack2<DT>(acc[m][n][2 * i] * inv, acc[m][n][2 * i + 1] * inv);
-        }
+        for (int i = 0; i < 2; ++i)
+            store_prefill_row<DT, D>(out, pt, group, num_kv_heads * group, RW * warp + 16 * m + g + 8 * i, l_run[m][i], t4,
+                                     [&](int n, int j) { return acc[m][n][2 * i + j]; });
 }
 
 // One warp per (query token, head), when the attention kernel did not merge.

@@ -117,14 +117,56 @@ def test_emulated_write_kv(launcher):
     assert torch.equal(case.v_cache.double(), torch.from_numpy(want_v))
 
 
-def _plan(num_tokens, num_seqs, *, dtype=torch.bfloat16, d=128, prefill=True, ctx=4096, splits=None, variant="v7"):
+def _plan(num_tokens, num_seqs, *, dtype=torch.bfloat16, d=128, prefill=True, ctx=4096, splits=None, variant="v7",
+          wgmma=False, scale=1.0):  # fmt: skip
     from kvpool.kernels._validate import AttentionArgs, CacheGeometry
 
     geo = CacheGeometry(1, 8, 16, d, 0, 0, dtype, torch.device("cpu"))
-    a = AttentionArgs(geo, num_seqs, num_tokens, 32, 4, 1.0, None)
+    a = AttentionArgs(geo, num_seqs, num_tokens, 32, 4, scale, None)
     return cuda_attention.plan_attention(
-        a, prefill=prefill, max_blocks=ctx // 16, max_seq_len=ctx, num_sms=132, num_splits=splits, variant=variant
-    )
+        a, prefill=prefill, max_blocks=ctx // 16, max_seq_len=ctx, num_sms=132, num_splits=splits, variant=variant,
+        wgmma=wgmma,
+    )  # fmt: skip
+
+
+def test_planner_takes_warpgroup_mma_on_hopper_only():
+    """v8 (the default prefill) runs the warpgroup-MMA kernel where the device has it and the
+    query tiles fill the GPU: two warpgroups of 64 rows, 128-key tiles, 3 stages in 225 KiB
+    of shared memory. Without wgmma it is v7; a short chunk after a long prefix, float32,
+    head_dim 256 and a non-positive scale keep their old paths; v8f forces the kernel."""
+    assert cuda_attention.DEFAULT_PREFILL == "v8"
+    big = _plan(4096, 1, variant="v8", wgmma=True)
+    assert big.pipe.wgmma and big.pipe.warps == 8 and big.pipe.keys == 128 and big.pipe.stages == 3
+    assert big.grid == (129 * 8, 1, 1) and big.tokens_per_cta == 32 and big.num_splits == 1
+    assert big.smem_bytes == (128 + 2 * 3 * 128) * 256 + 1024 + 16 * 3 <= cuda_attention.SMEM_LIMIT
+    assert _plan(4096, 1, variant="v8", wgmma=False) == _plan(4096, 1, variant="v7")
+    assert not _plan(64, 1, ctx=32768, variant="v8", wgmma=True).pipe.dedicated  # split-KV
+    for other in (
+        _plan(4096, 1, variant="v8", wgmma=True, dtype=torch.float32),
+        _plan(4096, 1, variant="v8", wgmma=True, d=256),
+        _plan(4096, 1, variant="v8", wgmma=True, scale=-0.5),
+    ):
+        assert not other.pipe.wgmma
+    forced = _plan(64, 1, ctx=32768, variant="v8f", wgmma=True)
+    assert forced.pipe.wgmma and forced.grid == (3 * 8, 1, 1)
+
+
+def test_tma_maps_refuse_layouts_the_copy_engine_cannot_take():
+    """The warpgroup kernel needs a TMA map of the pool; layouts TMA cannot describe (float32,
+    a misaligned base) get None from ``usable``, so the planner keeps the mma.sync kernel."""
+    from kvpool.kernels import cuda_tma
+    from kvpool.kernels._validate import check_attention
+
+    case = make_case([40], num_kv_heads=2, block_size=16, head_dim=64, dtype=torch.bfloat16)
+    q = torch.randn(40, 4, 64).to(torch.bfloat16)
+    cu = torch.tensor([0, 40], dtype=torch.int32)
+    a = check_attention(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, cu, None, None)
+    assert cuda_tma.usable(a.geo, case.k_cache, case.v_cache)
+    f32 = make_case([40], num_kv_heads=2, block_size=16, head_dim=64, dtype=torch.float32)
+    g32 = check_attention(q.float(), f32.k_cache, f32.v_cache, f32.block_tables, f32.seq_lens, cu, None, None).geo
+    assert not cuda_tma.usable(g32, f32.k_cache, f32.v_cache)
+    misaligned = torch.empty(case.k_cache.numel() + 1, dtype=torch.bfloat16)[1:].view(case.k_cache.shape)  # 2 bytes off
+    assert not cuda_tma.usable(a.geo, misaligned, case.v_cache)
 
 
 def test_planner_picks_the_prefill_kernel_per_shape(monkeypatch):

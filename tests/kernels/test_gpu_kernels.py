@@ -78,7 +78,7 @@ def test_gpu_prefill_matches_reference(dtype, seed, variant):
     assert_matches_reference(out, want, "cuda")
 
 
-@pytest.mark.parametrize("variant", ["v7m1", "v7m2", "v7w8", None])
+@pytest.mark.parametrize("variant", ["v7m1", "v7m2", "v7w8", "v8", "v8f", None])
 def test_gpu_prefill_at_serving_size(variant):
     """Prefill the size the planner sends to the dedicated kernel (None: its own pick),
     a long prompt plus a chunk that extends a cached prefix, GQA group 4."""
@@ -99,6 +99,59 @@ def test_gpu_prefill_at_serving_size(variant):
         _attend(variant, q, case, cu=cu, out=out)
     want = ref.paged_prefill_reference(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, cu)
     assert_matches_reference(out, want, "cuda")
+
+
+def _serving_case(seed=0):
+    lens, q_lens = [700, 650], [560, 90]  # neither a multiple of the block size
+    case = make_case(lens, num_kv_heads=8, block_size=16, head_dim=128, dtype=torch.bfloat16, device=DEV, seed=seed)
+    cu = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(DEV)
+    q = torch.randn(int(cu[-1]), 32, 128, device=DEV).to(torch.bfloat16)
+    return case, cu, q
+
+
+@pytest.mark.parametrize("variant", ["v8", "v8f", "v7"])
+def test_gpu_prefill_ignores_stale_pool_rows(variant):
+    """Rows of a sequence's last block past its length, and every block it does not own,
+    hold NaN (stale memory): the output must not see them (TMA loads whole blocks)."""
+    case, cu, q = _serving_case()
+    owned = torch.zeros(case.kv_cache.shape[0], dtype=torch.bool)
+    for b, n in enumerate(case.seq_lens.tolist()):
+        nb = -(-n // 16)
+        ids = case.block_tables[b, :nb].long().cpu()
+        owned[ids] = True
+        case.kv_cache[int(ids[-1]), case.layer, :, :, n - 16 * (nb - 1) :] = float("nan")
+    case.kv_cache[~owned.to(DEV)] = float("nan")
+    out = poisoned(q.shape, q.dtype, DEV)
+    _attend(variant, q, case, cu=cu, out=out)
+    want = ref.paged_prefill_reference(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, cu)
+    assert_matches_reference(out, want, "cuda")
+
+
+@pytest.mark.parametrize("warm", [True, False])
+def test_gpu_prefill_in_cuda_graph(warm):
+    """The planner's prefill captured in a CUDA graph: with the pool's TMA maps made by a
+    warm-up call (TMA in the graph), or first seen during capture (the mma.sync kernel)."""
+    case, cu, q = _serving_case(seed=1)
+    want = ref.paged_prefill_reference(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, cu)
+    out = poisoned(q.shape, q.dtype, DEV)
+    run = lambda: paged_prefill_attention(  # noqa: E731
+        q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, cu, out=out
+    )
+    if warm:
+        run()
+    else:  # compile both kernels outside capture, on another pool view, so only the maps are new
+        other, _, _ = _serving_case(seed=2)
+        paged_prefill_attention(q, other.k_cache, other.v_cache, other.block_tables, other.seq_lens, cu, out=out)
+        _attend("v7", q, other, cu=cu, out=out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for _ in range(2):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_matches_reference(out, want, "cuda")
 
 
 @pytest.mark.parametrize("seq_len", [32768, 131072])

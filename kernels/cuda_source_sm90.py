@@ -1,0 +1,390 @@
+"""CUDA C++ source of the Hopper prefill kernel (sm_90a: warpgroup MMA).
+
+``prefill_wg_kernel<DT, D, NWG, KN, NS>`` computes what ``prefill_kernel`` in
+``cuda_source`` computes (same arguments, same rows, same causal rule), but on
+Hopper's asynchronous warpgroup MMA (``wgmma.mma_async``) instead of
+``mma.sync``: a warpgroup (4 warps, 128 threads) multiplies a 64-row tile in
+one instruction per 16-wide k-step, reading its operands straight from shared
+memory through matrix descriptors, so no lane spends instructions or
+registers loading fragments. That is what lets SDPA (FlashAttention-3 /
+cuDNN) run at about half of the H200's dense peak, where an ``mma.sync``
+kernel stops near a fifth.
+
+Layout: every tile (Q, K, V) is stored as 128-byte panels of 64 head dims,
+rows 128 bytes apart, with the hardware's 128-byte swizzle (16-byte chunk c
+of row r at chunk c ^ (r % 8)), so that one descriptor per k-step describes
+it. S = Q K^T reads Q and K "K-major" (head dims contiguous); O += P V takes
+P from registers (the S accumulators re-packed to 16 bits, the layout that
+``mma.sync`` uses too) and V "MN-major" (transposed by the MMA unit itself).
+K and V arrive through an NS-stage ``cp.async`` ring filled by all threads,
+as in the ``mma.sync`` kernel: the pool is paged, and a 16-token block per
+row of a tile is what ``cp.async`` gathers well.
+
+Compiled only for sm_90a (``cuda_runtime.compile_sm90a``): ``wgmma`` exists
+on no other architecture, so the planner uses this kernel only on a device
+of compute capability 9.0.
+"""
+
+from __future__ import annotations
+
+# The kernel's fixed shape: warpgroups per CTA, keys per tile, ring stages (the source's
+# constants of the same names; checked at import below).
+WG_GROUPS, WG_KEYS, WG_STAGES = 2, 128, 3
+
+
+def _operands(n: int, first: int = 0) -> str:
+    return ", ".join(f"%{first + i}" for i in range(n))
+
+
+def _wgmma_wrappers() -> str:
+    """One ``Wg<N, DT>`` per (N, type): ``ss`` (A and B from shared memory,
+    S = Q K^T) and ``rs`` (A from registers, B transposed: O += P V)."""
+    out = []
+    for dt, ab in ((1, "f16"), (2, "bf16")):
+        for n in (64, 128):
+            regs = n // 2
+            outs = _operands(regs)
+            acc = ", ".join(f'"+f"(d[{i}])' for i in range(regs))
+            ss = (
+                f'        asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{regs + 2}, 0;\\n"\n'
+                f'            "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ab}.{ab} {{{outs}}}, %{regs}, %{regs + 1}, p, 1, 1, 0, 0;\\n}}\\n"\n'
+                f'            : {acc}\n'
+                f'            : "l"(a), "l"(b), "r"(accumulate));\n'
+            )
+            rs = (
+                f'        asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{regs + 5}, 0;\\n"\n'
+                f'            "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ab}.{ab} {{{outs}}}, '
+                f'{{%{regs}, %{regs + 1}, %{regs + 2}, %{regs + 3}}}, %{regs + 4}, p, 1, 1, 1;\\n}}\\n"\n'
+                f'            : {acc}\n'
+                f'            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(b), "r"(1));\n'
+            )
+            out.append(
+                f"template <> struct Wg<{n}, {dt}> {{\n"
+                f"    static __device__ __forceinline__ void ss(float (&d)[{regs}], u64 a, u64 b, int accumulate) {{\n{ss}    }}\n"
+                f"    static __device__ __forceinline__ void rs(float (&d)[{regs}], u32 a0, u32 a1, u32 a2, u32 a3, u64 b) {{\n{rs}    }}\n"
+                "};\n"
+            )
+    return "".join(out)
+
+
+SOURCE_SM90 = (
+    r"""
+typedef unsigned long long u64;
+
+// ---- Warpgroup MMA primitives (sm_90a) ----
+__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+// Shared-memory matrix descriptor with the 128-byte swizzle: start address, leading and
+// stride byte offsets (all in 16-byte units). K-major operands: rows 128 bytes apart,
+// 8-row groups SBO = 1024 bytes apart, LBO unused (1). MN-major: LBO = the distance
+// between 64-element panels, SBO = 1024 bytes between 8-row groups of the k axis.
+__device__ __forceinline__ u64 gmma_desc(u32 addr, u32 lbo16, u32 sbo16) {
+    return (u64)((addr & 0x3FFFF) >> 4) | ((u64)(lbo16 & 0x3FFF) << 16) | ((u64)(sbo16 & 0x3FFF) << 32) | (1ull << 62);
+}
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(N) : "memory"); }
+// cp.async writes shared memory through the generic proxy, wgmma reads it through the
+// async proxy: each thread orders its own completed copies before the barrier.
+__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+// Keeps the compiler from moving accumulator registers across an MMA in flight.
+template <int R> __device__ __forceinline__ void reg_fence(float (&d)[R]) {
+#pragma unroll
+    for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i]) :: "memory");
+}
+
+// mbarriers and TMA (bulk tensor copies global -> shared, completion counted in bytes).
+__device__ __forceinline__ void mbar_init(u32 bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
+__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(u32 bar, int parity) {
+    asm volatile("{\n.reg .pred P1;\nWAIT:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
+                 "@!P1 bra WAIT;\n}\n" :: "r"(bar), "r"(parity) : "memory");
+}
+// One box of a 3-D tensor map (coordinates innermost first) into shared memory at dst.
+__device__ __forceinline__ void tma_load_3d(u32 dst, const void* map, u32 bar, int c0, int c1, int c2) {
+    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];"
+                 :: "r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(bar) : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bar) : "memory");
+}
+// Named barriers (id 0 is __syncthreads): sync waits for `count` threads, arrive only counts.
+__device__ __forceinline__ void named_sync(int id, int count) {
+    asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int count) {
+    asm volatile("bar.arrive %0, %1;" :: "r"(id), "r"(count) : "memory");
+}
+
+template <int N, int DT> struct Wg;
+"""
+    + _wgmma_wrappers()
+    + r"""
+// Byte offset of 16-byte chunk c of row r in a tile of 128-byte panels (panel_bytes each).
+__device__ __forceinline__ int sw128(int r, int c, int panel_bytes) {
+    return (c >> 3) * panel_bytes + r * 128 + (((c & 7) ^ (r & 7)) << 4);
+}
+
+// Prefill on warpgroup MMA: a CTA of NWG warpgroups owns 64 NWG query rows ((token, head)
+// pairs of one GQA group, as in prefill_kernel) of one KV head and walks the keys in tiles
+// of KN through an NS-stage ring that TMA fills.
+//
+// Synchronization, FlashAttention-3 style, no CTA-wide barrier in the loop:
+// * full[s]: the tile in stage s landed (TMA's byte count); every thread waits on it.
+// * empty[s]: every warp has finished the tile in stage s (one arrival per warp, after its
+//   warpgroup's MMAs on it completed); the producer waits on it before refilling s.
+// * The producer is the first warp of the last warpgroup: lane j loads pool block j of a
+//   tile, one box of 64 head dims x block_size rows per panel and tensor, which the copy
+//   engine writes in the same 128-byte swizzle the MMA descriptors read. A block id past
+//   the sequence or out of range becomes num_blocks, a coordinate outside the map: zeros.
+// * Ping-pong (two warpgroups): named barriers make the warpgroups take turns issuing their
+//   MMAs, so one warpgroup's softmax runs while the other's MMAs keep the tensor cores busy.
+// * A warpgroup issues tile k - 1's O += P V and then tile k's S = Q K^T as one group and
+//   waits once (measured on the H200: 8% faster than issuing S first and overlapping the
+//   softmax with P V, run 14 in NOTES-kernels.md). That frees tile k - 1 before the softmax,
+//   so the producer refills its stage as early as possible.
+// A warpgroup whose rows end before a tile skips its MMAs (uniform over the warpgroup, as
+// wgmma requires) but keeps taking part in the barriers.
+//
+// Shape (H200, NOTES-kernels.md runs 9-15): 2 warpgroups (128 rows), 128-key tiles, 3 stages
+// (225 KiB of shared memory, one CTA per SM). One warpgroup per CTA, 64- or 96-key tiles,
+// and 4-5 stages were all slower; so were no ping-pong and the producer in warpgroup 0.
+constexpr int WG_GROUPS = 2, WG_KEYS = 128, WG_STAGES = 3;
+
+template <int DT, int D>
+__global__ void __launch_bounds__(128 * WG_GROUPS, 1) prefill_wg_kernel(
+    ATTENTION_PARAMS, const void* __restrict__ k_map, const void* __restrict__ v_map)
+{
+    static_assert(DT != 0 && (D == 64 || D == 128), "16-bit types, head_dim 64 or 128");
+    using T = typename Store<DT>::T;
+    constexpr int NWG = WG_GROUPS, KN = WG_KEYS, NS = WG_STAGES;
+    static_assert(NWG == 2 && NS >= 3 && KN % 64 == 0, "two warpgroups take turns; 3+ stages");
+    constexpr int NTH = 128 * NWG;
+    constexpr int BM = 64 * NWG;               // rows per CTA
+    constexpr int CPR = D / 8;                 // 16-byte chunks per row
+    constexpr int QP = BM * 128;               // bytes per Q panel (64 head dims)
+    constexpr int KP = KN * 128;               // bytes per K or V panel
+    constexpr int TB = (D / 64) * KP;          // one K (or V) tile
+    constexpr int SB = 2 * TB;                 // one stage: K tile, then V tile
+    constexpr int LR = NTH / CPR;              // Q rows per fill pass
+    static_assert(BM % LR == 0, "whole fill passes");
+    extern __shared__ uint4 smem4[];
+    // Swizzled tiles must start on 1024 bytes (the swizzle pattern's period); the host
+    // asks for 1 KiB more than the tiles and barriers need.
+    const u32 raw = smem_addr(smem4);
+    unsigned char* smem = reinterpret_cast<unsigned char*>(smem4) + ((1024 - (raw & 1023)) & 1023);
+    unsigned char* qs = smem;
+    unsigned char* ring = smem + (D / 64) * QP;
+    u64* full = reinterpret_cast<u64*>(ring + NS * SB);
+    u64* empty = full + NS;
+
+    // Warp and warpgroup indices through a shuffle: the compiler then knows them (and all
+    // that derives from them, such as which tiles a warpgroup skips) to be warp-uniform, and
+    // does not serialize the wgmma instructions behind branches it would think divergent.
+    const int tid = threadIdx.x, lane = tid & 31;
+    const int warp = __shfl_sync(FULL_MASK, tid >> 5, 0), wg = warp >> 2, wl = warp & 3;
+    const int g = lane >> 2, t4 = lane & 3;
+    PrefillTile pt;                                            // BM / group query tokens per CTA
+    if (!prefill_tile(cu_seqlens, seq_lens, num_seqs, num_kv_heads, max_blocks, bs_log2, group, BM / group, pt)) return;
+    const int kvh = pt.kvh, nrows = pt.nrows, kv_len = pt.kv_len;
+    const int q0 = pt.first_pos + pt.tok0;                     // position of the tile's first token
+    const int ntiles = (pt.cta_hi + KN - 1) / KN;
+
+    // Q tile by cp.async, waited for before the loop.
+    load_q_tile<BM, LR, CPR>(qs, q, q_stride_t, q_stride_h, pt, group, tid, [](int r, int c) { return sw128(r, c, QP); });
+    cp_async_commit();
+    const int* bt = block_tables + (i64)pt.b * bt_stride;
+    const int tile_blocks = KN >> bs_log2;
+    auto tma_block = [&](int k) {                              // this lane's block id in tile k
+        const int pos = KN * k + (lane << bs_log2);
+        const int id = lane < tile_blocks && pos < kv_len ? bt[pos >> bs_log2] : -1;
+        return (unsigned)id < (unsigned)num_blocks ? id : num_blocks;
+    };
+    auto tma_issue = [&](int k, int blk) {
+        const u32 bar = smem_addr(full + k % NS);
+        if (lane == 0) mbar_expect_tx(bar, 2 * KN * D * 2);
+        __syncwarp();
+        if (lane < tile_blocks) {
+            const u32 st = smem_addr(ring + (k % NS) * SB) + (lane << bs_log2) * 128;
+#pragma unroll
+            for (int p = 0; p < D / 64; ++p) {
+                tma_load_3d(st + p * KP, k_map, bar, 64 * p, kvh << bs_log2, blk);
+                tma_load_3d(st + TB + p * KP, v_map, bar, 64 * p, kvh << bs_log2, blk);
+            }
+        }
+    };
+    if (tid == 0) {
+#pragma unroll
+        for (int st = 0; st < NS; ++st) {
+            mbar_init(smem_addr(full + st), 1);
+            mbar_init(smem_addr(empty + st), 4 * NWG);
+        }
+        mbar_init_fence();
+    }
+    cp_async_wait<0>();                                        // Q landed for this thread
+    fence_async_smem();
+    __syncthreads();                                           // for all; barriers initialized
+    const bool producer = warp == 4 * (NWG - 1);
+    int next_blk = 0;                                          // the producer's next tile's block id
+    if (producer) {
+        for (int k = 0; k < NS - 1 && k < ntiles; ++k) tma_issue(k, tma_block(k));
+        if (NS - 1 < ntiles) next_blk = tma_block(NS - 1);
+    }
+    if (wg == 1) named_arrive(1, 256);                         // warpgroup 0 issues first
+
+    // This thread's rows: 64 wg + 16 wl + g (+ 8). The warpgroup's key bounds come from its
+    // first and last valid rows, so they are uniform over its 128 threads.
+    int lim[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int r = 64 * wg + 16 * wl + g + 8 * i;
+        lim[i] = r < nrows ? max(0, min(q0 + r / group + 1, kv_len)) : 0;
+    }
+    const int r_first = 64 * wg, r_last = min(64 * wg + 63, nrows - 1);
+    const int wg_hi = r_first < nrows ? max(0, min(q0 + r_last / group + 1, kv_len)) : 0;
+    const int wg_lo = r_first < nrows ? max(0, min(q0 + r_first / group + 1, kv_len)) : 0;
+
+    float o[D / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+    float m_run[2] = {NEG_INF, NEG_INF}, l_run[2] = {0.f, 0.f};
+    const u32 q_base = smem_addr(qs) + 64 * 128 * wg;
+    u32 p[KN / 16][4];                                 // P of the previous tile, 16-bit A fragments
+    bool have_p = false;                               // p holds a tile whose P V is still to issue
+    u32 pv_base = 0;                                   // that tile's V
+
+    // O += P V for the tile in p: k-step kk covers keys 16 kk .. + 15 (2048 bytes of V rows);
+    // P's A fragment is S's accumulators of n-tiles 2 kk and 2 kk + 1, packed to 16 bits.
+    auto issue_pv = [&]() {
+        const u64 vd = gmma_desc(pv_base, KP >> 4, 64);
+#pragma unroll
+        for (int kk = 0; kk < KN / 16; ++kk) Wg<D, DT>::rs(o, p[kk][0], p[kk][1], p[kk][2], p[kk][3], vd + kk * 128);
+    };
+    // P's registers are read by the MMA unit until the wait: pretend to use them after it,
+    // so that the compiler does not reuse them in between.
+    auto hold_p = [&]() {
+#pragma unroll
+        for (int kk = 0; kk < KN / 16; ++kk)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(p[kk][e]) :: "memory");
+    };
+
+    for (int k = 0; k < ntiles; ++k) {
+        const int base = KN * k;
+        const bool run = base < wg_hi;
+        const int slot = k % NS;
+        mbar_wait(smem_addr(full + slot), (k / NS) & 1);
+        if (base + KN > kv_len) {
+            // Rows past the sequence inside its last block hold whatever the pool had there:
+            // zero them in V (their P is 0, but 0 x NaN is not). Each warpgroup writes the
+            // same zeros and hands them to the async proxy for its own MMAs.
+            const int z0 = max(0, kv_len - base);
+            constexpr int CH = (D / 64) * 8;
+            for (int i = tid & 127; i < (KN - z0) * CH; i += 128) {
+                const int r = z0 + i / CH, c = i % CH;
+                *reinterpret_cast<uint4*>(ring + slot * SB + TB + (c >> 3) * KP + r * 128 + (c & 7) * 16) = make_uint4(0, 0, 0, 0);
+            }
+            fence_async_smem();
+            named_sync(3 + wg, 128);
+        }
+        const u32 k_base = smem_addr(ring + slot * SB);
+
+        // O += P_{k-1} V_{k-1}, then S = Q K^T: k-step kk covers head dims 16 kk .. + 15 (32 bytes
+        // into a 128-byte panel row). Descriptors are bases plus constant offsets.
+        float s[KN / 2];
+        named_sync(1 + wg, 256);                       // this warpgroup's turn at the tensor cores
+        wg_fence();
+        if (have_p) issue_pv();
+        if (run) {
+            const u64 qd = gmma_desc(q_base, 1, 64), kd = gmma_desc(k_base, 1, 64);
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) {
+                const u32 off = ((kk >> 2) * QP + (kk & 3) * 32) >> 4, koff = ((kk >> 2) * KP + (kk & 3) * 32) >> 4;
+                Wg<KN, DT>::ss(s, qd + off, kd + koff, kk > 0);
+            }
+        }
+        wg_commit();
+        if (!(wg == 1 && k == ntiles - 1)) named_arrive(2 - wg, 256);  // the other's turn
+        wg_wait<0>();                                  // S_k and P_{k-1} V_{k-1} done
+        reg_fence(s);
+        reg_fence(o);
+        hold_p();
+        if (k >= 1 && lane == 0) mbar_arrive(smem_addr(empty + (k - 1) % NS));  // tile k - 1 consumed
+        // Refill: tile k + NS - 1 goes into tile k - 1's stage once every warp released it.
+        const int t = k + NS - 1;
+        if (producer && t < ntiles) {
+            if (t >= NS) mbar_wait(smem_addr(empty + t % NS), (t / NS - 1) & 1);
+            tma_issue(t, next_blk);
+            if (t + 1 < ntiles) next_blk = tma_block(t + 1);
+        }
+
+        // Online softmax (log2 domain; scale_log2 > 0, so the max of raw scores is the max of
+        // scaled ones). s[4 n + e]: row g + 8 (e >> 1), key 8 n + 2 t4 + (e & 1).
+        float corr[2] = {1.f, 1.f};
+        bool moved = false;
+        if (run) {
+            const bool masked = base + KN > wg_lo;
+            float mx[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+            for (int n = 0; n < KN / 8; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    if (masked && base + 8 * n + 2 * t4 + (e & 1) >= lim[e >> 1]) s[4 * n + e] = NEG_INF;
+                    mx[e >> 1] = fmaxf(mx[e >> 1], s[4 * n + e]);
+                }
+            float msafe[2];
+            mx[0] *= scale_log2;
+            mx[1] *= scale_log2;
+            moved = softmax_step(mx, m_run, l_run, msafe, corr);
+#pragma unroll
+            for (int n = 0; n < KN / 8; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    s[4 * n + e] = exp2f(fmaf(s[4 * n + e], scale_log2, -msafe[e >> 1]));
+                    l_run[e >> 1] += s[4 * n + e];
+                }
+        }
+        if (run) {
+            if (__any_sync(FULL_MASK, moved)) {
+#pragma unroll
+                for (int n = 0; n < D / 8; ++n) {
+                    o[4 * n] *= corr[0]; o[4 * n + 1] *= corr[0];
+                    o[4 * n + 2] *= corr[1]; o[4 * n + 3] *= corr[1];
+                }
+            }
+#pragma unroll
+            for (int kk = 0; kk < KN / 16; ++kk) {
+                p[kk][0] = pack2<DT>(s[8 * kk], s[8 * kk + 1]);
+                p[kk][1] = pack2<DT>(s[8 * kk + 2], s[8 * kk + 3]);
+                p[kk][2] = pack2<DT>(s[8 * kk + 4], s[8 * kk + 5]);
+                p[kk][3] = pack2<DT>(s[8 * kk + 6], s[8 * kk + 7]);
+            }
+            pv_base = k_base + TB;
+        }
+        have_p = run;
+    }
+    if (have_p) {                                      // the last tile's P V
+        wg_fence();
+        issue_pv();
+        wg_commit();
+        wg_wait<0>();
+        reg_fence(o);
+        hold_p();
+    }
+
+    // Epilogue: o[4 n + 2 i + j] is row g + 8 i, head dim 8 n + 2 t4 + j.
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+        store_prefill_row<DT, D>(out, pt, group, num_kv_heads * group, 64 * wg + 16 * wl + g + 8 * i, l_run[i], t4,
+                                 [&](int n, int j) { return o[4 * n + 2 * i + j]; });
+}
+"""
+)
+assert f"constexpr int WG_GROUPS = {WG_GROUPS}, WG_KEYS = {WG_KEYS}, WG_STAGES = {WG_STAGES};" in SOURCE_SM90
