@@ -78,8 +78,6 @@ class Sm90aKernel:
     """A kernel of a module compiled for sm_90a, called like a ``cupy.RawKernel``."""
 
     _MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-    _NUM_REGS = 4  # CU_FUNC_ATTRIBUTE_NUM_REGS
-    _LOCAL_BYTES = 3  # CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES
 
     def __init__(self, function) -> None:
         self._function = function
@@ -95,18 +93,6 @@ class Sm90aKernel:
         from cupy.cuda import driver
 
         driver.funcSetAttribute(self._function.ptr, self._MAX_DYNAMIC_SHARED, int(value))
-
-    @property
-    def num_regs(self) -> int:
-        from cupy.cuda import driver
-
-        return driver.funcGetAttribute(self._NUM_REGS, self._function.ptr)
-
-    @property
-    def local_size_bytes(self) -> int:
-        from cupy.cuda import driver
-
-        return driver.funcGetAttribute(self._LOCAL_BYTES, self._function.ptr)
 
     def __call__(self, grid, block, args, shared_mem: int = 0) -> None:
         self._function(tuple(grid), tuple(block), args, shared_mem=shared_mem)
