@@ -1,14 +1,14 @@
 """CUDA C++ source of the Hopper prefill kernel (sm_90a: warpgroup MMA).
 
-``prefill_wg_kernel<DT, D, NWG, KN, NS>`` computes what ``prefill_kernel`` in
+``prefill_wg_kernel<DT, D>`` computes what ``prefill_kernel`` in
 ``cuda_source`` computes (same arguments, same rows, same causal rule), but on
 Hopper's asynchronous warpgroup MMA (``wgmma.mma_async``) instead of
 ``mma.sync``: a warpgroup (4 warps, 128 threads) multiplies a 64-row tile in
 one instruction per 16-wide k-step, reading its operands straight from shared
 memory through matrix descriptors, so no lane spends instructions or
-registers loading fragments. That is what lets SDPA (FlashAttention-3 /
-cuDNN) run at about half of the H200's dense peak, where an ``mma.sync``
-kernel stops near a fifth.
+registers loading fragments. SDPA (FlashAttention-3 / cuDNN class) runs at
+about half of the H200's dense peak this way; our ``mma.sync`` prefill
+stopped near a fifth (NOTES-kernels.md, runs 7-16).
 
 Layout: every tile (Q, K, V) is stored as 128-byte panels of 64 head dims,
 rows 128 bytes apart, with the hardware's 128-byte swizzle (16-byte chunk c
@@ -16,9 +16,9 @@ of row r at chunk c ^ (r % 8)), so that one descriptor per k-step describes
 it. S = Q K^T reads Q and K "K-major" (head dims contiguous); O += P V takes
 P from registers (the S accumulators re-packed to 16 bits, the layout that
 ``mma.sync`` uses too) and V "MN-major" (transposed by the MMA unit itself).
-K and V arrive through an NS-stage ``cp.async`` ring filled by all threads,
-as in the ``mma.sync`` kernel: the pool is paged, and a 16-token block per
-row of a tile is what ``cp.async`` gathers well.
+K and V arrive by TMA (the copy engine), one box per pool block, through a
+3-stage ring; ``cuda_tma`` makes the tensor maps of the pool that the kernel
+reads. Q arrives once, by ``cp.async``.
 
 Compiled only for sm_90a (``cuda_runtime.compile_sm90a``): ``wgmma`` exists
 on no other architecture, so the planner uses this kernel only on a device
@@ -153,7 +153,7 @@ __device__ __forceinline__ int sw128(int r, int c, int panel_bytes) {
 // A warpgroup whose rows end before a tile skips its MMAs (uniform over the warpgroup, as
 // wgmma requires) but keeps taking part in the barriers.
 //
-// Shape (H200, NOTES-kernels.md runs 9-15): 2 warpgroups (128 rows), 128-key tiles, 3 stages
+// Shape (H200, NOTES-kernels.md runs 9-16): 2 warpgroups (128 rows), 128-key tiles, 3 stages
 // (225 KiB of shared memory, one CTA per SM). One warpgroup per CTA, 64- or 96-key tiles,
 // and 4-5 stages were all slower; so were no ping-pong and the producer in warpgroup 0.
 constexpr int WG_GROUPS = 2, WG_KEYS = 128, WG_STAGES = 3;
