@@ -14,13 +14,17 @@ through ctypes: no extra dependency) and copied once to device memory, where
 the kernel reads them; they are cached per (device, address, geometry), so a
 pool's layers each cost one small copy, at their first call. That copy cannot
 happen during CUDA-graph capture: ``maps_for`` then returns None and the
-caller uses the kernel's ``cp.async`` path instead.
+caller runs the ``mma.sync`` kernel instead. So it does where the driver
+cannot make maps at all (no ``cuTensorMapEncodeTiled``: a driver older than
+CUDA 12; said once, as a warning) or refuses one view's map (remembered per
+view).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import warnings
 
 import torch
 
@@ -32,8 +36,9 @@ _SWIZZLE_128B = 3
 _L2_PROMOTION_128B = 2
 _BOX_DIMS = 64  # head dims per box: 128 bytes of 16-bit values, the swizzle's span
 
-_MAPS: dict[tuple, torch.Tensor] = {}
+_MAPS: dict[tuple, torch.Tensor | None] = {}  # None: the driver refused this view's map
 _MAX_MAPS = 4096
+_UNAVAILABLE: list[str] = []  # why this process cannot make maps at all (empty: it can)
 
 
 @functools.lru_cache(maxsize=1)
@@ -79,21 +84,43 @@ def usable(geo: CacheGeometry, k_cache: torch.Tensor, v_cache: torch.Tensor) -> 
 
 
 def maps_for(geo: CacheGeometry, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Device copies of the K and V maps, or None where TMA cannot be used now (a map not
-    yet made while a CUDA graph is being captured, or a layout the engine does not take)."""
-    if not usable(geo, k_cache, v_cache):
+    """Device copies of the K and V maps, or None where TMA cannot be used now: a layout the
+    engine does not take, a driver that cannot make maps, or a map not yet made while a
+    CUDA graph is being captured."""
+    if _UNAVAILABLE or not usable(geo, k_cache, v_cache):
         return None
     out = []
     for t, stride in ((k_cache, geo.k_block_stride), (v_cache, geo.v_block_stride)):
         key = (t.device.index, t.data_ptr(), geo.num_blocks, geo.num_kv_heads, geo.block_size, geo.head_dim, stride, geo.dtype)
-        m = _MAPS.get(key)
-        if m is None:
-            if torch.cuda.is_current_stream_capturing():
+        if key in _MAPS:
+            m = _MAPS[key]
+        else:
+            if t.is_cuda and torch.cuda.is_current_stream_capturing():
                 return None
-            host = torch.frombuffer(bytearray(encode(t.data_ptr(), geo, stride)), dtype=torch.uint8)
-            m = host.to(t.device)
+            m = _make(t, geo, stride)
+            if _UNAVAILABLE:
+                return None
             if len(_MAPS) >= _MAX_MAPS:  # pools come and go: forget the old ones wholesale
                 _MAPS.clear()
             _MAPS[key] = m
+        if m is None:
+            return None
         out.append(m)
     return out[0], out[1]
+
+
+def _make(t: torch.Tensor, geo: CacheGeometry, stride: int) -> torch.Tensor | None:
+    """One view's map on its device; None if the driver refused it."""
+    try:
+        raw = encode(t.data_ptr(), geo, stride)
+    except (AttributeError, OSError) as exc:  # no libcuda, or no cuTensorMapEncodeTiled in it
+        _UNAVAILABLE.append(f"{type(exc).__name__}: {exc}")
+        warnings.warn(
+            f"kvpool.kernels: the CUDA driver cannot make TMA tensor maps ({exc}); prefill runs the mma.sync kernel",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
+    except RuntimeError:
+        return None
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(t.device)

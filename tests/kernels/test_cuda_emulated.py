@@ -169,6 +169,69 @@ def test_tma_maps_refuse_layouts_the_copy_engine_cannot_take():
     assert not cuda_tma.usable(a.geo, misaligned, case.v_cache)
 
 
+def _tma_case(seed=0):
+    case = make_case([40], num_kv_heads=2, block_size=16, head_dim=64, dtype=torch.bfloat16, seed=seed)
+    q = torch.randn(40, 4, 64).to(torch.bfloat16)
+    cu = torch.tensor([0, 40], dtype=torch.int32)
+    a = check_attention(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, cu, None, None)
+    return a.geo, case
+
+
+def test_tma_maps_are_made_once_per_view(monkeypatch):
+    """A view's map is encoded once (the driver's bytes, copied to the view's device) and
+    then served from the cache; a refused view gives None, remembered, and other views
+    still get maps."""
+    from kvpool.kernels import cuda_tma
+
+    monkeypatch.setattr(cuda_tma, "_MAPS", {})
+    monkeypatch.setattr(cuda_tma, "_UNAVAILABLE", [])
+    calls = []
+
+    def fake_encode(address, geo, stride):
+        calls.append(address)
+        return bytes(range(128))
+
+    monkeypatch.setattr(cuda_tma, "encode", fake_encode)
+    geo, case = _tma_case()
+    k_map, v_map = cuda_tma.maps_for(geo, case.k_cache, case.v_cache)
+    assert k_map.dtype == torch.uint8 and k_map.tolist() == list(range(128)) and v_map.numel() == 128
+    assert calls == [case.k_cache.data_ptr(), case.v_cache.data_ptr()]
+    again = cuda_tma.maps_for(geo, case.k_cache, case.v_cache)
+    assert again[0] is k_map and again[1] is v_map and len(calls) == 2
+
+    def refuse(address, geo, stride):
+        calls.append(address)
+        raise RuntimeError("cuTensorMapEncodeTiled failed with CUresult 1")
+
+    monkeypatch.setattr(cuda_tma, "encode", refuse)
+    geo2, other = _tma_case(seed=1)
+    assert cuda_tma.maps_for(geo2, other.k_cache, other.v_cache) is None
+    assert cuda_tma.maps_for(geo2, other.k_cache, other.v_cache) is None
+    assert len(calls) == 3  # the refusal is remembered; the first view's maps are untouched
+    assert cuda_tma.maps_for(geo, case.k_cache, case.v_cache)[0] is k_map
+
+
+def test_tma_maps_fall_back_once_where_the_driver_cannot_make_them(monkeypatch):
+    """No cuTensorMapEncodeTiled in the driver (older than CUDA 12): one warning, then None
+    for every view without asking the driver again, so prefill keeps the mma.sync kernel."""
+    from kvpool.kernels import cuda_tma
+
+    monkeypatch.setattr(cuda_tma, "_MAPS", {})
+    monkeypatch.setattr(cuda_tma, "_UNAVAILABLE", [])
+    calls = []
+
+    def no_symbol():
+        calls.append(1)
+        raise AttributeError("/usr/lib/libcuda.so.1: undefined symbol: cuTensorMapEncodeTiled")
+
+    monkeypatch.setattr(cuda_tma, "_encode_fn", no_symbol)
+    geo, case = _tma_case()
+    with pytest.warns(RuntimeWarning, match="cannot make TMA tensor maps"):
+        assert cuda_tma.maps_for(geo, case.k_cache, case.v_cache) is None
+    assert cuda_tma.maps_for(geo, case.k_cache, case.v_cache) is None
+    assert calls == [1] and cuda_tma._MAPS == {}
+
+
 def test_planner_picks_the_prefill_kernel_per_shape(monkeypatch):
     """Dedicated kernel, 8 warps x 16 rows per CTA, where that grid is two to four waves of
     one CTA per SM (1k tokens x 8 KV heads on 132 SMs); else 4 warps x 32 rows where that
