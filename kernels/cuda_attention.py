@@ -389,20 +389,26 @@ def paged_attention(
         return out
     prefill = cu_seqlens_q is not None
     geo = a.geo
-    maps = None  # TMA tensor maps of the pool, for the warpgroup-MMA prefill kernel
-    if prefill and geo.head_dim <= 128 and getattr(launcher, "wgmma", lambda device: False)(q.device):
+
+    def plan_with(wgmma: bool) -> AttentionPlan:
+        return plan_attention(
+            a,
+            prefill=prefill,
+            max_blocks=block_tables.shape[1],
+            max_seq_len=max_seq_len,
+            num_sms=launcher.num_sms(q.device),
+            num_splits=num_splits,
+            variant=variant,
+            aligned_out=out.data_ptr() % 4 == 0,
+            wgmma=wgmma,
+        )
+
+    plan = plan_with(getattr(launcher, "wgmma", lambda device: False)(q.device))
+    maps = None  # TMA tensor maps of the pool: only the warpgroup-MMA prefill kernel reads them
+    if plan.pipe.wgmma:
         maps = cuda_tma.maps_for(geo, k_cache, v_cache)
-    plan = plan_attention(
-        a,
-        prefill=prefill,
-        max_blocks=block_tables.shape[1],
-        max_seq_len=max_seq_len,
-        num_sms=launcher.num_sms(q.device),
-        num_splits=num_splits,
-        variant=variant,
-        aligned_out=out.data_ptr() % 4 == 0,
-        wgmma=maps is not None,
-    )
+        if maps is None:  # none to hand (a first call inside graph capture, the driver): mma.sync
+            plan = plan_with(False)
     tile_cum = None
     if prefill and not plan.pipe.dedicated:  # the dedicated kernel scans cu_seqlens itself
         q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]

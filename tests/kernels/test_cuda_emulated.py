@@ -155,23 +155,19 @@ def test_tma_maps_refuse_layouts_the_copy_engine_cannot_take():
     """The warpgroup kernel needs a TMA map of the pool; layouts TMA cannot describe (float32,
     a misaligned base) get None from ``usable``, so the planner keeps the mma.sync kernel."""
     from kvpool.kernels import cuda_tma
-    from kvpool.kernels._validate import check_attention
 
-    case = make_case([40], num_kv_heads=2, block_size=16, head_dim=64, dtype=torch.bfloat16)
-    q = torch.randn(40, 4, 64).to(torch.bfloat16)
-    cu = torch.tensor([0, 40], dtype=torch.int32)
-    a = check_attention(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, cu, None, None)
-    assert cuda_tma.usable(a.geo, case.k_cache, case.v_cache)
-    f32 = make_case([40], num_kv_heads=2, block_size=16, head_dim=64, dtype=torch.float32)
-    g32 = check_attention(q.float(), f32.k_cache, f32.v_cache, f32.block_tables, f32.seq_lens, cu, None, None).geo
+    geo, case = _tma_case()
+    assert cuda_tma.usable(geo, case.k_cache, case.v_cache)
+    g32, f32 = _tma_case(dtype=torch.float32)
     assert not cuda_tma.usable(g32, f32.k_cache, f32.v_cache)
     misaligned = torch.empty(case.k_cache.numel() + 1, dtype=torch.bfloat16)[1:].view(case.k_cache.shape)  # 2 bytes off
-    assert not cuda_tma.usable(a.geo, misaligned, case.v_cache)
+    assert not cuda_tma.usable(geo, misaligned, case.v_cache)
 
 
-def _tma_case(seed=0):
-    case = make_case([40], num_kv_heads=2, block_size=16, head_dim=64, dtype=torch.bfloat16, seed=seed)
-    q = torch.randn(40, 4, 64).to(torch.bfloat16)
+def _tma_case(seed=0, dtype=torch.bfloat16):
+    """A small pool (one 40-token sequence, 2 KV heads, head_dim 64) and its checked geometry."""
+    case = make_case([40], num_kv_heads=2, block_size=16, head_dim=64, dtype=dtype, seed=seed)
+    q = torch.randn(40, 4, 64).to(dtype)
     cu = torch.tensor([0, 40], dtype=torch.int32)
     a = check_attention(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, cu, None, None)
     return a.geo, case

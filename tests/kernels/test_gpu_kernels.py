@@ -78,14 +78,22 @@ def test_gpu_prefill_matches_reference(dtype, seed, variant):
     assert_matches_reference(out, want, "cuda")
 
 
+def _serving_case(seed=0, num_layers=2):
+    """A long prompt plus a chunk that extends a cached prefix (neither length a multiple of
+    the block size), 8 KV heads, GQA group 4, head_dim 128, bf16."""
+    lens, q_lens = [700, 650], [560, 90]
+    case = make_case(lens, num_kv_heads=8, block_size=16, head_dim=128, dtype=torch.bfloat16, num_layers=num_layers,
+                     device=DEV, seed=seed)  # fmt: skip
+    cu = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(DEV)
+    q = torch.randn(int(cu[-1]), 32, 128, device=DEV).to(torch.bfloat16)
+    return case, cu, q
+
+
 @pytest.mark.parametrize("variant", ["v7m1", "v7m2", "v7w8", "v8", "v8f", None])
 def test_gpu_prefill_at_serving_size(variant):
     """Prefill the size the planner sends to the dedicated kernel (None: its own pick),
     a long prompt plus a chunk that extends a cached prefix, GQA group 4."""
-    lens, q_lens = [700, 650], [560, 90]
-    case = make_case(lens, num_kv_heads=8, block_size=16, head_dim=128, dtype=torch.bfloat16, num_layers=1, device=DEV)
-    cu = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(DEV)
-    q = torch.randn(int(cu[-1]), 32, 128, device=DEV).to(torch.bfloat16)
+    case, cu, q = _serving_case(num_layers=1)
     out = poisoned(q.shape, q.dtype, DEV)
     a = check_attention(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, cu, None, out)
     plan = cuda_attention.plan_attention(
@@ -99,14 +107,6 @@ def test_gpu_prefill_at_serving_size(variant):
         _attend(variant, q, case, cu=cu, out=out)
     want = ref.paged_prefill_reference(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, cu)
     assert_matches_reference(out, want, "cuda")
-
-
-def _serving_case(seed=0):
-    lens, q_lens = [700, 650], [560, 90]  # neither a multiple of the block size
-    case = make_case(lens, num_kv_heads=8, block_size=16, head_dim=128, dtype=torch.bfloat16, device=DEV, seed=seed)
-    cu = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(DEV)
-    q = torch.randn(int(cu[-1]), 32, 128, device=DEV).to(torch.bfloat16)
-    return case, cu, q
 
 
 @pytest.mark.parametrize("variant", ["v8", "v8f", "v7"])
