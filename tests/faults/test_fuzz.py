@@ -45,12 +45,15 @@ class World:
         self.clients: list = []
         self.reattach()
 
-    def reattach(self):
+    def _close_clients(self):
         for c in self.clients:
             try:
                 c.close()
             except kvpool.KvpoolError:
                 pass
+
+    def reattach(self):
+        self._close_clients()
         self.mine = kvpool.connect(self.d.socket, name="fuzz", layout=LAYOUT)
         self.other = kvpool.connect(self.d.socket, name="foreign", layout=LAYOUT)
         self.clients = [self.mine, self.other]
@@ -72,11 +75,7 @@ class World:
             return []
 
     def close(self):
-        for c in self.clients:
-            try:
-                c.close()
-            except kvpool.KvpoolError:
-                pass
+        self._close_clients()
         self.chan.close()
         self.admin_chan.close()
 

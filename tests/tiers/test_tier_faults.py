@@ -38,6 +38,17 @@ def hold(c, n: int = 4):
     return out
 
 
+def recompute_then_full_hit(c, s, toks, from_block: int) -> None:
+    """The client rewrites what the daemon said is missing (blocks ``from_block`` on); then a
+    fresh sequence of the prompt is a full prefix hit, byte-exact."""
+    write_sequence(c, s, toks, from_block)
+    c.free(s)
+    s = c.create_sequence(toks)
+    assert s.num_cached_tokens == len(toks)
+    check_sequence(c, s, toks)
+    c.free(s)
+
+
 def still_served(c, d, held) -> None:
     """The held sequences are intact and usable, cached prompts come back right, the self-check passes."""
     for s, toks in held:
@@ -79,12 +90,7 @@ def test_failed_disk_read_is_recomputed(daemon_factory, tmp_path):
         st = c.stats()
         assert st.tiers[1].failed_reads >= 1 and st.classes[0].lost_blocks >= 1
         check_sequence(c, s, toks, s.num_cached_tokens // BS)
-        write_sequence(c, s, toks, s.num_cached_tokens // BS)  # the client recomputes from there
-        c.free(s)
-        s = c.create_sequence(toks)
-        assert s.num_cached_tokens == len(toks)
-        check_sequence(c, s, toks)
-        c.free(s)
+        recompute_then_full_hit(c, s, toks, s.num_cached_tokens // BS)  # the client recomputes from there
         still_served(c, d, held)
 
 
@@ -152,10 +158,5 @@ def test_block_corrupted_while_running(daemon_factory, tmp_path):
         check_sequence(c, s, toks, 2)
         st = c.stats()
         assert st.tiers[1].corrupt_blocks == 1 and st.classes[0].lost_blocks == 1
-        write_sequence(c, s, toks, 2)  # the client recomputes what it was told is missing
-        c.free(s)
-        s = c.create_sequence(toks)
-        assert s.num_cached_tokens == len(toks)
-        check_sequence(c, s, toks)
-        c.free(s)
+        recompute_then_full_hit(c, s, toks, 2)  # the client recomputes what it was told is missing
         still_served(c, d, held)
