@@ -1,6 +1,6 @@
 """Paged decode and prefill on the GPU: ours vs FlashInfer vs SDPA on contiguous K/V.
 
-    python3 benchmarks/bench_decode.py [--grid none|quick|full] [--variants v7]
+    python3 benchmarks/bench_decode.py [--grid none|quick|full | --shapes 16x4096,...] [--variants v7]
         [--prefill 1024,4096] [--prefill-variants v7] [--no-gather] [--json PATH]
 
 Decode shape of issue 5: bfloat16, head_dim 128, 32 query / 8 KV heads,
@@ -13,8 +13,8 @@ is K+V bytes read per call over time, also as a fraction of the 4.18 TB/s
 device-to-device copy (read + write) measured on the H200 (issue 5).
 
 Rows: ``ours VARIANT`` (each kernel variant of ``cuda_attention.VARIANTS``
-asked for, with the planner's split-KV and, for v7, stage choice), ``ours sN`` (default variant, forced N
-splits, to tune the planner), ``fi-tc`` / ``fi-cc`` (FlashInfer's
+asked for, with the planner's split-KV and, for v7, stage choice), ``ours sN`` (the variant, forced N
+splits, to tune the planner; ``VARIANT sN`` when several variants are timed), ``fi-tc`` / ``fi-cc`` (FlashInfer's
 ``BatchDecodeWithPagedKVCacheWrapper`` with / without ``use_tensor_cores``),
 ``sdpa`` (torch SDPA, contiguous K/V, no paging: the ceiling), ``gather+sdpa``
 (index the blocks, then SDPA). FlashInfer reads the very same pool and block
@@ -125,25 +125,27 @@ def eager_time_us(make_call, copies: int, replays: int = 20) -> float:
     return statistics.median(times[5:])
 
 
-def decode_case(batch: int, ctx: int, copies: int, gen: torch.Generator):
-    """One pool holding ``copies`` disjoint sets of sequences; tables are random permutations."""
+def decode_case(batch: int, ctx: int, copies: int, gen: torch.Generator, sequential: bool = False):
+    """One pool holding ``copies`` disjoint sets of sequences; tables are random permutations
+    (``sequential``: the pool's own order, a diagnostic of what paging costs in DRAM locality)."""
     blocks_per_seq = ctx // BS
     num_blocks = batch * blocks_per_seq * copies
     pool = torch.randn((num_blocks, 1, 2, HKV, BS, D), dtype=torch.bfloat16, device="cuda")
-    perm = torch.randperm(num_blocks, generator=gen).to(torch.int32).cuda()
+    order = torch.arange(num_blocks) if sequential else torch.randperm(num_blocks, generator=gen)
+    perm = order.to(torch.int32).cuda()
     tables = perm.view(copies, batch, blocks_per_seq)
     lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     qs = torch.randn((copies, batch, HQ, D), dtype=torch.bfloat16, device="cuda")
     return pool, tables, lens, qs
 
 
-def bench_decode(batch: int, ctx: int, variants, split_options, fi, gen, with_gather=True) -> list[dict]:
+def bench_decode(batch: int, ctx: int, variants, split_options, fi, gen, with_gather=True, sequential=False) -> list[dict]:
     from kvpool.kernels import cuda_attention
     from kvpool.kernels._validate import check_attention
 
     kv_bytes = batch * ctx * HKV * D * 2 * 2
     copies = max(1, math.ceil(4 * L2_BYTES / kv_bytes))
-    pool, tables, lens, qs = decode_case(batch, ctx, copies, gen)
+    pool, tables, lens, qs = decode_case(batch, ctx, copies, gen, sequential)
     k, v = pool[:, 0, 0], pool[:, 0, 1]
     outs = torch.empty_like(qs)
     rows = []
@@ -161,8 +163,12 @@ def bench_decode(batch: int, ctx: int, variants, split_options, fi, gen, with_ga
         us = graph_time_us(ours(None, variant), copies)
         plan = _decode_plan(batch, ctx, variant)
         rows.append(dict(impl=f"ours {variant}", batch=batch, ctx=ctx, us=us, splits=plan.num_splits, stages=plan.pipe.stages))
-    for splits in split_options:
-        rows.append(dict(impl=f"ours s{splits}", batch=batch, ctx=ctx, us=graph_time_us(ours(splits), copies)))
+    for variant in variants:
+        for splits in split_options:
+            name = f"ours s{splits}" if len(variants) == 1 else f"{variant} s{splits}"
+            us = graph_time_us(ours(splits, variant), copies)
+            stages = _decode_plan(batch, ctx, variant, splits).pipe.stages
+            rows.append(dict(impl=name, batch=batch, ctx=ctx, us=us, splits=splits, stages=stages))
     if fi is not None:
         for tc in (True, False):
             name = "fi-tc" if tc else "fi-cc"
@@ -233,7 +239,7 @@ def _flashinfer_decode(fi, tensor_cores: bool, pool, tables, qs, outs, batch, ct
     return us, str(getattr(wrappers[0], "resolved_backend", "?"))
 
 
-def _decode_plan(batch: int, ctx: int, variant: str | None = None):
+def _decode_plan(batch: int, ctx: int, variant: str | None = None, splits: int | None = None):
     from kvpool.kernels import cuda_attention
     from kvpool.kernels._validate import AttentionArgs, CacheGeometry
 
@@ -241,7 +247,7 @@ def _decode_plan(batch: int, ctx: int, variant: str | None = None):
     a = AttentionArgs(geo, batch, batch, HQ, HQ // HKV, 1.0, None)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     return cuda_attention.plan_attention(
-        a, prefill=False, max_blocks=ctx // BS, max_seq_len=ctx, num_sms=sms, variant=variant
+        a, prefill=False, max_blocks=ctx // BS, max_seq_len=ctx, num_sms=sms, variant=variant, num_splits=splits
     )
 
 
@@ -325,11 +331,14 @@ GRIDS = {
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--grid", choices=sorted(GRIDS), default="quick")
+    p.add_argument("--shapes", default="", help="decode shapes BxCTX to time instead of --grid, e.g. 16x4096,16x16384")
     p.add_argument("--splits", default="", help="comma-separated forced split counts to compare, e.g. 1,2,4")
     p.add_argument("--splits-batches", default="", help="time the forced splits only at these batch sizes (default: all)")
     p.add_argument("--variants", default="v7", help="our decode kernel variants to time (kvpool.kernels.cuda_attention.VARIANTS)")
     p.add_argument("--prefill-variants", default="v7", help="our prefill kernel variants to time")
     p.add_argument("--no-gather", action="store_true", help="skip the gather-then-SDPA decode rows")
+    p.add_argument("--sequential-tables", action="store_true",
+                   help="block tables in pool order instead of random permutations (a diagnostic, not issue 5's grid)")
     p.add_argument("--no-flashinfer", action="store_true", help="skip FlashInfer even if it imports")
     p.add_argument("--prefill", default="1024,4096", help="prefill lengths ('' to skip)")
     p.add_argument("--json", default=None, help="write all rows here")
@@ -350,12 +359,14 @@ def main() -> None:
     rows, prefill = [], []
 
     def save():
-        doc = dict(device=dev, date=stamp, flashinfer=fi_ver, copy_tb_per_s=COPY_TBPS, decode=rows, prefill=prefill)
+        doc = dict(device=dev, date=stamp, flashinfer=fi_ver, copy_tb_per_s=COPY_TBPS,
+                   tables="sequential" if args.sequential_tables else "random", decode=rows, prefill=prefill)
         Path(out).write_text(json.dumps(_finite(doc), indent=1))
 
-    for batch, ctx in GRIDS[args.grid]:
+    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",") if s] or GRIDS[args.grid]
+    for batch, ctx in shapes:
         splits_here = split_options if not split_batches or batch in split_batches else []
-        for r in bench_decode(batch, ctx, variants, splits_here, fi, gen, with_gather=not args.no_gather):
+        for r in bench_decode(batch, ctx, variants, splits_here, fi, gen, not args.no_gather, args.sequential_tables):
             rows.append(r)
             extra = f"  (splits={r['splits']}, stages={r['stages']})" if "splits" in r else ""
             extra += f"  [{r['backend']}]" if "backend" in r else ""

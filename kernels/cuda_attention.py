@@ -182,7 +182,7 @@ def pipeline_for(variant: str | None, prefill: bool, dt: int, head_dim: int) -> 
         else:
             return pipe
     while pipe.keys > TILE and smem_bytes(dt, head_dim, 1, pipe) > SMEM_LIMIT // 2:
-        pipe = Pipeline(pipe.stages, pipe.keys // 2, pipe.fused)
+        pipe = replace(pipe, keys=pipe.keys // 2)
     return pipe
 
 
@@ -192,7 +192,9 @@ def decode_stages(ctas: int, max_kv: int, num_sms: int) -> int:
     3 stages (96 KiB: two CTAs per SM) keep the most bytes in flight per warp and won
     everywhere in run 5 except where (sequences x KV heads) is about one CTA per SM and
     the contexts are long (B16 at 4k and 16k): there 2 stages (three CTAs per SM, one
-    split more) finished 2% sooner, while they lost 3-15% from B64 up and at B1.
+    split more) finished 2% sooner, while they lost 3-15% from B64 up and at B1. Runs
+    23-24 tried 4 stages (one unsplit CTA per SM) at B16 x 4k: 72.4-74.4 us against
+    73.4-75.2 for this rule, inside the spread between runs, so the rule stayed.
     """
     return 2 if num_sms // 2 <= ctas < 2 * num_sms and max_kv >= 4096 else 3
 
@@ -296,7 +298,7 @@ def plan_attention(
         pipe = GENERIC_PREFILL
     if pipe.stages == 0:
         stages = decode_stages(a.num_seqs * geo.num_kv_heads, max_kv, num_sms)
-        pipe = Pipeline(stages, pipe.keys, pipe.fused)
+        pipe = replace(pipe, stages=stages)
     warps_kv = 1 if prefill else decode_warps_kv(dt, geo.head_dim, pipe)
     smem = smem_bytes(dt, geo.head_dim, warps_kv, pipe)
     tokens_per_cta = (16 * (WARPS // warps_kv)) // a.group

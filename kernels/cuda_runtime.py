@@ -49,11 +49,11 @@ def module_kernels(module_key: tuple) -> dict[str, str]:
 
 def block_threads(module_key: tuple) -> int:
     """Threads per CTA of a module's kernels: 128, 32 per warp of a prefill key, or 128 per
-    warpgroup of a warpgroup-MMA prefill key."""
+    warpgroup of a warpgroup-MMA prefill key (its consumer warpgroups and the producer)."""
     if module_key[0] == "prefill":
         return 32 * module_key[4]
     if module_key[0] == "prefill_wg":
-        return 128 * WG_GROUPS
+        return 128 * (WG_GROUPS + 1)
     return THREADS
 
 

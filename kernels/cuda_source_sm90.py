@@ -17,8 +17,10 @@ it. S = Q K^T reads Q and K "K-major" (head dims contiguous); O += P V takes
 P from registers (the S accumulators re-packed to 16 bits, the layout that
 ``mma.sync`` uses too) and V "MN-major" (transposed by the MMA unit itself).
 K and V arrive by TMA (the copy engine), one box per pool block, through a
-3-stage ring; ``cuda_tma`` makes the tensor maps of the pool that the kernel
-reads. Q arrives once, by ``cp.async``.
+3-stage ring that a producer warpgroup of its own keeps full (FlashAttention-3's
+warp specialization, registers moved to the MMA warpgroups by ``setmaxnreg``);
+``cuda_tma`` makes the tensor maps of the pool that the kernel reads. Q arrives
+once, by ``cp.async``.
 
 Compiled only for sm_90a (``cuda_runtime.compile_sm90a``): ``wgmma`` exists
 on no other architecture, so the planner uses this kernel only on a device
@@ -27,7 +29,7 @@ of compute capability 9.0.
 
 from __future__ import annotations
 
-# The kernel's fixed shape: warpgroups per CTA, keys per tile, ring stages (the source's
+# The kernel's fixed shape: MMA (consumer) warpgroups per CTA, keys per tile, ring stages (the source's
 # constants of the same names; checked at import below).
 WG_GROUPS, WG_KEYS, WG_STAGES = 2, 128, 3
 
@@ -38,7 +40,8 @@ def _operands(n: int, first: int = 0) -> str:
 
 def _wgmma_wrappers() -> str:
     """One ``Wg<N, DT>`` per (N, type): ``ss`` (A and B from shared memory,
-    S = Q K^T) and ``rs`` (A from registers, B transposed: O += P V)."""
+    S = Q K^T; ``ss0`` its first k-step, D = A B) and ``rs`` (A from registers, B
+    transposed: O += P V)."""
     out = []
     for dt, ab in ((1, "f16"), (2, "bf16")):
         for n in (64, 128):
@@ -51,6 +54,14 @@ def _wgmma_wrappers() -> str:
                 f'            : {acc}\n'
                 f'            : "l"(a), "l"(b), "r"(accumulate));\n'
             )
+            # The first k-step of a fresh S: D is only written ("=f"), so that S is not live
+            # (for the compiler) between one tile's softmax and the next tile's S.
+            ss0 = (
+                f'        asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{regs + 2}, 0;\\n"\n'
+                f'            "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ab}.{ab} {{{outs}}}, %{regs}, %{regs + 1}, p, 1, 1, 0, 0;\\n}}\\n"\n'
+                f'            : {acc.replace("+f", "=f")}\n'
+                f'            : "l"(a), "l"(b), "r"(0));\n'
+            )
             rs = (
                 f'        asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{regs + 5}, 0;\\n"\n'
                 f'            "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ab}.{ab} {{{outs}}}, '
@@ -61,6 +72,7 @@ def _wgmma_wrappers() -> str:
             out.append(
                 f"template <> struct Wg<{n}, {dt}> {{\n"
                 f"    static __device__ __forceinline__ void ss(float (&d)[{regs}], u64 a, u64 b, int accumulate) {{\n{ss}    }}\n"
+                f"    static __device__ __forceinline__ void ss0(float (&d)[{regs}], u64 a, u64 b) {{\n{ss0}    }}\n"
                 f"    static __device__ __forceinline__ void rs(float (&d)[{regs}], u32 a0, u32 a1, u32 a2, u32 a3, u64 b) {{\n{rs}    }}\n"
                 "};\n"
             )
@@ -122,6 +134,9 @@ __device__ __forceinline__ void named_sync(int id, int count) {
 __device__ __forceinline__ void named_arrive(int id, int count) {
     asm volatile("bar.arrive %0, %1;" :: "r"(id), "r"(count) : "memory");
 }
+// Register reallocation between warpgroups (every warp of a warpgroup executes the same one).
+template <int N> __device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(N)); }
+template <int N> __device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(N)); }
 
 template <int N, int DT> struct Wg;
 """
@@ -138,35 +153,42 @@ __device__ __forceinline__ int sw128(int r, int c, int panel_bytes) {
 //
 // Synchronization, FlashAttention-3 style, no CTA-wide barrier in the loop:
 // * full[s]: the tile in stage s landed (TMA's byte count); every thread waits on it.
-// * empty[s]: every warp has finished the tile in stage s (one arrival per warp, after its
-//   warpgroup's MMAs on it completed); the producer waits on it before refilling s.
-// * The producer is the first warp of the last warpgroup: lane j loads pool block j of a
-//   tile, one box of 64 head dims x block_size rows per panel and tensor, which the copy
-//   engine writes in the same 128-byte swizzle the MMA descriptors read. A block id past
-//   the sequence or out of range becomes num_blocks, a coordinate outside the map: zeros.
+// * empty[s]: every consumer warp has finished the tile in stage s (one arrival per warp,
+//   after its warpgroup's MMAs on it completed); the producer waits on it before refilling s.
+// * The producer is a warpgroup of its own, after the NWG consumer (MMA) warpgroups: its
+//   first warp's lane j loads pool block j of a tile, one box of 64 head dims x block_size
+//   rows per panel and tensor, which the copy engine writes in the same 128-byte swizzle the
+//   MMA descriptors read. A block id past the sequence or out of range becomes num_blocks,
+//   a coordinate outside the map: zeros. Its other warps only hand their registers over
+//   (setmaxnreg: 40 per producer thread, 232 per consumer thread, FlashAttention-3's split of
+//   the register file). Run 18 (NOTES-kernels.md): 4k tokens in 317-323 us against 412-422
+//   with the producer as the first warp of a consumer warpgroup, whose warpgroup's MMAs then
+//   waited for it every tile.
 // * Ping-pong (two warpgroups): named barriers make the warpgroups take turns issuing their
 //   MMAs, so one warpgroup's softmax runs while the other's MMAs keep the tensor cores busy.
 // * A warpgroup issues tile k - 1's O += P V and then tile k's S = Q K^T as one group and
-//   waits once (measured on the H200: 8% faster than issuing S first and overlapping the
-//   softmax with P V, run 14 in NOTES-kernels.md). That frees tile k - 1 before the softmax,
-//   so the producer refills its stage as early as possible.
+//   waits once. Issuing S first and running the softmax beside P V (FlashAttention-3's
+//   intra-warpgroup overlap) was slower on the H200: 8% in run 14, 42% in run 19 with the
+//   producer warpgroup, where the two accumulators and P live at once and spill
+//   (NOTES-kernels.md). One wait also frees tile k - 1 before the softmax.
 // A warpgroup whose rows end before a tile skips its MMAs (uniform over the warpgroup, as
 // wgmma requires) but keeps taking part in the barriers.
 //
-// Shape (H200, NOTES-kernels.md runs 9-16): 2 warpgroups (128 rows), 128-key tiles, 3 stages
-// (225 KiB of shared memory, one CTA per SM). One warpgroup per CTA, 64- or 96-key tiles,
-// and 4-5 stages were all slower; so were no ping-pong and the producer in warpgroup 0.
+// Shape (H200, NOTES-kernels.md runs 9-18): 2 consumer warpgroups (128 rows), 128-key tiles,
+// 3 stages (225 KiB of shared memory, one CTA per SM). One warpgroup per CTA, 64- or 96-key
+// tiles, 4-5 stages and no ping-pong were all slower (measured with the producer inside a
+// consumer warpgroup, runs 13-14).
 constexpr int WG_GROUPS = 2, WG_KEYS = 128, WG_STAGES = 3;
 
 template <int DT, int D>
-__global__ void __launch_bounds__(128 * WG_GROUPS, 1) prefill_wg_kernel(
+__global__ void __launch_bounds__(128 * (WG_GROUPS + 1), 1) prefill_wg_kernel(
     ATTENTION_PARAMS, const void* __restrict__ k_map, const void* __restrict__ v_map)
 {
     static_assert(DT != 0 && (D == 64 || D == 128), "16-bit types, head_dim 64 or 128");
     using T = typename Store<DT>::T;
     constexpr int NWG = WG_GROUPS, KN = WG_KEYS, NS = WG_STAGES;
     static_assert(NWG == 2 && NS >= 3 && KN % 64 == 0, "two warpgroups take turns; 3+ stages");
-    constexpr int NTH = 128 * NWG;
+    constexpr int NTH = 128 * NWG;             // consumer threads (the MMA warpgroups)
     constexpr int BM = 64 * NWG;               // rows per CTA
     constexpr int CPR = D / 8;                 // 16-byte chunks per row
     constexpr int QP = BM * 128;               // bytes per Q panel (64 head dims)
@@ -197,9 +219,6 @@ __global__ void __launch_bounds__(128 * WG_GROUPS, 1) prefill_wg_kernel(
     const int q0 = pt.first_pos + pt.tok0;                     // position of the tile's first token
     const int ntiles = (pt.cta_hi + KN - 1) / KN;
 
-    // Q tile by cp.async, waited for before the loop.
-    load_q_tile<BM, LR, CPR>(qs, q, q_stride_t, q_stride_h, pt, group, tid, [](int r, int c) { return sw128(r, c, QP); });
-    cp_async_commit();
     const int* bt = block_tables + (i64)pt.b * bt_stride;
     const int tile_blocks = KN >> bs_log2;
     auto tma_block = [&](int k) {                              // this lane's block id in tile k
@@ -220,6 +239,9 @@ __global__ void __launch_bounds__(128 * WG_GROUPS, 1) prefill_wg_kernel(
             }
         }
     };
+    // Start-up, with its global reads overlapped: barriers, the Q tile by cp.async (consumer
+    // threads), the producer's block ids of the first NS tiles, which go out by TMA as soon as
+    // the barriers are initialized, while Q is still on its way.
     if (tid == 0) {
 #pragma unroll
         for (int st = 0; st < NS; ++st) {
@@ -228,15 +250,38 @@ __global__ void __launch_bounds__(128 * WG_GROUPS, 1) prefill_wg_kernel(
         }
         mbar_init_fence();
     }
+    if (tid < NTH)
+        load_q_tile<BM, LR, CPR>(qs, q, q_stride_t, q_stride_h, pt, group, tid, [](int r, int c) { return sw128(r, c, QP); });
+    cp_async_commit();
+    const bool producer = warp == 4 * NWG;
+    int blk[NS];                                               // the producer's block ids of tiles 0 .. NS - 1
+#pragma unroll
+    for (int k = 0; k < NS; ++k) blk[k] = producer && k < ntiles ? tma_block(k) : 0;
+    __syncthreads();                                           // barriers initialized
+    if (producer) {
+#pragma unroll
+        for (int k = 0; k < NS; ++k)
+            if (k < ntiles) tma_issue(k, blk[k]);
+    }
     cp_async_wait<0>();                                        // Q landed for this thread
     fence_async_smem();
-    __syncthreads();                                           // for all; barriers initialized
-    const bool producer = warp == 4 * (NWG - 1);
-    int next_blk = 0;                                          // the producer's next tile's block id
-    if (producer) {
-        for (int k = 0; k < NS - 1 && k < ntiles; ++k) tma_issue(k, tma_block(k));
-        if (NS - 1 < ntiles) next_blk = tma_block(NS - 1);
+    __syncthreads();                                           // and for all
+    if (wg == NWG) {
+        // The producer warpgroup: its first warp refills each stage as soon as every consumer
+        // warp released it (the next tile's block id is read before the wait, so that its
+        // latency hides behind it). 40 + 2 x 232 registers per thread fit the register file.
+        setmaxnreg_dec<40>();
+        if (!producer) return;
+        int next_blk = NS < ntiles ? tma_block(NS) : 0;
+        for (int t = NS; t < ntiles; ++t) {
+            const int b = next_blk;
+            if (t + 1 < ntiles) next_blk = tma_block(t + 1);
+            mbar_wait(smem_addr(empty + t % NS), (t / NS - 1) & 1);
+            tma_issue(t, b);
+        }
+        return;
     }
+    setmaxnreg_inc<232>();
     if (wg == 1) named_arrive(1, 256);                         // warpgroup 0 issues first
 
     // This thread's rows: 64 wg + 16 wl + g (+ 8). The warpgroup's key bounds come from its
@@ -299,17 +344,19 @@ __global__ void __launch_bounds__(128 * WG_GROUPS, 1) prefill_wg_kernel(
         // O += P_{k-1} V_{k-1}, then S = Q K^T: k-step kk covers head dims 16 kk .. + 15 (32 bytes
         // into a 128-byte panel row). Descriptors are bases plus constant offsets.
         float s[KN / 2];
-        named_sync(1 + wg, 256);                       // this warpgroup's turn at the tensor cores
-        wg_fence();
-        if (have_p) issue_pv();
-        if (run) {
+        auto issue_s = [&]() {
             const u64 qd = gmma_desc(q_base, 1, 64), kd = gmma_desc(k_base, 1, 64);
 #pragma unroll
             for (int kk = 0; kk < D / 16; ++kk) {
                 const u32 off = ((kk >> 2) * QP + (kk & 3) * 32) >> 4, koff = ((kk >> 2) * KP + (kk & 3) * 32) >> 4;
-                Wg<KN, DT>::ss(s, qd + off, kd + koff, kk > 0);
+                if (kk == 0) Wg<KN, DT>::ss0(s, qd + off, kd + koff);
+                else Wg<KN, DT>::ss(s, qd + off, kd + koff, 1);
             }
-        }
+        };
+        named_sync(1 + wg, 256);                       // this warpgroup's turn at the tensor cores
+        wg_fence();
+        if (have_p) issue_pv();
+        if (run) issue_s();
         wg_commit();
         if (!(wg == 1 && k == ntiles - 1)) named_arrive(2 - wg, 256);  // the other's turn
         wg_wait<0>();                                  // S_k and P_{k-1} V_{k-1} done
@@ -317,13 +364,6 @@ __global__ void __launch_bounds__(128 * WG_GROUPS, 1) prefill_wg_kernel(
         reg_fence(o);
         hold_p();
         if (k >= 1 && lane == 0) mbar_arrive(smem_addr(empty + (k - 1) % NS));  // tile k - 1 consumed
-        // Refill: tile k + NS - 1 goes into tile k - 1's stage once every warp released it.
-        const int t = k + NS - 1;
-        if (producer && t < ntiles) {
-            if (t >= NS) mbar_wait(smem_addr(empty + t % NS), (t / NS - 1) & 1);
-            tma_issue(t, next_blk);
-            if (t + 1 < ntiles) next_blk = tma_block(t + 1);
-        }
 
         // Online softmax (log2 domain; scale_log2 > 0, so the max of raw scores is the max of
         // scaled ones). s[4 n + e]: row g + 8 (e >> 1), key 8 n + 2 t4 + (e & 1).
