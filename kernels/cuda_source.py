@@ -362,6 +362,19 @@ __global__ void __launch_bounds__(128) paged_attention_kernel(
 
     int b, tile;
     if (!locate_tile(tile_cum, num_seqs, blockIdx.x, b, tile)) return;
+    // Block ids of this warp's first NS - 1 tiles, read before the sequence's length: a
+    // table row holds max_blocks entries whatever the length, so this read overlaps the
+    // length's instead of waiting for it (one dependent global load less before the first
+    // cp.async, in the chain of latencies that a batch-1 call is). Used only below kv_len.
+    const int* bt = block_tables + (i64)b * bt_stride;
+    int first_ids[NS - 1][KT / 8];
+#pragma unroll
+    for (int k = 0; k < NS - 1; ++k)
+#pragma unroll
+        for (int q = 0; q < KT / 8; ++q) {
+            const int blk = (split * chunk + KT * ((threadIdx.x >> 5) % WKV) + KT * WKV * k + 8 * q) >> bs_log2;
+            first_ids[k][q] = blk < max_blocks ? bt[blk] : -1;
+        }
     const int tq = (RW * warps_row) / group;                 // query tokens per CTA tile
     const int q_begin = cu_seqlens ? cu_seqlens[b] : b;
     const int q_len = cu_seqlens ? cu_seqlens[b + 1] - q_begin : 1;
@@ -401,7 +414,6 @@ __global__ void __launch_bounds__(128) paged_attention_kernel(
     m_run[0] = m_run[1] = NEG_INF, l_run[0] = l_run[1] = 0.f;
 
     // The warps with the same wk share one ring and walk keys kv_begin + 16 (wk + warps_kv k).
-    const int* bt = block_tables + (i64)b * bt_stride;
     const int bs_mask = (1 << bs_log2) - 1;
     const int head_row = kvh << bs_log2;                     // first row of this KV head in a block
     const int step = KT * warps_kv;
@@ -424,8 +436,8 @@ __global__ void __launch_bounds__(128) paged_attention_kernel(
     static_assert(LP >= 1 && (KT * CPR) % GT == 0, "the ring's threads must tile a stage");
 
     // Stream tile k (K and V, KT keys each) into its stage; zeros past the sequence
-    // or for a block id outside the pool.
-    auto issue = [&](int k) {
+    // or for a block id outside the pool. table_id(q, pos0): the block id of 8-key group q.
+    auto issue = [&](int k, auto table_id) {
         const int base = first + step * k;
         unsigned char* st = ring + (k % NS) * SB;
         const unsigned char* kb = reinterpret_cast<const unsigned char*>(k_cache);
@@ -437,7 +449,7 @@ __global__ void __launch_bounds__(128) paged_attention_kernel(
 #pragma unroll
         for (int q = 0; q < NT; ++q) {
             const int pos0 = base + 8 * q;
-            const int id = pos0 < kv_len ? bt[pos0 >> bs_log2] : -1;
+            const int id = pos0 < kv_len ? table_id(q, pos0) : -1;
             gok[q] = (unsigned)id < (unsigned)num_blocks;
             const i64 row_el = (i64)(head_row + (pos0 & bs_mask)) * D;
             gk[q] = gok[q] ? ((i64)id * k_stride + row_el) * ES : 0;
@@ -467,13 +479,13 @@ __global__ void __launch_bounds__(128) paged_attention_kernel(
 
 #pragma unroll
     for (int k = 0; k < NS - 1; ++k) {
-        if (k < ntiles) issue(k);
+        if (k < ntiles) issue(k, [&](int q, int) { return first_ids[k][q]; });
         cp_async_commit();
     }
     for (int k = 0; k < ntiles; ++k) {
         cp_async_wait<NS - 2>();                             // this thread's chunks of tile k landed
         group_sync(1 + wk, GT);                              // everyone's did; stage k-1 is free
-        if (k + NS - 1 < ntiles) issue(k + NS - 1);
+        if (k + NS - 1 < ntiles) issue(k + NS - 1, [&](int, int pos0) { return bt[pos0 >> bs_log2]; });
         cp_async_commit();
         const int base = first + step * k;
         if (base >= w_hi) continue;                          // no row of this warp needs these keys
