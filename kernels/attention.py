@@ -102,7 +102,9 @@ def cache_as_numpy(cache: torch.Tensor, block_stride: int, block_elems: int) -> 
     return flat.view(torch.int16).numpy().view(np.uint16)
 
 
-_F16_LUT: np.ndarray | None = None
+def _as_bits(t: torch.Tensor) -> np.ndarray:
+    """A NumPy uint16 view of a contiguous float16/bfloat16 tensor's bits."""
+    return t.view(torch.int16).numpy().view(np.uint16)
 
 
 def _cpu(a: AttentionArgs, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q) -> torch.Tensor:
@@ -115,11 +117,7 @@ def _cpu(a: AttentionArgs, q, k_cache, v_cache, block_tables, seq_lens, cu_seqle
         cu = np.ascontiguousarray(cu_seqlens_q.numpy())
     _check_index_values(geo, tables, lens, cu, a.num_tokens)
 
-    global _F16_LUT
     mode = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}[geo.dtype]
-    if mode == 1 and _F16_LUT is None:
-        _F16_LUT = cpu_attention.f16_lut()
-    lut = _F16_LUT if mode == 1 else np.zeros(1, np.float32)
     block_elems = geo.num_kv_heads * geo.block_size * geo.head_dim
     kc = cache_as_numpy(k_cache, geo.k_block_stride, block_elems)
     vc = cache_as_numpy(v_cache, geo.v_block_stride, block_elems)
@@ -127,13 +125,16 @@ def _cpu(a: AttentionArgs, q, k_cache, v_cache, block_tables, seq_lens, cu_seqle
     k16, k32 = (empty16, kc) if mode == 0 else (kc, empty32)
     v16, v32 = (empty16, vc) if mode == 0 else (vc, empty32)
 
-    q32 = q.detach().to(torch.float32).contiguous().numpy()
+    qc = q.detach().contiguous()  # q has the cache's dtype (checked): passed the same way
+    no16, no32 = np.zeros((0, 0, 0), np.uint16), np.zeros((0, 0, 0), np.float32)
+    q16, q32 = (no16, qc.numpy()) if mode == 0 else (_as_bits(qc), no32)
     out = a.out
     direct = out.dtype == torch.float32  # out is contiguous (checked): write into it
     out32 = out.detach().numpy() if direct else np.empty(out.shape, np.float32)
-    items = cpu_attention.work_items(cu, geo.num_kv_heads, 1 if cu_seqlens_q is None else cpu_attention.Q_TILE)
+    q_tile = 1 if cu_seqlens_q is None else cpu_attention.q_tile(a.group)
+    items = cpu_attention.work_items(cu, geo.num_kv_heads, q_tile, lens)
     cpu_attention.paged_attention_cpu(
-        q32, k16, k32, v16, v32, mode, lut, geo.k_block_stride, geo.v_block_stride,
+        q16, q32, k16, k32, v16, v32, mode, geo.k_block_stride, geo.v_block_stride,
         geo.num_kv_heads, geo.block_size, tables, lens, cu, items, np.float32(a.scale), out32,
     )  # fmt: skip
     if not direct:

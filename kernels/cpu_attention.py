@@ -1,20 +1,47 @@
 """Paged attention on the CPU with Numba: decode and prefill are one kernel.
 
 Decode is prefill with one query per sequence, so a single kernel serves
-both: a work item is (sequence, KV head, tile of up to ``Q_TILE`` query
-tokens), and it handles the tile's tokens times the group's query heads
-together, so each KV block is loaded and converted once per item and then
-reused by every query row of the item (GQA reads each block once per KV head).
-Items run in parallel (``prange``); inside an item the softmax is online
-(running max and sum per row, fp32), so no score matrix is materialized.
+both: a work item is (sequence, KV head, tile of query tokens: 1 in decode,
+``q_tile(group)`` in prefill), and it handles the tile's tokens times the
+group's query heads (its *rows*) together. It walks the sequence's keys in
+chunks of ``CHUNK``, each gathered from the item's blocks and converted to
+float32 once, then used by every row of the item (GQA reads each block once
+per KV head). Per chunk it does two small matrix products and one online-
+softmax step per row (running max and sum, fp32), so no score matrix beyond
+one chunk exists. Items run in parallel (``prange``), ordered so that every
+thread's contiguous share carries about the same work (``work_items``).
 
-Storage types: NumPy has no bfloat16 and Numba no float16, so the caches
-arrive as raw uint16 bits and a block is converted to float32 once when it is
-loaded: bfloat16 by a 16-bit shift (exact), float16 through a 65536-entry
-lookup table (exact, subnormals and infinities included). float32 caches come
-as float32. Passing both a uint16 and a float32 array (the unused one empty)
-keeps the kernel to ONE Numba specialization for all three dtypes, which
-keeps the first-call compile (and the test suite) short.
+Numba has no explicit SIMD, so the loops are shaped for LLVM's vectorizer:
+the innermost loop runs over contiguous float32 with the other operand's
+values hoisted out of it, and each pass handles 4 x 4 of them (4 keys x 4
+dims, or 4 rows x 4 keys), so one vector load feeds 4 FMAs and the
+accumulators are loaded and stored once per 4 FMAs instead of once per FMA.
+Indices that LLVM cannot prove non-negative go in as ``np.uint64``: Numba
+adds negative-index wraparound to signed ones, which blocks vectorization of
+the loop they index in (and around the products' inner loops cost a third of
+their speed, in per-pass overhead).
+
+* Tiles of ``LANES`` rows or more (prefill): queries are transposed once per
+  item (``[D, rows]``), scores come out as ``S^T [keys, rows]`` with the rows
+  in the vector lanes, and the softmax (max, exp, sum) runs lane-wise over
+  rows; rows whose tokens precede a whole chunk (the causal triangle) skip it.
+* Fewer rows (decode: one token, rows = GQA group): lanes over rows would be
+  mostly empty, so scores are dot products over head_dim, 4 rows x 2 keys per
+  pass sharing their loads, and the softmax runs over the keys of a row.
+* Both then accumulate ``acc[rows, D] += P @ V`` with head_dim innermost.
+* ``exp`` is a polynomial (Cephes ``expf``, within 3e-7 relative) in plain
+  arithmetic so that it vectorizes: Numba's ``np.exp`` is a scalar libm call
+  here (no SVML).
+
+Storage types: NumPy has no bfloat16 and Numba no float16, so the caches (and
+q, which has their dtype) arrive as raw uint16 bits and are converted to
+float32 when loaded: bfloat16 by a 16-bit shift, float16 by moving its
+exponent and mantissa bits (both exact, subnormals and infinities included).
+float32 comes as float32. Passing both a uint16 and a float32 array (the
+unused one empty) keeps the kernel to ONE Numba specialization for all three
+dtypes, which keeps the first-call compile (and the test suite) short; so does
+keeping the item's work in functions of their own rather than in the
+``prange`` body (see ``_item``).
 
 ``fastmath`` leaves out ``nnan``/``ninf``: masked and empty rows rely on exact
 -inf/zero handling being kept, everything else (reassociation for SIMD dot
@@ -24,104 +51,410 @@ products, contraction into FMA, approximate exp) is fair game.
 from __future__ import annotations
 
 import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
 
 from ._numba_compat import numba
 
 MODE_F32, MODE_F16, MODE_BF16 = 0, 1, 2
 _FASTMATH = {"nsz", "arcp", "contract", "afn", "reassoc"}
-Q_TILE = 16  # query tokens per work item in prefill
+Q_TILE = 16  # query tokens per work item in prefill, at least (see q_tile)
+TILE_ROWS = 128  # query rows (tokens x GQA group) per prefill work item, about
+CHUNK = 64  # keys per online-softmax step (a multiple of 4)
+LANES = 16  # float32 lanes of one AVX-512 register: the row padding when rows are in lanes
 _NEG = np.float32(-1e30)  # "no score yet"; finite so exp(_NEG - m) is a clean 0
 
+# exp(x) = 2^n * exp(r), x = n ln2 + r, |r| <= ln2/2 (Cephes expf)
+_LOG2E = np.float32(1.44269504088896341)
+_LN2_HI = np.float32(0.693359375)
+_LN2_LO = np.float32(-2.12194440e-4)
+_EXP_MIN = np.float32(-87.3)  # below: 2^n would be subnormal; the result is 0 (as good as)
+_EXP_MAX = np.float32(88.0)  # above: clamped (callers pass x <= 0; masked lanes may hold anything)
+_P0, _P1, _P2 = np.float32(1.9875691500e-4), np.float32(1.3981999507e-3), np.float32(8.3334519073e-3)
+_P3, _P4, _P5 = np.float32(4.1665795894e-2), np.float32(1.6666665459e-1), np.float32(5.0000001201e-1)
+_HALF, _ONE, _ZERO = np.float32(0.5), np.float32(1.0), np.float32(0.0)
+_TWO_M24 = np.float32(2.0**-24)  # float16's smallest subnormal
 
-def f16_lut() -> np.ndarray:
-    """float16 bit pattern → float32 value, for all 65536 patterns."""
-    return np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
+
+@intrinsic
+def _bits_to_f32(typingctx, x):
+    """The float32 whose bit pattern is the low 32 bits of integer ``x`` (a register move)."""
+    if not isinstance(x, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v = args[0]
+        if v.type.width > 32:
+            v = builder.trunc(v, ir.IntType(32))
+        return builder.bitcast(v, ir.FloatType())
+
+    return types.float32(x), codegen
+
+
+@intrinsic
+def _f32_to_bits(typingctx, x):
+    """The bit pattern of float32 ``x`` as an int32."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return types.int32(x), codegen
 
 
 @numba.njit(inline="always", fastmath=_FASTMATH)
-def _load(src16, src32, mode, lut, base, n, dst, dst_bits):
-    """Convert ``n`` cache elements starting at ``base`` into ``dst`` (float32)."""
+def _f16_to_f32(h):
+    """float16 bits → float32, exact for all 65536 patterns (subnormals, infinities, NaN payloads).
+
+    Normal and special values by moving the exponent and mantissa bits (exponent bias
+    15 → 127, all-ones stays all-ones), subnormals as ``mantissa * 2^-24`` (exact),
+    then the sign bit; in integer and float arithmetic that vectorizes (a 65536-entry
+    lookup table is a gather, about 3x slower here).
+    """
+    em = np.int32(h & 0x7FFF)
+    normal = _bits_to_f32((em << 13) + (0x70000000 if em >= 0x7C00 else 0x38000000))
+    v = np.float32(em) * _TWO_M24 if em < 0x400 else normal
+    return _bits_to_f32(_f32_to_bits(v) | ((np.int32(h) & 0x8000) << 16))
+
+
+@numba.njit(inline="always", fastmath=_FASTMATH)
+def _exp(x):
+    """exp(x) in float32 (0 below ``_EXP_MIN``), in plain arithmetic so that loops over it vectorize."""
+    xc = min(max(x, _EXP_MIN), _EXP_MAX)  # keeps the float → int conversion in range
+    n = np.floor(xc * _LOG2E + _HALF)
+    r = xc - n * _LN2_HI - n * _LN2_LO
+    p = _P0
+    p = p * r + _P1
+    p = p * r + _P2
+    p = p * r + _P3
+    p = p * r + _P4
+    p = p * r + _P5
+    y = p * r * r + r + _ONE
+    y = y * _bits_to_f32((np.int32(n) + 127) << 23)
+    return y if x > _EXP_MIN else _ZERO
+
+
+@numba.njit(inline="always", fastmath=_FASTMATH)
+def _load(src16, src32, mode, base, n, dst, dst_bits, at):
+    """Convert ``n`` cache elements starting at ``base`` into ``dst[at:at+n]`` (float32).
+
+    (Slices first: indices that LLVM knows are >= 0 keep Numba's negative-index
+    wraparound out of the loop, which would otherwise block vectorization.)
+    """
     if mode == 0:
+        s32, d32 = src32[base : base + n], dst[at : at + n]
         for i in range(n):
-            dst[i] = src32[base + i]
+            d32[i] = s32[i]
     elif mode == 1:
+        s16, d32 = src16[base : base + n], dst[at : at + n]
         for i in range(n):
-            dst[i] = lut[src16[base + i]]
+            d32[i] = _f16_to_f32(s16[i])
     else:
+        s16, dbits = src16[base : base + n], dst_bits[at : at + n]
         for i in range(n):
-            dst_bits[i] = np.uint32(src16[base + i]) << np.uint32(16)
+            dbits[i] = np.uint32(s16[i]) << np.uint32(16)
+
+
+@numba.njit(inline="always", fastmath=_FASTMATH)
+def _load_chunk(src16, src32, mode, table, b, stride, h, bs, d, key0, n, n4, dst, dst_bits):
+    """Keys ``key0 .. key0+n`` of (sequence b, head h) into flat ``dst [n4 * d]``, keys past n zeroed."""
+    key, row = key0, 0
+    while row < n:
+        j = key // bs
+        off = key - j * bs
+        cnt = min(bs - off, n - row)
+        _load(src16, src32, mode, table[b, j] * stride + (h * bs + off) * d, cnt * d, dst, dst_bits, row * d)
+        key += cnt
+        row += cnt
+    for i in range(n * d, n4 * d):
+        dst[i] = _ZERO
+
+
+@numba.njit(fastmath=_FASTMATH, cache=True)
+def _scores_rows_in_lanes(kb, qt, st, nk, d, r0, rp):
+    """``st[c, r] = sum_i kb[c, i] * qt[i, r]`` for keys c < nk (a multiple of 4), rows r0 <= r < rp.
+
+    4 keys x 4 dims per pass: 16 values of K hoisted, the row loop innermost.
+    """
+    d4 = d - d % 4
+    for c in range(0, nk, 4):
+        c0, c1, c2, c3 = np.uint64(c), np.uint64(c + 1), np.uint64(c + 2), np.uint64(c + 3)
+        for r in range(r0, rp):
+            u = np.uint64(r)
+            st[c0, u] = _ZERO
+            st[c1, u] = _ZERO
+            st[c2, u] = _ZERO
+            st[c3, u] = _ZERO
+        for i in range(0, d4, 4):
+            i0, i1, i2, i3 = np.uint64(i), np.uint64(i + 1), np.uint64(i + 2), np.uint64(i + 3)
+            a00, a01, a02, a03 = kb[c0, i0], kb[c0, i1], kb[c0, i2], kb[c0, i3]
+            a10, a11, a12, a13 = kb[c1, i0], kb[c1, i1], kb[c1, i2], kb[c1, i3]
+            a20, a21, a22, a23 = kb[c2, i0], kb[c2, i1], kb[c2, i2], kb[c2, i3]
+            a30, a31, a32, a33 = kb[c3, i0], kb[c3, i1], kb[c3, i2], kb[c3, i3]
+            for r in range(r0, rp):
+                u = np.uint64(r)
+                x0, x1, x2, x3 = qt[i0, u], qt[i1, u], qt[i2, u], qt[i3, u]
+                st[c0, u] += a00 * x0 + a01 * x1 + a02 * x2 + a03 * x3
+                st[c1, u] += a10 * x0 + a11 * x1 + a12 * x2 + a13 * x3
+                st[c2, u] += a20 * x0 + a21 * x1 + a22 * x2 + a23 * x3
+                st[c3, u] += a30 * x0 + a31 * x1 + a32 * x2 + a33 * x3
+        for i in range(d4, d):
+            a0, a1, a2, a3 = kb[c0, i], kb[c1, i], kb[c2, i], kb[c3, i]
+            for r in range(r0, rp):
+                u = np.uint64(r)
+                x0 = qt[i, u]
+                st[c0, u] += a0 * x0
+                st[c1, u] += a1 * x0
+                st[c2, u] += a2 * x0
+                st[c3, u] += a3 * x0
+
+
+@numba.njit(fastmath=_FASTMATH, cache=True)
+def _softmax_rows_in_lanes(st, nk, rp, lim_row, m, den, corr):
+    """One online-softmax step on ``st [nk, rp]`` (rows in lanes): scores → probabilities.
+
+    Row r sees the chunk's keys before ``lim_row[r]``; the others get probability 0.
+    Sets ``corr[r]`` (the factor for the row's accumulator) and updates m, den.
+    """
+    for r in range(rp):
+        corr[r] = m[r]  # the new max, for now
+    for c in range(nk):
+        for r in range(rp):
+            x = st[c, r] if c < lim_row[r] else _NEG
+            corr[r] = max(corr[r], x)
+    for r in range(rp):
+        mx = corr[r]
+        corr[r] = _exp(m[r] - mx)
+        m[r] = mx
+        den[r] *= corr[r]
+    for c in range(nk):
+        for r in range(rp):
+            p = _exp(st[c, r] - m[r])
+            p = p if c < lim_row[r] else _ZERO
+            st[c, r] = p
+            den[r] += p
+
+
+@numba.njit(fastmath=_FASTMATH, cache=True)
+def _scores_keys_in_lanes(kb, qs, s, rows, d, lim_row):
+    """``s[r, c] = sum_i qs[r, i] * kb[c, i]`` for c < lim_row[r] (or a few more): dot products.
+
+    4 rows x 2 keys per pass (8 dot products sharing their loads), then 1 row x 4 keys.
+    """
+    rows4 = rows - rows % 4
+    for r in range(0, rows4, 4):
+        n = max(lim_row[r], lim_row[r + 1], lim_row[r + 2], lim_row[r + 3])
+        r0, r1, r2, r3 = np.uint64(r), np.uint64(r + 1), np.uint64(r + 2), np.uint64(r + 3)
+        for c in range(0, n, 2):
+            ca, cb = np.uint64(c), np.uint64(c + 1)
+            t0 = t1 = t2 = t3 = u0 = u1 = u2 = u3 = _ZERO
+            for i in range(d):
+                ka, kb_ = kb[ca, i], kb[cb, i]
+                q0, q1, q2, q3 = qs[r0, i], qs[r1, i], qs[r2, i], qs[r3, i]
+                t0 += q0 * ka
+                t1 += q1 * ka
+                t2 += q2 * ka
+                t3 += q3 * ka
+                u0 += q0 * kb_
+                u1 += q1 * kb_
+                u2 += q2 * kb_
+                u3 += q3 * kb_
+            s[r0, ca], s[r1, ca], s[r2, ca], s[r3, ca] = t0, t1, t2, t3
+            s[r0, cb], s[r1, cb], s[r2, cb], s[r3, cb] = u0, u1, u2, u3
+    for r in range(rows4, rows):
+        ru = np.uint64(r)
+        for c in range(0, lim_row[r], 4):
+            ca, cb, cc, cd = np.uint64(c), np.uint64(c + 1), np.uint64(c + 2), np.uint64(c + 3)
+            t0 = t1 = t2 = t3 = _ZERO
+            for i in range(d):
+                q0 = qs[ru, i]
+                t0 += q0 * kb[ca, i]
+                t1 += q0 * kb[cb, i]
+                t2 += q0 * kb[cc, i]
+                t3 += q0 * kb[cd, i]
+            s[ru, ca], s[ru, cb], s[ru, cc], s[ru, cd] = t0, t1, t2, t3
+
+
+@numba.njit(fastmath=_FASTMATH, cache=True)
+def _softmax_keys_in_lanes(s, rows, nk, lim_row, m, den, corr):
+    """One online-softmax step on ``s [rows, nk]`` (keys in lanes); row r sees keys < lim_row[r]."""
+    for r in range(rows):
+        n = lim_row[r]
+        mx = m[r]
+        for c in range(n):
+            mx = max(mx, s[r, c])
+        corr[r] = _exp(m[r] - mx)
+        m[r] = mx
+        tot = _ZERO
+        for c in range(n):
+            p = _exp(s[r, c] - mx)
+            s[r, c] = p
+            tot += p
+        for c in range(n, nk):
+            s[r, c] = _ZERO
+        den[r] = den[r] * corr[r] + tot
+
+
+@numba.njit(fastmath=_FASTMATH, cache=True)
+def _accumulate(p, vb, acc, rows, nk_row, d):
+    """``acc[r, :] += sum_c p[r, c] * vb[c, :]``, row r over keys < nk_row[r] rounded up to 4.
+
+    (The probabilities past a row's limit are 0 up to the chunk's multiple of 4.)
+    4 rows x 4 keys per pass: 16 probabilities hoisted, head_dim innermost.
+    """
+    rows4 = rows - rows % 4
+    for r in range(0, rows4, 4):
+        n = max(nk_row[r], nk_row[r + 1], nk_row[r + 2], nk_row[r + 3])
+        r_0, r_1, r_2, r_3 = np.uint64(r), np.uint64(r + 1), np.uint64(r + 2), np.uint64(r + 3)
+        for c in range(0, n, 4):
+            c_0, c_1, c_2, c_3 = np.uint64(c), np.uint64(c + 1), np.uint64(c + 2), np.uint64(c + 3)
+            p00, p01, p02, p03 = p[r_0, c_0], p[r_0, c_1], p[r_0, c_2], p[r_0, c_3]
+            p10, p11, p12, p13 = p[r_1, c_0], p[r_1, c_1], p[r_1, c_2], p[r_1, c_3]
+            p20, p21, p22, p23 = p[r_2, c_0], p[r_2, c_1], p[r_2, c_2], p[r_2, c_3]
+            p30, p31, p32, p33 = p[r_3, c_0], p[r_3, c_1], p[r_3, c_2], p[r_3, c_3]
+            for i in range(d):
+                x0, x1, x2, x3 = vb[c_0, i], vb[c_1, i], vb[c_2, i], vb[c_3, i]
+                acc[r_0, i] += p00 * x0 + p01 * x1 + p02 * x2 + p03 * x3
+                acc[r_1, i] += p10 * x0 + p11 * x1 + p12 * x2 + p13 * x3
+                acc[r_2, i] += p20 * x0 + p21 * x1 + p22 * x2 + p23 * x3
+                acc[r_3, i] += p30 * x0 + p31 * x1 + p32 * x2 + p33 * x3
+    for r in range(rows4, rows):
+        ru = np.uint64(r)
+        for c in range(0, nk_row[r], 4):
+            c_0, c_1, c_2, c_3 = np.uint64(c), np.uint64(c + 1), np.uint64(c + 2), np.uint64(c + 3)
+            p00, p01, p02, p03 = p[ru, c_0], p[ru, c_1], p[ru, c_2], p[ru, c_3]
+            for i in range(d):
+                acc[ru, i] += p00 * vb[c_0, i] + p01 * vb[c_1, i] + p02 * vb[c_2, i] + p03 * vb[c_3, i]
 
 
 @numba.njit(parallel=True, fastmath=_FASTMATH, cache=True)
 def paged_attention_cpu(
-    q, k16, k32, v16, v32, mode, lut, k_stride, v_stride, num_kv_heads, block_size,
+    q16, q32, k16, k32, v16, v32, mode, k_stride, v_stride, num_kv_heads, block_size,
     block_tables, seq_lens, cu_seqlens, items, scale, out,
 ):  # fmt: skip
     """``out[T, Hq, D]`` (float32) for every work item ``(seq, kv_head, tok0, ntok)``.
 
-    ``q`` is float32 ``[T, Hq, D]``; ``k16/k32`` (and v) are flat views of one
-    layer's cache starting at block 0, block ``i`` at ``i * k_stride``.
+    ``q16/q32`` is ``q [T, Hq, D]`` in the cache's storage type (the other one empty);
+    ``k16/k32`` (and v) are flat views of one layer's cache starting at block 0,
+    block ``i`` at ``i * k_stride``.
     """
-    d = q.shape[2]
-    group = q.shape[1] // num_kv_heads
-    bs = block_size
     for w in numba.prange(items.shape[0]):
-        b, h, tok0, ntok = items[w, 0], items[w, 1], items[w, 2], items[w, 3]
-        q0 = cu_seqlens[b]
-        q_len = cu_seqlens[b + 1] - q0
-        kv_len = seq_lens[b]
-        first_pos = kv_len - q_len  # position of this sequence's query 0
-        rows = ntok * group
-        m = np.full(rows, _NEG, dtype=np.float32)
-        den = np.zeros(rows, dtype=np.float32)
-        acc = np.zeros((rows, d), dtype=np.float32)
-        kbuf = np.empty(bs * d, dtype=np.float32)
-        vbuf = np.empty(bs * d, dtype=np.float32)
-        kbits = kbuf.view(np.uint32)
-        vbits = vbuf.view(np.uint32)
-        s = np.empty(bs, dtype=np.float32)
-        hi = min(kv_len, first_pos + tok0 + ntok)  # keys the last token of the tile sees
-        for j in range((hi + bs - 1) // bs if hi > 0 else 0):
-            blk = block_tables[b, j]
-            n_blk = min(bs, hi - j * bs)
-            _load(k16, k32, mode, lut, blk * k_stride + h * bs * d, n_blk * d, kbuf, kbits)
-            _load(v16, v32, mode, lut, blk * v_stride + h * bs * d, n_blk * d, vbuf, vbits)
-            for tt in range(ntok):
-                n = min(n_blk, first_pos + tok0 + tt + 1 - j * bs)  # causal limit in block
-                if n <= 0:
-                    continue
-                qt = q0 + tok0 + tt
-                for g in range(group):
-                    r = tt * group + g
-                    qrow = q[qt, h * group + g]
-                    mx = m[r]
-                    for t in range(n):
-                        dot = np.float32(0.0)
-                        for i in range(d):
-                            dot += qrow[i] * kbuf[t * d + i]
-                        s[t] = dot * scale
-                        mx = max(mx, s[t])
-                    corr = np.exp(m[r] - mx)
-                    lsum = den[r] * corr
-                    for i in range(d):
-                        acc[r, i] *= corr
-                    for t in range(n):
-                        p = np.exp(s[t] - mx)
-                        lsum += p
-                        for i in range(d):
-                            acc[r, i] += p * vbuf[t * d + i]
-                    m[r] = mx
-                    den[r] = lsum
-        for tt in range(ntok):
-            for g in range(group):
-                r = tt * group + g
-                inv = np.float32(1.0) / den[r] if den[r] > 0 else np.float32(0.0)
+        _item(
+            q16, q32, k16, k32, v16, v32, mode, k_stride, v_stride, num_kv_heads, block_size,
+            block_tables, seq_lens, cu_seqlens, items[w, 0], items[w, 1], items[w, 2], items[w, 3], scale, out,
+        )  # fmt: skip
+
+
+@numba.njit(fastmath=_FASTMATH, cache=True)
+def _item(
+    q16, q32, k16, k32, v16, v32, mode, k_stride, v_stride, num_kv_heads, block_size,
+    block_tables, seq_lens, cu_seqlens, b, h, tok0, ntok, scale, out,
+):  # fmt: skip
+    """One work item: sequence b, KV head h, query tokens tok0 .. tok0+ntok of the sequence.
+
+    (A function of its own, not the body of the ``prange``: Numba's parallel passes
+    analyse the loop body, and a large one multiplies the first-call compile time.)
+    """
+    d = out.shape[2]
+    group = out.shape[1] // num_kv_heads
+    bs = block_size
+    q0 = cu_seqlens[b]
+    q_len = cu_seqlens[b + 1] - q0
+    kv_len = seq_lens[b]
+    first_pos = kv_len - q_len  # position of this sequence's query 0
+    rows = ntok * group
+    lanes = rows >= LANES  # rows in vector lanes (prefill tiles) or keys (decode)
+    rp = (rows + LANES - 1) // LANES * LANES if lanes else rows
+    m = np.full(rp, _NEG, dtype=np.float32)
+    den = np.zeros(rp, dtype=np.float32)
+    corr = np.empty(rp, dtype=np.float32)
+    lim = np.zeros(rp, dtype=np.int64)  # row r sees keys < lim[r]; padding rows none
+    lim_row = np.zeros(rp, dtype=np.int64)  # the same, within the current chunk
+    acc = np.zeros((rows, d), dtype=np.float32)
+    # scaled queries: [D, rp] with rows in lanes, else [rows, D]
+    qs = np.zeros((d, rp), dtype=np.float32) if lanes else np.empty((rows, d), dtype=np.float32)
+    for tt in range(ntok):
+        for g in range(group):
+            r = tt * group + g
+            lim[r] = first_pos + tok0 + tt + 1
+            t, hq = q0 + tok0 + tt, h * group + g
+            for i in range(d):
+                if mode == 0:
+                    x = q32[t, hq, i]
+                elif mode == 1:
+                    x = _f16_to_f32(q16[t, hq, i])
+                else:
+                    x = _bits_to_f32(np.uint32(q16[t, hq, i]) << np.uint32(16))
+                x *= scale
+                if lanes:
+                    qs[i, r] = x
+                else:
+                    qs[r, i] = x
+    kflat = np.empty(CHUNK * d, dtype=np.float32)
+    vflat = np.empty(CHUNK * d, dtype=np.float32)
+    kbits = kflat.view(np.uint32)
+    vbits = vflat.view(np.uint32)
+    kbuf = kflat.reshape((CHUNK, d))
+    vbuf = vflat.reshape((CHUNK, d))
+    s = np.zeros((CHUNK, rp) if lanes else (rp, CHUNK), dtype=np.float32)
+    hi = min(kv_len, first_pos + tok0 + ntok)  # keys the last token of the tile sees
+    for key0 in range(0, max(hi, 0), CHUNK):
+        n = min(CHUNK, hi - key0)
+        n4 = (n + 3) // 4 * 4
+        _load_chunk(k16, k32, mode, block_tables, b, k_stride, h, bs, d, key0, n, n4, kflat, kbits)
+        _load_chunk(v16, v32, mode, block_tables, b, v_stride, h, bs, d, key0, n, n4, vflat, vbits)
+        for r in range(rp):
+            lim_row[r] = min(max(lim[r] - key0, 0), n)
+        if lanes:
+            # rows (token-major) whose token comes before every key of the chunk see none of
+            # it: skip their scores (whole vectors; their stale scores are masked below)
+            r0 = max(key0 - first_pos - tok0, 0) * group // LANES * LANES
+            _scores_rows_in_lanes(kbuf, qs, s, n4, d, min(r0, rp), rp)
+            _softmax_rows_in_lanes(s, n4, rp, lim_row, m, den, corr)
+        else:
+            _scores_keys_in_lanes(kbuf, qs, s, rows, d, lim_row)
+            _softmax_keys_in_lanes(s, rows, n4, lim_row, m, den, corr)
+        for r in range(rows):
+            c = corr[r]
+            if c != _ONE:
                 for i in range(d):
-                    out[q0 + tok0 + tt, h * group + g, i] = acc[r, i] * inv
+                    acc[r, i] *= c
+        if lanes:
+            _accumulate(s.T, vbuf, acc, rows, lim_row, d)
+        else:
+            _accumulate(s, vbuf, acc, rows, lim_row, d)
+    for tt in range(ntok):
+        for g in range(group):
+            r = tt * group + g
+            inv = _ONE / den[r] if den[r] > 0 else _ZERO
+            for i in range(d):
+                out[q0 + tok0 + tt, h * group + g, i] = acc[r, i] * inv
 
 
-def work_items(cu_seqlens: np.ndarray, num_kv_heads: int, q_tile: int = Q_TILE) -> np.ndarray:
-    """``[N, 4]`` int64 rows (seq, kv_head, first token in seq, tokens) covering every query."""
+def q_tile(group: int) -> int:
+    """Query tokens per prefill work item: about ``TILE_ROWS`` rows, at least ``Q_TILE`` tokens.
+
+    The score product keeps the rows in its vector lanes, so each pass over 4 x 4 values of K
+    makes rows / 16 vector steps, and each converted K/V chunk serves every row: with 16 rows
+    (group 1, 16 tokens) a 2k prefill took 1.6x as long as with 128; 64 to 512 rows were within
+    ~10% of each other for groups 1, 4 and 8 (benchmarks/NOTES-kernels.md).
+    """
+    return max(Q_TILE, TILE_ROWS // max(group, 1))
+
+
+def work_items(
+    cu_seqlens: np.ndarray, num_kv_heads: int, q_tile: int = Q_TILE, seq_lens: np.ndarray | None = None
+) -> np.ndarray:
+    """``[N, 4]`` int64 rows (seq, kv_head, first token in seq, tokens) covering every query.
+
+    With ``seq_lens`` the items come in the order heaviest, lightest, 2nd heaviest,
+    2nd lightest, ... (work: tokens x keys they see): ``prange`` gives each thread
+    an equal contiguous run of items, and causal prefill tiles differ up to
+    ``q_len / q_tile``-fold, so a run of such pairs balances where tile order
+    would leave the thread with the last tiles doing most of the work.
+    """
     q_lens = np.diff(cu_seqlens)
     seqs, starts, counts = [], [], []
     for b, n in enumerate(q_lens.tolist()):
@@ -130,6 +463,15 @@ def work_items(cu_seqlens: np.ndarray, num_kv_heads: int, q_tile: int = Q_TILE) 
             starts.append(t0)
             counts.append(min(q_tile, n - t0))
     base = np.array([seqs, starts, counts], dtype=np.int64).reshape(3, -1).T  # [tiles, 3]
+    if seq_lens is not None and base.shape[0] > 1:
+        first = np.asarray(seq_lens, dtype=np.int64)[base[:, 0]] - q_lens[base[:, 0]]
+        work = base[:, 2] * np.maximum(first + base[:, 1] + base[:, 2], 0) + 64  # + per-item overhead
+        by_work = np.argsort(-work, kind="stable")
+        order = np.empty_like(by_work)
+        half = (by_work.size + 1) // 2
+        order[0::2] = by_work[:half]
+        order[1::2] = by_work[half:][::-1]
+        base = base[order]
     heads = np.arange(num_kv_heads, dtype=np.int64)
     items = np.empty((base.shape[0] * num_kv_heads, 4), dtype=np.int64)
     items[:, 0] = np.repeat(base[:, 0], num_kv_heads)

@@ -2,15 +2,20 @@
 
 Random shapes, lengths (0, 1, exact block multiples, ragged), GQA groups,
 block tables that are random permutations of the pool, per-layer strided
-views of the pool, outputs poisoned with NaN before every call.
+views of the pool, outputs poisoned with NaN before every call. The kernel
+walks keys in chunks of ``CHUNK`` and takes one of two paths by the rows of a
+work item (tokens x GQA group): rows in vector lanes (16 or more) or dot
+products (fewer); the later tests put lengths and causal limits on both sides
+of chunk and block boundaries, on both paths.
 """
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
-from kvpool.kernels import paged_decode_attention, paged_prefill_attention, write_kv
+from kvpool.kernels import cpu_attention, paged_decode_attention, paged_prefill_attention, write_kv
 from kvpool.kernels import reference as ref
 from kvpool.kernels.testing import assert_matches_reference, make_case, poisoned
 
@@ -119,3 +124,112 @@ def test_write_then_prefill_round_trip():
     assert torch.allclose(k_all[25:], k_new.double())
     want = ref.paged_prefill_reference(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, cu)
     assert_matches_reference(out, want, "cpu")
+
+
+def _near_chunks(rng, n):
+    """Lengths at and around chunk boundaries (the kernel's online-softmax steps)."""
+    c = cpu_attention.CHUNK
+    return [rng.choice([c - 1, c, c + 1, 2 * c + 3, 3 * c - 5, rng.randint(1, 4 * c)]) for _ in range(n)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", range(1, 9))
+def test_prefill_chunk_and_causal_limits(dtype, group):
+    """Full, chunked (first query mid-chunk) and short prefills; both kernel paths."""
+    rng = random.Random(1000 + group)
+    bs = rng.choice([8, 16, 32, 128])
+    d = rng.choice([64, 66, 128])  # 66: the 4-wide passes over head_dim leave a remainder
+    lens = _near_chunks(rng, 4)
+    tile = cpu_attention.q_tile(group)
+    q_lens = [
+        lens[0],  # full prefill: tiles of rows in lanes, the causal diagonal in every chunk
+        min(lens[1], rng.choice([tile + 1, cpu_attention.CHUNK + 5])),  # chunked: first query mid-chunk
+        min(lens[2], rng.choice([2, 3, 5])),  # a few tokens: dot-product path for small groups
+        rng.randint(0, lens[3]),
+    ]
+    case = make_case(lens, num_kv_heads=2, block_size=bs, head_dim=d, dtype=dtype, seed=group)
+    cu = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    g = torch.Generator().manual_seed(group)
+    q = (2 * torch.randn(int(cu[-1]), 2 * group, d, generator=g)).to(dtype)
+    out = poisoned(q.shape, dtype)
+    paged_prefill_attention(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, cu, out=out)
+    want = ref.paged_prefill_reference(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, cu)
+    assert_matches_reference(out, want, "cpu")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", [1, 3, 4, 5, 8, 16])  # 16: one token already fills the vector lanes
+def test_decode_chunk_boundaries(dtype, group):
+    rng = random.Random(2000 + group)
+    bs = rng.choice([8, 16, 32, 128])
+    d = rng.choice([64, 66, 128])
+    lens = _near_chunks(rng, 5) + [0, 1]
+    case = make_case(lens, num_kv_heads=2, block_size=bs, head_dim=d, dtype=dtype, seed=group)
+    q = (2 * torch.randn(len(lens), 2 * group, d, generator=torch.Generator().manual_seed(group))).to(dtype)
+    out = poisoned(q.shape, dtype)
+    paged_decode_attention(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, out=out)
+    want = ref.paged_decode_reference(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens)
+    assert_matches_reference(out, want, "cpu")
+
+
+def test_prefill_with_strided_q():
+    """q read in place as the cache's type: a view with a head stride, not a contiguous copy."""
+    case = make_case([150, 70], num_kv_heads=2, block_size=16, head_dim=64, dtype=torch.bfloat16, seed=5)
+    cu = torch.tensor([0, 150, 190], dtype=torch.int32)
+    big = torch.randn(190, 16, 64, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    q = big[:, ::2]  # [190, 8, 64], heads 2 apart
+    assert not q.is_contiguous()
+    out = poisoned(q.shape, q.dtype)
+    paged_prefill_attention(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, cu, out=out)
+    want = ref.paged_prefill_reference(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, cu)
+    assert_matches_reference(out, want, "cpu")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_work_items_cover_every_query_once_heavy_and_light_alternating(seed):
+    rng = random.Random(seed)
+    q_lens = [rng.choice([0, 1, 17, rng.randint(0, 300)]) for _ in range(rng.randint(1, 6))]
+    lens = np.array([n + rng.randint(0, 100) for n in q_lens], dtype=np.int32)
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    tile = rng.choice([1, 16, 32, 128])
+    items = cpu_attention.work_items(cu, 3, tile, lens)
+    seen = np.zeros((int(cu[-1]), 3), dtype=np.int64)
+    for b, h, t0, n in items.tolist():
+        assert 1 <= n <= tile
+        seen[cu[b] + t0 : cu[b] + t0 + n, h] += 1
+    assert np.all(seen == 1)
+    first = lens[items[::3, 0]] - (cu[1:] - cu[:-1])[items[::3, 0]]
+    work = items[::3, 3] * (first + items[::3, 2] + items[::3, 3])  # tokens x keys seen, per tile
+    assert np.all(work[0::2][:-1] >= work[2::2])  # heaviest first, then the next heaviest ...
+    assert np.all(work[1::2][:-1] <= work[3::2])  # ... alternating with the lightest upward
+
+
+def test_exp_polynomial():
+    """The kernel's vectorizable exp: a few ulp where exp(x) is a normal float, 0 below."""
+    x = np.concatenate([np.linspace(-87.2, 88.0, 200001, dtype=np.float32), np.float32([-87.4, -1e30, -np.inf])])
+    y = np.empty_like(x)
+    _exp_into(x, y)
+    want = np.exp(x.astype(np.float64))
+    normal = x > -87.2
+    assert np.all(np.abs(y[normal] - want[normal]) <= 5e-7 * want[normal])
+    assert np.all(y[-3:] == 0)
+
+
+@cpu_attention.numba.njit(fastmath=cpu_attention._FASTMATH)
+def _exp_into(x, y):
+    for i in range(x.size):
+        y[i] = cpu_attention._exp(x[i])
+
+
+def test_f16_conversion_is_exact_for_every_bit_pattern():
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    got = np.empty(bits.size, np.float32)
+    _f16_into(bits, got)
+    want = bits.view(np.float16).astype(np.float32)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))  # NaN payloads and -0 included
+
+
+@cpu_attention.numba.njit(fastmath=cpu_attention._FASTMATH)
+def _f16_into(bits, y):
+    for i in range(bits.size):
+        y[i] = cpu_attention._f16_to_f32(bits[i])
