@@ -129,6 +129,23 @@ def _plan(num_tokens, num_seqs, *, dtype=torch.bfloat16, d=128, prefill=True, ct
     )  # fmt: skip
 
 
+def test_warpgroup_prefill_launch_matches_its_launch_bounds():
+    """The host launches the warpgroup-MMA prefill with the threads its source was compiled
+    for: the consumer warpgroups plus the producer warpgroup (setmaxnreg needs whole
+    warpgroups). Fewer threads would leave a consumer warpgroup or the producer out."""
+    import re
+
+    from kvpool.kernels import cuda_runtime, cuda_source_sm90
+
+    bounds = re.search(r"__launch_bounds__\(([^,]+), 1\) prefill_wg_kernel", cuda_source_sm90.SOURCE_SM90)
+    assert bounds is not None
+    expected = eval(bounds.group(1), {"WG_GROUPS": cuda_source_sm90.WG_GROUPS})  # noqa: S307 - our source
+    key = ("prefill_wg", 2, 128)
+    assert cuda_runtime.block_threads(key) == expected == 128 * (cuda_source_sm90.WG_GROUPS + 1)
+    assert cuda_runtime.module_kernels(key) == {"attention": "prefill_wg_kernel<2,128>"}
+    assert cuda_attention.WGMMA.warps * 32 == 128 * cuda_source_sm90.WG_GROUPS  # rows = consumer warps x 16
+
+
 def test_planner_takes_warpgroup_mma_on_hopper_only():
     """v8 (the default prefill) runs the warpgroup-MMA kernel where the device has it and the
     query tiles fill the GPU: two warpgroups of 64 rows, 128-key tiles, 3 stages in 225 KiB
