@@ -89,22 +89,20 @@ def _dispatch(a: AttentionArgs, q, k_cache, v_cache, block_tables, seq_lens, cu_
     return _cpu(a, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q)
 
 
-def cache_as_numpy(cache: torch.Tensor, block_stride: int, block_elems: int) -> np.ndarray:
-    """A flat NumPy view of one layer's cache from block 0 to the end of the last block.
-
-    float32 stays float32; float16 and bfloat16 come as raw uint16 bits (NumPy
-    has no bfloat16 and Numba no float16), converted inside the kernel.
-    """
-    span = (cache.shape[0] - 1) * block_stride + block_elems
-    flat = torch.as_strided(cache.detach(), (span,), (1,))
-    if cache.dtype == torch.float32:
-        return flat.numpy()
-    return flat.view(torch.int16).numpy().view(np.uint16)
-
-
-def _as_bits(t: torch.Tensor) -> np.ndarray:
-    """A NumPy uint16 view of a contiguous float16/bfloat16 tensor's bits."""
+def storage_as_numpy(t: torch.Tensor) -> np.ndarray:
+    """A NumPy view of a contiguous tensor as the CPU kernel takes it: float32 stays
+    float32; float16 and bfloat16 come as raw uint16 bits (NumPy has no bfloat16 and
+    Numba no float16), converted inside the kernel."""
+    if t.dtype == torch.float32:
+        return t.numpy()
     return t.view(torch.int16).numpy().view(np.uint16)
+
+
+def cache_as_numpy(cache: torch.Tensor, block_stride: int, block_elems: int) -> np.ndarray:
+    """A flat NumPy view (``storage_as_numpy``) of one layer's cache from block 0 to the
+    end of the last block."""
+    span = (cache.shape[0] - 1) * block_stride + block_elems
+    return storage_as_numpy(torch.as_strided(cache.detach(), (span,), (1,)))
 
 
 def _cpu(a: AttentionArgs, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q) -> torch.Tensor:
@@ -125,9 +123,9 @@ def _cpu(a: AttentionArgs, q, k_cache, v_cache, block_tables, seq_lens, cu_seqle
     k16, k32 = (empty16, kc) if mode == 0 else (kc, empty32)
     v16, v32 = (empty16, vc) if mode == 0 else (vc, empty32)
 
-    qc = q.detach().contiguous()  # q has the cache's dtype (checked): passed the same way
+    qn = storage_as_numpy(q.detach().contiguous())  # q has the cache's dtype (checked): passed the same way
     no16, no32 = np.zeros((0, 0, 0), np.uint16), np.zeros((0, 0, 0), np.float32)
-    q16, q32 = (no16, qc.numpy()) if mode == 0 else (_as_bits(qc), no32)
+    q16, q32 = (no16, qn) if mode == 0 else (qn, no32)
     out = a.out
     direct = out.dtype == torch.float32  # out is contiguous (checked): write into it
     out32 = out.detach().numpy() if direct else np.empty(out.shape, np.float32)

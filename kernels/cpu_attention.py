@@ -172,11 +172,34 @@ def _load_chunk(src16, src32, mode, table, b, stride, h, bs, d, key0, n, n4, dst
         dst[i] = _ZERO
 
 
+@numba.njit(inline="always", fastmath=_FASTMATH)
+def _add_4x4(out, w, a, k, x, lo, hi):
+    """``out[a + j, u] += sum_m w[a + j, k + m] * x[k + m, u]`` for j, m < 4, lo <= u < hi.
+
+    The register-blocked pass of both products: 16 values of ``w`` hoisted, ``u``
+    innermost over contiguous float32, so one vector load of ``x`` feeds 4 FMAs and
+    each row of ``out`` is loaded and stored once per 4.
+    """
+    a0, a1, a2, a3 = np.uint64(a), np.uint64(a + 1), np.uint64(a + 2), np.uint64(a + 3)
+    k0, k1, k2, k3 = np.uint64(k), np.uint64(k + 1), np.uint64(k + 2), np.uint64(k + 3)
+    w00, w01, w02, w03 = w[a0, k0], w[a0, k1], w[a0, k2], w[a0, k3]
+    w10, w11, w12, w13 = w[a1, k0], w[a1, k1], w[a1, k2], w[a1, k3]
+    w20, w21, w22, w23 = w[a2, k0], w[a2, k1], w[a2, k2], w[a2, k3]
+    w30, w31, w32, w33 = w[a3, k0], w[a3, k1], w[a3, k2], w[a3, k3]
+    for u in range(lo, hi):
+        uu = np.uint64(u)
+        x0, x1, x2, x3 = x[k0, uu], x[k1, uu], x[k2, uu], x[k3, uu]
+        out[a0, uu] += w00 * x0 + w01 * x1 + w02 * x2 + w03 * x3
+        out[a1, uu] += w10 * x0 + w11 * x1 + w12 * x2 + w13 * x3
+        out[a2, uu] += w20 * x0 + w21 * x1 + w22 * x2 + w23 * x3
+        out[a3, uu] += w30 * x0 + w31 * x1 + w32 * x2 + w33 * x3
+
+
 @numba.njit(fastmath=_FASTMATH, cache=True)
 def _scores_rows_in_lanes(kb, qt, st, nk, d, r0, rp):
     """``st[c, r] = sum_i kb[c, i] * qt[i, r]`` for keys c < nk (a multiple of 4), rows r0 <= r < rp.
 
-    4 keys x 4 dims per pass: 16 values of K hoisted, the row loop innermost.
+    4 keys x 4 dims per pass (``_add_4x4``): 16 values of K hoisted, the row loop innermost.
     """
     d4 = d - d % 4
     for c in range(0, nk, 4):
@@ -188,18 +211,7 @@ def _scores_rows_in_lanes(kb, qt, st, nk, d, r0, rp):
             st[c2, u] = _ZERO
             st[c3, u] = _ZERO
         for i in range(0, d4, 4):
-            i0, i1, i2, i3 = np.uint64(i), np.uint64(i + 1), np.uint64(i + 2), np.uint64(i + 3)
-            a00, a01, a02, a03 = kb[c0, i0], kb[c0, i1], kb[c0, i2], kb[c0, i3]
-            a10, a11, a12, a13 = kb[c1, i0], kb[c1, i1], kb[c1, i2], kb[c1, i3]
-            a20, a21, a22, a23 = kb[c2, i0], kb[c2, i1], kb[c2, i2], kb[c2, i3]
-            a30, a31, a32, a33 = kb[c3, i0], kb[c3, i1], kb[c3, i2], kb[c3, i3]
-            for r in range(r0, rp):
-                u = np.uint64(r)
-                x0, x1, x2, x3 = qt[i0, u], qt[i1, u], qt[i2, u], qt[i3, u]
-                st[c0, u] += a00 * x0 + a01 * x1 + a02 * x2 + a03 * x3
-                st[c1, u] += a10 * x0 + a11 * x1 + a12 * x2 + a13 * x3
-                st[c2, u] += a20 * x0 + a21 * x1 + a22 * x2 + a23 * x3
-                st[c3, u] += a30 * x0 + a31 * x1 + a32 * x2 + a33 * x3
+            _add_4x4(st, kb, c, i, qt, r0, rp)
         for i in range(d4, d):
             a0, a1, a2, a3 = kb[c0, i], kb[c1, i], kb[c2, i], kb[c3, i]
             for r in range(r0, rp):
@@ -302,24 +314,13 @@ def _accumulate(p, vb, acc, rows, nk_row, d):
     """``acc[r, :] += sum_c p[r, c] * vb[c, :]``, row r over keys < nk_row[r] rounded up to 4.
 
     (The probabilities past a row's limit are 0 up to the chunk's multiple of 4.)
-    4 rows x 4 keys per pass: 16 probabilities hoisted, head_dim innermost.
+    4 rows x 4 keys per pass (``_add_4x4``): 16 probabilities hoisted, head_dim innermost.
     """
     rows4 = rows - rows % 4
     for r in range(0, rows4, 4):
         n = max(nk_row[r], nk_row[r + 1], nk_row[r + 2], nk_row[r + 3])
-        r_0, r_1, r_2, r_3 = np.uint64(r), np.uint64(r + 1), np.uint64(r + 2), np.uint64(r + 3)
         for c in range(0, n, 4):
-            c_0, c_1, c_2, c_3 = np.uint64(c), np.uint64(c + 1), np.uint64(c + 2), np.uint64(c + 3)
-            p00, p01, p02, p03 = p[r_0, c_0], p[r_0, c_1], p[r_0, c_2], p[r_0, c_3]
-            p10, p11, p12, p13 = p[r_1, c_0], p[r_1, c_1], p[r_1, c_2], p[r_1, c_3]
-            p20, p21, p22, p23 = p[r_2, c_0], p[r_2, c_1], p[r_2, c_2], p[r_2, c_3]
-            p30, p31, p32, p33 = p[r_3, c_0], p[r_3, c_1], p[r_3, c_2], p[r_3, c_3]
-            for i in range(d):
-                x0, x1, x2, x3 = vb[c_0, i], vb[c_1, i], vb[c_2, i], vb[c_3, i]
-                acc[r_0, i] += p00 * x0 + p01 * x1 + p02 * x2 + p03 * x3
-                acc[r_1, i] += p10 * x0 + p11 * x1 + p12 * x2 + p13 * x3
-                acc[r_2, i] += p20 * x0 + p21 * x1 + p22 * x2 + p23 * x3
-                acc[r_3, i] += p30 * x0 + p31 * x1 + p32 * x2 + p33 * x3
+            _add_4x4(acc, p, r, c, vb, 0, d)
     for r in range(rows4, rows):
         ru = np.uint64(r)
         for c in range(0, nk_row[r], 4):
