@@ -362,6 +362,11 @@ __global__ void __launch_bounds__(128) paged_attention_kernel(
 
     int b, tile;
     if (!locate_tile(tile_cum, num_seqs, blockIdx.x, b, tile)) return;
+    // The warps with the same wk share one ring and walk keys kv_begin + 16 (wk + warps_kv k).
+    const int wr = warp / warps_kv, wk = warp - wr * warps_kv;
+    const int kv_begin = split * chunk;
+    const int step = KT * warps_kv;
+    const int first = kv_begin + KT * wk;
     // Block ids of this warp's first NS - 1 tiles, read before the sequence's length: a
     // table row holds max_blocks entries whatever the length, so this read overlaps the
     // length's instead of waiting for it (one dependent global load less before the first
@@ -372,7 +377,7 @@ __global__ void __launch_bounds__(128) paged_attention_kernel(
     for (int k = 0; k < NS - 1; ++k)
 #pragma unroll
         for (int q = 0; q < KT / 8; ++q) {
-            const int blk = (split * chunk + KT * ((threadIdx.x >> 5) % WKV) + KT * WKV * k + 8 * q) >> bs_log2;
+            const int blk = (first + step * k + 8 * q) >> bs_log2;
             first_ids[k][q] = blk < max_blocks ? bt[blk] : -1;
         }
     const int tq = (RW * warps_row) / group;                 // query tokens per CTA tile
@@ -385,12 +390,10 @@ __global__ void __launch_bounds__(128) paged_attention_kernel(
     const int kv_len = min(seq_len, max_blocks << bs_log2);  // never read past the table
     const int first_pos = seq_len - q_len;                   // position of query 0
     const int cta_hi = min(kv_len, first_pos + tok0 + ntok); // keys the tile's last token sees
-    const int kv_begin = split * chunk;
     if (kv_begin >= cta_hi && split > 0) return;             // merge skips this split
     const int kv_end = split == num_splits - 1 ? cta_hi : min(cta_hi, kv_begin + chunk);
 
     // This lane's rows: r0 = RW * wr + g and r0 + 8; row r = (token r / group, head r % group).
-    const int wr = warp / warps_kv, wk = warp - wr * warps_kv;
     int lim[2];                                              // row attends to positions < lim
     u32 qh[2][NQ][4], ql[2][NQ][4];
     int lim_hi = 0;
@@ -413,11 +416,8 @@ __global__ void __launch_bounds__(128) paged_attention_kernel(
     float m_run[2], l_run[2];
     m_run[0] = m_run[1] = NEG_INF, l_run[0] = l_run[1] = 0.f;
 
-    // The warps with the same wk share one ring and walk keys kv_begin + 16 (wk + warps_kv k).
     const int bs_mask = (1 << bs_log2) - 1;
     const int head_row = kvh << bs_log2;                     // first row of this KV head in a block
-    const int step = KT * warps_kv;
-    const int first = kv_begin + KT * wk;
     const int ntiles = kv_end > first ? (kv_end - first + step - 1) / step : 0;
     unsigned char* ring = smem + wk * (NS * SB);
 
