@@ -277,17 +277,29 @@ __device__ __forceinline__ bool softmax_step(float (&mx)[2], float (&m_run)[2], 
 
 // One warp merges one (query token, head) row: out = sum over the row's first
 // ns splits of 2^(lse_s - max) o_s / sum 2^(lse_s - max). Lanes own D/32
-// consecutive dims; the split loop is unrolled so that many partial rows are in
-// flight at once (a merge is latency-bound, not bandwidth).
+// consecutive dims. A merge is latency-bound, not bandwidth: the first PF splits'
+// partial rows are loaded together with their log-sum-exps, before the max that
+// weights them is known (one L2 round trip on the path of a fused merge, not two);
+// further splits follow in unrolled batches, many rows in flight at once.
 template <int DT, int D>
 __device__ __forceinline__ void merge_row(const float* part_o, const float* part_lse, typename Store<DT>::T* out,
                                           i64 row, int ns, int num_splits, int lane)
 {
     constexpr int DPL = D / 32;
+    constexpr int PF = D >= 256 ? 8 : 16;
     const float* lse = part_lse + row * num_splits;
     const float* po = part_o + row * num_splits * D + lane * DPL;
-    float M = NEG_INF;
-    for (int s = lane; s < ns; s += 32) M = fmaxf(M, ldcg1(lse + s));
+    const float lse_lane = lane < ns ? ldcg1(lse + lane) : NEG_INF;
+    float2 pre[PF][DPL / 2];
+#pragma unroll
+    for (int j = 0; j < PF; ++j)
+#pragma unroll
+        for (int i = 0; i < DPL / 2; ++i) {
+            pre[j][i].x = pre[j][i].y = 0.f;
+            if (j < ns) pre[j][i] = ldcg2(po + (i64)j * D + 2 * i);
+        }
+    float M = lse_lane;
+    for (int s = lane + 32; s < ns; s += 32) M = fmaxf(M, ldcg1(lse + s));
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(FULL_MASK, M, o));
     float acc[DPL];
@@ -295,7 +307,18 @@ __device__ __forceinline__ void merge_row(const float* part_o, const float* part
     for (int i = 0; i < DPL; ++i) acc[i] = 0.f;
     float L = 0.f;
     if (M != NEG_INF) {
-        for (int s0 = 0; s0 < ns; s0 += 32) {
+        const float w_first = exp2f(lse_lane - M);          // 0 for a lane past ns
+#pragma unroll
+        for (int j = 0; j < PF; ++j) {
+            const float w = __shfl_sync(FULL_MASK, w_first, j);
+            L += w;
+#pragma unroll
+            for (int i = 0; i < DPL / 2; ++i) {
+                acc[2 * i] += w * pre[j][i].x;
+                acc[2 * i + 1] += w * pre[j][i].y;
+            }
+        }
+        for (int s0 = PF; s0 < ns; s0 += 32) {
             const float w_lane = s0 + lane < ns ? exp2f(ldcg1(lse + s0 + lane) - M) : 0.f;
             const int n = min(32, ns - s0);
 #pragma unroll 8
@@ -616,22 +639,34 @@ __global__ void __launch_bounds__(128) paged_attention_kernel(
     }
     __syncthreads();
 
+    // One thread per row turns the warps' (m, l) into their weights 2^(m_w - M) / L, in
+    // place of m_w, and the row's log-sum-exp, in place of l_w0; then each output element
+    // is a weighted sum of smem reads (no exp or division per element).
     const int hq = num_kv_heads * group;
     const int rows = ntok * group;
+    if (threadIdx.x < rows) {
+        const int r = threadIdx.x, w0 = (r / RW) * warps_kv, lr = r % RW;
+        float M = NEG_INF, L = 0.f;
+#pragma unroll
+        for (int w = w0; w < w0 + warps_kv; ++w) M = fmaxf(M, sm_m[w * RW + lr]);
+        float f[warps_kv];
+#pragma unroll
+        for (int i = 0; i < warps_kv; ++i) {
+            f[i] = M == NEG_INF ? 0.f : exp2f(sm_m[(w0 + i) * RW + lr] - M);
+            L += f[i] * sm_l[(w0 + i) * RW + lr];
+        }
+        const float inv = L > 0.f ? 1.f / L : 0.f;
+#pragma unroll
+        for (int i = 0; i < warps_kv; ++i) sm_m[(w0 + i) * RW + lr] = f[i] * inv;
+        sm_l[w0 * RW + lr] = L > 0.f ? M + log2f(L) : NEG_INF;
+    }
+    __syncthreads();
     for (int idx = threadIdx.x; idx < rows * D; idx += blockDim.x) {
         const int r = idx / D, d = idx - r * D;
         const int w0 = (r / RW) * warps_kv, lr = r % RW;
-        float M = NEG_INF;
-        for (int w = w0; w < w0 + warps_kv; ++w) M = fmaxf(M, sm_m[w * RW + lr]);
-        float L = 0.f, O = 0.f;
-        if (M != NEG_INF) {
-            for (int w = w0; w < w0 + warps_kv; ++w) {
-                const float f = exp2f(sm_m[w * RW + lr] - M);
-                L += f * sm_l[w * RW + lr];
-                O += f * smf[(w * RW + lr) * SROW + d];
-            }
-        }
-        const float o = L > 0.f ? O / L : 0.f;
+        float o = 0.f;
+#pragma unroll
+        for (int w = w0; w < w0 + warps_kv; ++w) o += sm_m[w * RW + lr] * smf[(w * RW + lr) * SROW + d];
         const int tok = r / group;
         const i64 row = (i64)(q_begin + tok0 + tok) * hq + kvh * group + (r - tok * group);
         if (num_splits == 1) {
@@ -639,7 +674,7 @@ __global__ void __launch_bounds__(128) paged_attention_kernel(
         } else {
             const i64 pi = row * num_splits + split;
             part_o[pi * D + d] = o;
-            if (d == 0) part_lse[pi] = L > 0.f ? M + log2f(L) : NEG_INF;
+            if (d == 0) part_lse[pi] = sm_l[w0 * RW + lr];
         }
     }
     if (num_splits == 1 || counters == nullptr) return;      // merge_splits_kernel follows

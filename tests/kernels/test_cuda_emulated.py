@@ -95,6 +95,21 @@ def test_emulated_prefill_many_sequences(launcher, variant):
     assert_matches_reference(out, want, "cuda")
 
 
+def test_emulated_merge_of_many_splits(launcher):
+    """63 splits of one row (of 64): the merge's first 16 partials (loaded before the max is known),
+    then a batch of 32 and a partial batch; rows with fewer splits and an empty row beside it."""
+    case = make_case([1000, 3, 0, 200], num_kv_heads=2, block_size=16, head_dim=64, dtype=torch.bfloat16, seed=11)
+    q = (2 * torch.randn(4, 4, 64)).to(torch.bfloat16)
+    plan = cuda_attention.plan_attention(
+        check_attention(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, None, None, q),
+        prefill=False, max_blocks=case.block_tables.shape[1], max_seq_len=None, num_sms=2, num_splits=64,
+    )  # fmt: skip
+    assert plan.num_splits == 64
+    out = _run(launcher, case, q, None, 64)
+    want = ref.paged_decode_reference(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens)
+    assert_matches_reference(out, want, "cuda")
+
+
 def test_emulated_split_plan_with_small_max_seq_len_hint(launcher):
     """A too-small ``max_seq_len`` hint costs speed, never correctness: the last split takes the rest."""
     case = make_case([90, 3], num_kv_heads=1, block_size=16, head_dim=64, dtype=torch.bfloat16)
