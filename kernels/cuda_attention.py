@@ -37,6 +37,16 @@ from .cuda_runtime import THREADS, ptr
 TILE = 16  # keys per MMA step
 WARPS = THREADS // 32
 CTAS_PER_SM = 3  # what the kernel's registers allow at most
+# Decode: the CTAs per SM that the split count is planned for. Two (the bandwidth of
+# the whole GPU already) even where shared memory would seat three: at B16 x 4k and
+# x 16k two splits beat the three that filling three CTAs per SM took (H200 runs 17, 23,
+# 29, 34: 73.4-74.5 vs 74.1-75.2 us at 4k, 251.4-255.7 vs 253.7-259.6 at 16k).
+DECODE_SPLIT_CTAS_PER_SM = 2
+# Decode: most keys per CTA where the grid is longer than one wave. The last wave's
+# CTAs end apart by up to a CTA's length, with SMs idle meanwhile; halving 16k-key CTAs
+# took B256 x 16k from 3904.8-3920.3 to 3867.4-3885.8 us (runs 33-34; B64 x 16k
+# unchanged), while splitting 4k-key CTAs lost 2% (B256 x 4k, run 33).
+DECODE_MAX_CTA_KEYS = 8192
 SM_SMEM = 228 * 1024  # shared memory per SM (H100 / H200), 1 KiB of it reserved per CTA
 SMEM_LIMIT = 227 * 1024  # per-CTA opt-in maximum on sm_80 / sm_90
 _DT_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -311,8 +321,11 @@ def plan_attention(
     if num_splits is None:
         slots = num_sms * min(CTAS_PER_SM, SM_SMEM // (smem + 1024))
         ctas = grid_x * geo.num_kv_heads
-        num_splits = choose_splits(ctas, tiles, warps_kv, max(slots, num_sms))
-        if not prefill:
+        if prefill:
+            num_splits = choose_splits(ctas, tiles, warps_kv, max(slots, num_sms))
+        else:
+            planned = num_sms * max(1, min(DECODE_SPLIT_CTAS_PER_SM, slots // num_sms))
+            num_splits = choose_splits(ctas, tiles, warps_kv, planned)
             # Where one CTA per SM already takes 8 or more splits (small batches), stop
             # there: run 6 timed B1 x 4k at 13.4 us with 16 splits (one per SM) against
             # 14.7 with 32 (two per SM); the second CTA per SM costs more partials to merge
@@ -320,6 +333,8 @@ def plan_attention(
             one_per_sm = choose_splits(ctas, tiles, warps_kv, num_sms)
             if one_per_sm >= 8:
                 num_splits = one_per_sm
+            if ctas * num_splits > max(slots, num_sms):
+                num_splits = max(num_splits, math.ceil(max_kv / DECODE_MAX_CTA_KEYS))
     num_splits = max(1, min(int(num_splits), tiles))
     chunk_tiles = math.ceil(tiles / num_splits)
     num_splits = math.ceil(tiles / chunk_tiles)

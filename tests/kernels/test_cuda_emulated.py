@@ -287,11 +287,15 @@ def test_planner_picks_decode_stages_per_shape():
 
 
 def test_planner_picks_decode_splits_per_shape():
-    """Batch 1: one CTA per SM (8 KV heads x 16 splits); batch 16: two or three CTAs per SM
-    (2 or 3 splits); batch 64 fills the GPU unsplit."""
+    """Batch 1: one CTA per SM (8 KV heads x 16 splits); batch 16: two CTAs per SM (2
+    splits), even where shared memory would seat three; batch 64 fills the GPU unsplit up
+    to 8k keys per CTA, and a grid of several waves splits longer contexts into CTAs of
+    at most 8k keys."""
     splits = {(b, ctx): _plan(b, b, prefill=False, ctx=ctx).num_splits for b in (1, 16, 64) for ctx in (1024, 4096, 16384)}
     assert splits == {
         (1, 1024): 16, (1, 4096): 16, (1, 16384): 16,
-        (16, 1024): 2, (16, 4096): 3, (16, 16384): 3,
-        (64, 1024): 1, (64, 4096): 1, (64, 16384): 1,
+        (16, 1024): 2, (16, 4096): 2, (16, 16384): 2,
+        (64, 1024): 1, (64, 4096): 1, (64, 16384): 2,
     }  # fmt: skip
+    long = {(b, ctx): _plan(b, b, prefill=False, ctx=ctx).num_splits for b in (16, 256) for ctx in (8192, 131072)}
+    assert long == {(16, 8192): 2, (16, 131072): 2, (256, 8192): 1, (256, 131072): 16}
