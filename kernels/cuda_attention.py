@@ -39,8 +39,9 @@ WARPS = THREADS // 32
 CTAS_PER_SM = 3  # what the kernel's registers allow at most
 # Decode: the CTAs per SM that the split count is planned for. Two (the bandwidth of
 # the whole GPU already) even where shared memory would seat three: at B16 x 4k and
-# x 16k two splits beat the three that filling three CTAs per SM took (H200 runs 17, 23,
-# 29, 34: 73.4-74.5 vs 74.1-75.2 us at 4k, 251.4-255.7 vs 253.7-259.6 at 16k).
+# x 16k two splits were as fast as or faster than the three that filling three CTAs per
+# SM took (H200 runs 17, 23, 32, 34, 35: 73.4-73.6 vs 74.1-75.3 us at 4k, 251.1-255.7 vs
+# 253.7-259.6 at 16k).
 DECODE_SPLIT_CTAS_PER_SM = 2
 # Decode: most keys per CTA where the grid is longer than one wave. The last wave's
 # CTAs end apart by up to a CTA's length, with SMs idle meanwhile; halving 16k-key CTAs
@@ -204,7 +205,9 @@ def decode_stages(ctas: int, max_kv: int, num_sms: int) -> int:
     the contexts are long (B16 at 4k and 16k): there 2 stages (three CTAs per SM, one
     split more) finished 2% sooner, while they lost 3-15% from B64 up and at B1. Runs
     23-24 tried 4 stages (one unsplit CTA per SM) at B16 x 4k: 72.4-74.4 us against
-    73.4-75.2 for this rule, inside the spread between runs, so the rule stayed.
+    73.4-75.2 for this rule, inside the spread between runs, so the rule stayed. Since
+    run 35 the split count is planned for two CTAs per SM whatever fits
+    (``DECODE_SPLIT_CTAS_PER_SM``): 2 stages with 2 splits at B16 (72.5 us at 4k).
     """
     return 2 if num_sms // 2 <= ctas < 2 * num_sms and max_kv >= 4096 else 3
 
