@@ -167,9 +167,8 @@ _PRIMITIVES = r"""
 __device__ __forceinline__ uint4 ld16(const void* p) { uint4 r; std::memcpy(&r, p, 16); return r; }
 __device__ __forceinline__ float2 ldcg2(const float* p) { return float2{p[0], p[1]}; }
 __device__ __forceinline__ float ldcg1(const float* p) { return *p; }
-// CTAs run one after another here, so an arrival is a plain increment and a fence nothing.
+// CTAs run one after another here, so an arrival is a plain increment.
 __device__ __forceinline__ int arrive(int* c) { return (*c)++; }
-__device__ __forceinline__ void fence() {}
 
 // cp.async: in "early" mode a copy lands when issued, in "late" mode only when
 // cp.async.wait_group retires its group. A kernel correct under both has its

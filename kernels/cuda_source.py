@@ -100,10 +100,16 @@ __device__ __forceinline__ float ldcg1(const float* p) {
     asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(r) : "l"(p));
     return r;
 }
-// One arrival at a split counter (after a fence that publishes this CTA's partials);
-// returns the count before it. The last arrival resets it for the next call.
-__device__ __forceinline__ int arrive(int* c) { __threadfence(); return atomicAdd(c, 1); }
-__device__ __forceinline__ void fence() { __threadfence(); }
+// One arrival at a split counter; returns the count before it. Release: this CTA's partials
+// (written before a CTA barrier) are visible to whoever sees the arrival. Acquire: for the
+// last arrival, the other splits' partials are visible to this CTA once it passes a CTA
+// barrier (one atomic instead of a fence, the atomic and a second fence per thread: run
+// 36, B1 x 4k and x 16k 1-2% sooner). The last arrival resets the counter for the next call.
+__device__ __forceinline__ int arrive(int* c) {
+    int old;
+    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(c) : "memory");
+    return old;
+}
 
 // 16 bytes global -> shared without registers; ok == false writes zeros.
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool ok) {
@@ -690,9 +696,8 @@ __global__ void __launch_bounds__(128) paged_attention_kernel(
         if (last) *c = 0;                                    // ready for the next call on this stream
         *flag = last;
     }
-    __syncthreads();
+    __syncthreads();                                         // after thread 0's acquire: partials visible
     if (!*flag) return;
-    fence();                                                 // the other splits' partials are visible
     for (int r = warp; r < rows; r += 4) {
         const int tok = r / group;
         const i64 row = (i64)(q_begin + tok0 + tok) * hq + kvh * group + (r - tok * group);
