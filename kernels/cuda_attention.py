@@ -207,7 +207,8 @@ def decode_stages(ctas: int, max_kv: int, num_sms: int) -> int:
     23-24 tried 4 stages (one unsplit CTA per SM) at B16 x 4k: 72.4-74.4 us against
     73.4-75.2 for this rule, inside the spread between runs, so the rule stayed. Since
     run 35 the split count is planned for two CTAs per SM whatever fits
-    (``DECODE_SPLIT_CTAS_PER_SM``): 2 stages with 2 splits at B16 (72.5 us at 4k).
+    (``DECODE_SPLIT_CTAS_PER_SM``): at B16 with 2 splits, 2 stages took 70.9-71.5 us at 4k
+    and 247.2-250.2 at 16k against 72.4-72.8 and 253.3-257.3 with 3 (run 39).
     """
     return 2 if num_sms // 2 <= ctas < 2 * num_sms and max_kv >= 4096 else 3
 
