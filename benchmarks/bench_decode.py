@@ -125,6 +125,16 @@ def eager_time_us(make_call, copies: int, replays: int = 20) -> float:
     return statistics.median(times[5:])
 
 
+def decode_copies(batch: int, ctx: int) -> int:
+    """Input copies to rotate over so that together they exceed L2 four times."""
+    return max(1, math.ceil(4 * L2_BYTES / (batch * ctx * HKV * D * 2 * 2)))
+
+
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    """``"16x4096,1x1024"`` -> [(16, 4096), (1, 1024)]."""
+    return [tuple(int(x) for x in s.split("x")) for s in text.split(",") if s]
+
+
 def decode_case(batch: int, ctx: int, copies: int, gen: torch.Generator, sequential: bool = False):
     """One pool holding ``copies`` disjoint sets of sequences; tables are random permutations
     (``sequential``: the pool's own order, a diagnostic of what paging costs in DRAM locality)."""
@@ -144,7 +154,7 @@ def bench_decode(batch: int, ctx: int, variants, split_options, fi, gen, with_ga
     from kvpool.kernels._validate import check_attention
 
     kv_bytes = batch * ctx * HKV * D * 2 * 2
-    copies = max(1, math.ceil(4 * L2_BYTES / kv_bytes))
+    copies = decode_copies(batch, ctx)
     pool, tables, lens, qs = decode_case(batch, ctx, copies, gen, sequential)
     k, v = pool[:, 0, 0], pool[:, 0, 1]
     outs = torch.empty_like(qs)
@@ -363,7 +373,7 @@ def main() -> None:
                    tables="sequential" if args.sequential_tables else "random", decode=rows, prefill=prefill)
         Path(out).write_text(json.dumps(_finite(doc), indent=1))
 
-    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",") if s] or GRIDS[args.grid]
+    shapes = parse_shapes(args.shapes) or GRIDS[args.grid]
     for batch, ctx in shapes:
         splits_here = split_options if not split_batches or batch in split_batches else []
         for r in bench_decode(batch, ctx, variants, splits_here, fi, gen, not args.no_gather, args.sequential_tables):

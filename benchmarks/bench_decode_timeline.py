@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import time
 from pathlib import Path
@@ -132,7 +131,7 @@ def timeline(batch: int, ctx: int, calls: int, stamps: torch.Tensor) -> dict:
     from kvpool.kernels._validate import check_attention
 
     gen = torch.Generator().manual_seed(0)
-    copies = max(1, math.ceil(4 * bd.L2_BYTES / (batch * ctx * bd.HKV * bd.D * 4)))
+    copies = bd.decode_copies(batch, ctx)
     pool, tables, lens, qs = bd.decode_case(batch, ctx, copies, gen)
     k, v = pool[:, 0, 0], pool[:, 0, 1]
     outs = torch.empty_like(qs)
@@ -180,8 +179,7 @@ def main() -> None:
     print(f"{'B':>4} {'ctx':>6} {'CTAs':>5} {'first tile':>10} {'loop end p10/p50/max':>22} {'epilogue':>8} {'merge':>6} {'span':>7}"
           f" | {'SMs':>3} {'even/odd r':>10} {'fast/slow half loop end':>24}")
     rows = []
-    for shape in [s for s in args.shapes.split(",") if s]:
-        batch, ctx = (int(x) for x in shape.split("x"))
+    for batch, ctx in bd.parse_shapes(args.shapes):
         r = timeline(batch, ctx, args.calls, stamps)
         rows.append(r)
         m, sm = r["median_call"], r["sm"]
