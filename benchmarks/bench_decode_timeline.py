@@ -11,8 +11,11 @@ thread 0 of each CTA to a buffer) and runs ``--calls`` single calls, each after 
 - ``first tile``: median time from a CTA's start until its first K/V tile has landed
   (the table read and the first load, queued behind every other CTA's);
 - ``loop end p10/p50/max``: when CTAs finish their key loops;
-- ``epilogue``: median time for a CTA to merge its warps and write its rows or partials;
-- ``merge``: median time of the fused split merge, in the CTAs that run it;
+- ``epilogue``: median time for a CTA to merge its warps and write its rows or partials
+  (with two splits as a cluster pair: until split 1 has written its rows into split 0's
+  shared memory, or split 0 is ready to wait for them);
+- ``merge``: median time of the fused split merge, in the CTAs that run it (a pair's split
+  0: its wait for split 1 and the merge);
 - ``span``: first CTA start to last CTA end.
 
 The table shows the call with the median span. Then per SM: each SM's mean loop end over
@@ -45,12 +48,17 @@ _STAMP_NOW = (
     "__device__ __forceinline__ unsigned long long stamp_now() {\n"
     "    unsigned long long t;\n    asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(t));\n    return t;\n}\n"
 )
-_KERNEL = "template <int DT, int D, int WKV, int NS, int KT>\n__global__ void __launch_bounds__(128) paged_attention_kernel("
+_KERNEL = "template <int DT, int D, int WKV, int NS, int KT, bool PAIR>\n__device__ __forceinline__ void attention_cta("
 _CTA_START = "    const int kvh = blockIdx.y, split = blockIdx.z;\n"
 _FIRST_TILE = "        const int base = first + step * k;\n        if (base >= w_hi) continue;"
 _LOOP_END = "    __syncthreads();                                         // the rings are free: reuse them\n"
-_EPILOGUE_END = "    if (num_splits == 1 || counters == nullptr) return;      // merge_splits_kernel follows\n"
-_MERGE_END = "num_splits, lane);\n    }\n}\n"
+_EPILOGUE_END = "        if (num_splits == 1 || counters == nullptr) return;  // merge_splits_kernel follows\n"
+_MERGE_END = "num_splits, lane);\n        }\n    }\n}\n"
+# the pair kernel (two splits as a cluster): split 1 has pushed its rows; split 0 is about to
+# wait for them; split 0 has written the merged rows
+_PAIR_SENT = "            cluster_arrive();                                // release: the rows above are visible\n"
+_PAIR_WAIT = "        cluster_arrive();\n        cluster_wait();"
+_PAIR_END = "            out[out_row(r) * D + d] = from_f32<DT>(o);\n        }\n    } else {\n"
 # (a piece of the kernel source, what replaces it)
 _EDITS = [
     (_KERNEL, _STAMP_NOW + _KERNEL),
@@ -61,8 +69,12 @@ _EDITS = [
      "STAMP[5] = sm + 1; }\n"),
     (_FIRST_TILE, _FIRST_TILE.replace("\n", "\n        if (k == 0 && threadIdx.x == 0) STAMP[1] = stamp_now();\n", 1)),
     (_LOOP_END, _LOOP_END + "    if (threadIdx.x == 0) STAMP[2] = stamp_now();\n"),
-    (_EPILOGUE_END, "    __syncthreads();\n    if (threadIdx.x == 0) STAMP[3] = stamp_now();\n" + _EPILOGUE_END),
-    (_MERGE_END, "num_splits, lane);\n    }\n    __syncthreads();\n    if (threadIdx.x == 0) STAMP[4] = stamp_now();\n}\n"),
+    (_EPILOGUE_END, "        __syncthreads();\n        if (threadIdx.x == 0) STAMP[3] = stamp_now();\n" + _EPILOGUE_END),
+    (_MERGE_END, "num_splits, lane);\n        }\n        __syncthreads();\n        if (threadIdx.x == 0) STAMP[4] = stamp_now();\n    }\n}\n"),
+    (_PAIR_SENT, "            __syncthreads();\n            if (threadIdx.x == 0) STAMP[3] = stamp_now();\n" + _PAIR_SENT),
+    (_PAIR_WAIT, "        __syncthreads();\n        if (threadIdx.x == 0) STAMP[3] = stamp_now();\n" + _PAIR_WAIT),
+    (_PAIR_END, _PAIR_END.replace("    } else {\n",
+                                  "        __syncthreads();\n        if (threadIdx.x == 0) STAMP[4] = stamp_now();\n    } else {\n")),
 ]
 
 

@@ -64,7 +64,10 @@ class Pipeline:
     ``wgmma``: on a device with warpgroup MMA (Hopper), prefill on ``prefill_wg_kernel``
     with ``warps // 4`` warpgroups of 64 rows and ``keys``-key tiles; elsewhere the
     pipeline is the ``mma.sync`` planner's (``DEDICATED``), as it is where no TMA tensor
-    map of the pool can be had (``cuda_tma.maps_for``)."""
+    map of the pool can be had (``cuda_tma.maps_for``). ``pair``: decode with exactly two
+    splits runs ``paged_attention_pair_kernel`` where the device has thread block clusters
+    (sm_90+): the two split CTAs of a row tile form a cluster and merge through shared
+    memory instead of global partials and an arrival counter."""
 
     stages: int
     keys: int
@@ -73,10 +76,12 @@ class Pipeline:
     dedicated: bool = False
     warps: int = 4
     wgmma: bool = False
+    pair: bool = False
 
 
-# Decode with stages == 0: the planner picks per shape (``decode_stages``).
-AUTO_DECODE = Pipeline(0, 16, True)
+# Decode with stages == 0: the planner picks per shape (``decode_stages``); exactly two
+# splits run as clusters of two CTAs where the device has clusters (``pair``).
+AUTO_DECODE = Pipeline(0, 16, True, pair=True)
 # Prefill on the dedicated kernel (``prefill_kernel``: 64-key tiles, 2 stages, Q in shared
 # memory, rows written from registers); mtiles 0 = the planner picks 64 or 128 rows per CTA.
 DEDICATED = Pipeline(2, 64, dedicated=True, mtiles=0)
@@ -108,7 +113,8 @@ GENERIC_PREFILL = Pipeline(3, 16)
 # decode rings, prefill on the split-KV kernel. "v6": 2-stage decode rings (three CTAs
 # per SM). "v7": decode stages per shape (``decode_stages``), prefill on the dedicated
 # kernel where it applies ("v7m1" / "v7m2": 64 / 128 rows per CTA forced; "v7w8": 8 warps
-# x 16 rows per CTA, 3-stage ring, Q in registers). "v8": as v7, but prefill on warpgroup
+# x 16 rows per CTA, 3-stage ring, Q in registers; "v7a": two splits merged by the arrival
+# counter, as before pairs, run 40). "v8": as v7, but prefill on warpgroup
 # MMA with TMA loads where the device has them (Hopper) and the grid fills it ("v8f":
 # whatever the grid); elsewhere v8 is v7.
 VARIANTS: dict[str, tuple[Pipeline, Pipeline]] = {
@@ -118,6 +124,7 @@ VARIANTS: dict[str, tuple[Pipeline, Pipeline]] = {
     "v7m1": (AUTO_DECODE, Pipeline(2, 64, dedicated=True, mtiles=1)),
     "v7m2": (AUTO_DECODE, Pipeline(2, 64, dedicated=True, mtiles=2)),
     "v7w8": (AUTO_DECODE, W8),
+    "v7a": (replace(AUTO_DECODE, pair=False), DEDICATED),
     "v8": (AUTO_DECODE, replace(WGMMA, mtiles=0)),
     "v8f": (AUTO_DECODE, WGMMA),
 }
@@ -138,6 +145,7 @@ class AttentionPlan:
     chunk: int  # keys per split
     smem_bytes: int
     bs_log2: int
+    pair: bool = False  # two splits as a cluster of two CTAs (paged_attention_pair_kernel)
 
 
 def check_gpu_limits(a: AttentionArgs, q: torch.Tensor) -> None:
@@ -169,6 +177,21 @@ def smem_bytes(dt: int, head_dim: int, rings: int, pipe: Pipeline = GENERIC_PREF
     rows = WARPS * 16
     epilogue = (rows * (head_dim + 1) + 2 * rows) * 4 + 16  # + the fused merge's flag
     return max(rings * pipe.stages * stage, epilogue)
+
+
+def pair_recv_bytes(dt: int, head_dim: int, warps_kv: int, pipe: Pipeline) -> int:
+    """Shared memory a pair CTA adds past its rings and epilogue (16-byte aligned): split
+    1's rows (16 per warp of a row tile) of ``head_dim`` floats and their log-sum-exps
+    (``pair_recv_offset`` in the kernel source)."""
+    base = smem_bytes(dt, head_dim, warps_kv, pipe)
+    rows = 16 * (WARPS // warps_kv)
+    return -base % 16 + rows * (head_dim + 1) * 4
+
+
+def ctas_per_sm(smem: int) -> int:
+    """CTAs of ``smem`` bytes of dynamic shared memory that fit on one SM (at most
+    ``CTAS_PER_SM``: the kernel's registers)."""
+    return min(CTAS_PER_SM, SM_SMEM // (smem + 1024))
 
 
 def decode_warps_kv(dt: int, head_dim: int, pipe: Pipeline = GENERIC_PREFILL) -> int:
@@ -292,11 +315,13 @@ def plan_attention(
     variant: str | None = None,
     aligned_out: bool = True,
     wgmma: bool = False,
+    clusters: bool = False,
 ) -> AttentionPlan:
     """Grid, split-KV and shared memory for one call (pure arithmetic on shapes).
 
     ``aligned_out``: ``out`` starts on 4 bytes (the dedicated prefill kernel stores
-    pairs of elements). ``wgmma``: the device has warpgroup MMA (sm_90a)."""
+    pairs of elements). ``wgmma``: the device has warpgroup MMA (sm_90a). ``clusters``:
+    the device has thread block clusters (sm_90+), for the pair decode kernel."""
     geo = a.geo
     dt = _DT_CODE[geo.dtype]
     pipe = pipeline_for(variant, prefill, dt, geo.head_dim)
@@ -323,7 +348,7 @@ def plan_attention(
         grid_x = a.num_seqs
     tiles = max(1, math.ceil(max_kv / pipe.keys))  # stages, the unit of a split
     if num_splits is None:
-        slots = num_sms * min(CTAS_PER_SM, SM_SMEM // (smem + 1024))
+        slots = num_sms * ctas_per_sm(smem)
         ctas = grid_x * geo.num_kv_heads
         if prefill:
             num_splits = choose_splits(ctas, tiles, warps_kv, max(slots, num_sms))
@@ -342,6 +367,12 @@ def plan_attention(
     num_splits = max(1, min(int(num_splits), tiles))
     chunk_tiles = math.ceil(tiles / num_splits)
     num_splits = math.ceil(tiles / chunk_tiles)
+    # Two splits as a cluster pair where the extra shared memory seats as many CTAs per SM.
+    pair = False
+    if pipe.pair and pipe.fused and clusters and not prefill and num_splits == 2:
+        paired = smem + pair_recv_bytes(dt, geo.head_dim, warps_kv, pipe)
+        if paired <= SMEM_LIMIT and ctas_per_sm(paired) == ctas_per_sm(smem):
+            pair, smem = True, paired
     return AttentionPlan(
         dt=dt,
         head_dim=geo.head_dim,
@@ -353,6 +384,7 @@ def plan_attention(
         chunk=chunk_tiles * pipe.keys,
         smem_bytes=smem,
         bs_log2=bs_log2,
+        pair=pair,
     )
 
 
@@ -422,6 +454,7 @@ def paged_attention(
             variant=variant,
             aligned_out=out.data_ptr() % 4 == 0,
             wgmma=wgmma,
+            clusters=getattr(launcher, "clusters", lambda device: False)(q.device),
         )
 
     plan = plan_with(getattr(launcher, "wgmma", lambda device: False)(q.device))
@@ -436,7 +469,7 @@ def paged_attention(
         tiles = torch.div(q_lens + (plan.tokens_per_cta - 1), plan.tokens_per_cta, rounding_mode="floor")
         tile_cum = torch.cumsum(tiles, 0).to(torch.int32)
     part_o = part_lse = counters = None
-    if plan.num_splits > 1:
+    if plan.num_splits > 1 and not plan.pair:  # a pair merges in shared memory
         if plan.pipe.fused:
             counters = split_counters(q.device, plan.grid[0] * plan.grid[1])
         part_o = torch.empty((a.num_tokens, a.num_q_heads, plan.num_splits, plan.head_dim), dtype=torch.float32, device=q.device)
@@ -458,9 +491,9 @@ def paged_attention(
     elif p.dedicated:
         key = ("prefill", plan.dt, plan.head_dim, p.mtiles, p.warps, p.stages)
     else:
-        key = ("attention", plan.dt, plan.head_dim, plan.warps_kv, p.stages, p.keys)
+        key = ("attention", plan.dt, plan.head_dim, plan.warps_kv, p.stages, p.keys, plan.pair)
     launcher.launch(key, "attention", q.device, plan.grid, args, plan.smem_bytes)
-    if plan.num_splits > 1 and counters is None:
+    if plan.num_splits > 1 and counters is None and not plan.pair:
         merge_args = (
             ptr(part_o), ptr(part_lse), ptr(out), ptr(seq_lens), ptr(cu_seqlens_q),
             np.int32(a.num_seqs), np.int32(a.num_tokens), np.int32(block_tables.shape[1]), np.int32(plan.bs_log2),

@@ -31,7 +31,7 @@ import threading
 import numpy as np
 import torch
 
-from .cuda_runtime import block_threads, module_kernels
+from .cuda_runtime import block_threads, cluster_z, module_kernels
 from .cuda_source import SOURCE
 
 _PRELUDE = r"""
@@ -50,7 +50,9 @@ using std::max;
 #define __device__
 #define __forceinline__ inline
 #define __launch_bounds__(...)
+#define __cluster_dims__(...)
 #define __shared__
+#define KVPOOL_CLUSTERS 1
 
 struct uint4 { unsigned x, y, z, w; };
 struct float2 { float x, y; };
@@ -70,6 +72,8 @@ static Fiber fib[MAXT];
 static ucontext_t sched_ctx;
 static int cur;
 static dim3 blockIdx, gridDim;
+static unsigned cluster_size = 1;             // CTAs per cluster along z
+static int cluster_arrivals, cluster_fault;   // cluster barrier arrivals; a wait that found some missing
 #define blockDim (dim3{(unsigned)nthr, 1, 1})
 static Barrier warp_bar[MAXT / 32], cta_bar, named_bar[16];
 uint4 smem4[(232 * 1024) / 16];  // `extern __shared__ uint4 smem4[]` in the kernel binds here
@@ -169,6 +173,19 @@ __device__ __forceinline__ float2 ldcg2(const float* p) { return float2{p[0], p[
 __device__ __forceinline__ float ldcg1(const float* p) { return *p; }
 // CTAs run one after another here, so an arrival is a plain increment.
 __device__ __forceinline__ int arrive(int* c) { return (*c)++; }
+
+// Clusters: run_grid runs a cluster's CTAs one after another, highest rank first, on one
+// shared-memory array, so a pointer into rank 0's shared memory is the pointer itself (the
+// kernel keeps what other ranks write there clear of what rank 0 uses before its wait). A
+// wait checks that every thread of the cluster has arrived: in this order, a kernel whose
+// rank 0 waits on a rank that never arrives (or arrives later) fails instead of reading stale data.
+__device__ __forceinline__ u32 cluster_rank() { return blockIdx.z % cluster_size; }
+__device__ __forceinline__ float* cluster_map(float* p, u32) { return p; }
+__device__ __forceinline__ void cluster_arrive() { ++cluster_arrivals; }
+__device__ __forceinline__ void cluster_wait() {
+    bar_wait(&cta_bar);
+    if (cluster_arrivals != cluster_size * nthr) cluster_fault = 1;
+}
 
 // cp.async: in "early" mode a copy lands when issued, in "late" mode only when
 // cp.async.wait_group retires its group. A kernel correct under both has its
@@ -280,15 +297,24 @@ static void fiber_main(int i) {
 static char* stacks;
 static const size_t STACK = 256 * 1024;
 
-static int run_grid(unsigned gx, unsigned gy, unsigned gz, unsigned threads, Body fn, void* arg) {
+static int run_grid(unsigned gx, unsigned gy, unsigned gz, unsigned threads, unsigned cz, Body fn, void* arg) {
     if (threads % 32 || threads > (unsigned)MAXT) return 2;
+    if (gz % cz) return 4;
     gridDim = dim3{gx, gy, gz};
     nthr = (int)threads;
+    cluster_size = cz;
+    cluster_fault = 0;
     if (!stacks) stacks = (char*)std::malloc(STACK * MAXT);
     body_fn = fn; body_arg = arg;
-    for (unsigned z = 0; z < gz; ++z)
+    for (unsigned z0 = 0; z0 < gz; z0 += cz)
     for (unsigned y = 0; y < gy; ++y)
-    for (unsigned x = 0; x < gx; ++x) {
+    for (unsigned x = 0; x < gx; ++x)
+    for (unsigned rank = cz; rank-- > 0;) {
+        const unsigned z = z0 + rank;
+        if (cz > 1 && rank == cz - 1) {             // a new cluster: nothing carried over
+            cluster_arrivals = 0;
+            std::memset(smem4, 0xff, sizeof smem4);  // NaN floats
+        }
         blockIdx = dim3{x, y, z};
         for (int w = 0; w < nthr / 32; ++w) warp_bar[w] = Barrier{32, 0};
         cta_bar = Barrier{nthr, 0};
@@ -315,7 +341,7 @@ static int run_grid(unsigned gx, unsigned gy, unsigned gz, unsigned threads, Bod
             if (!progress) return 1;  // deadlock: divergent collective or early exit
         }
     }
-    return 0;
+    return cluster_fault ? 3 : 0;
 }
 """
 
@@ -367,7 +393,7 @@ struct Args_{sym} {{ {"; ".join(f"{ty} {nm}" for ty, nm in plist)}; }};
 static void body_{sym}(void* p) {{ Args_{sym}* a = (Args_{sym}*)p; {expr}({body_call}); }}
 extern "C" int emu_{sym}(unsigned gx, unsigned gy, unsigned gz, unsigned threads, {params}) {{
     Args_{sym} a = {{ {call} }};
-    return run_grid(gx, gy, gz, threads, body_{sym}, &a);
+    return run_grid(gx, gy, gz, threads, {cluster_z(module_key, short)}, body_{sym}, &a);
 }}
 """
         )
@@ -402,6 +428,9 @@ class EmulatorLauncher:
     def num_sms(self, device: torch.device) -> int:
         return self._sms
 
+    def clusters(self, device: torch.device) -> bool:
+        return True  # cluster kernels run here (a cluster's CTAs one after another)
+
     def _lib(self, module_key: tuple):
         if module_key not in self._libs:
             src, symbols = _emulated_source(module_key)
@@ -434,6 +463,10 @@ class EmulatorLauncher:
         with _LOCK:  # the fiber scheduler is global state
             lib.emu_set_cp_async_late(self._late)
             rc = fn(*[int(g) for g in grid], block_threads(module_key), *values)
+        if rc == 3:
+            raise RuntimeError(f"emulated {name}: a cluster barrier wait found a CTA of its cluster not yet arrived")
+        if rc == 4:
+            raise ValueError(f"grid z = {grid[2]} is not a whole number of {cluster_z(module_key, name)}-CTA clusters")
         if rc == 2:
             raise ValueError(f"the emulator runs 32 to 256 threads per CTA in whole warps; got {block_threads(module_key)}")
         if rc:

@@ -31,9 +31,10 @@ _OPTIONS = ("-std=c++17", "--use_fast_math")
 def module_kernels(module_key: tuple) -> dict[str, str]:
     """Kernel short names → C++ name expressions of one compiled module."""
     if module_key[0] == "attention":
-        _, dt, d, warps_kv, stages, keys = module_key
+        _, dt, d, warps_kv, stages, keys, pair = module_key
+        kernel = "paged_attention_pair_kernel" if pair else "paged_attention_kernel"
         return {
-            "attention": f"paged_attention_kernel<{dt},{d},{warps_kv},{stages},{keys}>",
+            "attention": f"{kernel}<{dt},{d},{warps_kv},{stages},{keys}>",
             "merge": f"merge_splits_kernel<{dt},{d}>",
         }
     if module_key[0] == "prefill":
@@ -45,6 +46,12 @@ def module_kernels(module_key: tuple) -> dict[str, str]:
     if module_key[0] == "write_kv":
         return {"write_kv": "write_kv_kernel"}
     raise KeyError(module_key)
+
+
+def cluster_z(module_key: tuple, name: str) -> int:
+    """CTAs per cluster (along the grid's z axis, the splits) that a module's kernel is
+    compiled for: 2 for the pair decode kernel, else 1 (no cluster)."""
+    return 2 if module_key[0] == "attention" and module_key[6] and name == "attention" else 1
 
 
 def block_threads(module_key: tuple) -> int:
@@ -133,6 +140,12 @@ def has_wgmma(device_index: int) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
+def has_clusters(device_index: int) -> bool:
+    """Whether the device runs thread block clusters (compute capability 9.0 and later)."""
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+
+
+@functools.lru_cache(maxsize=None)
 def num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
@@ -152,6 +165,9 @@ class CupyLauncher:
 
     def wgmma(self, device: torch.device) -> bool:
         return has_wgmma(device.index)
+
+    def clusters(self, device: torch.device) -> bool:
+        return has_clusters(device.index)
 
     def launch(self, module_key: tuple, name: str, device: torch.device, grid, args, smem: int = 0) -> None:
         cupy = self._cupy

@@ -133,14 +133,14 @@ def test_emulated_write_kv(launcher):
 
 
 def _plan(num_tokens, num_seqs, *, dtype=torch.bfloat16, d=128, prefill=True, ctx=4096, splits=None, variant="v7",
-          wgmma=False, scale=1.0):  # fmt: skip
+          wgmma=False, scale=1.0, clusters=False):  # fmt: skip
     from kvpool.kernels._validate import AttentionArgs, CacheGeometry
 
     geo = CacheGeometry(1, 8, 16, d, 0, 0, dtype, torch.device("cpu"))
     a = AttentionArgs(geo, num_seqs, num_tokens, 32, 4, scale, None)
     return cuda_attention.plan_attention(
         a, prefill=prefill, max_blocks=ctx // 16, max_seq_len=ctx, num_sms=132, num_splits=splits, variant=variant,
-        wgmma=wgmma,
+        wgmma=wgmma, clusters=clusters,
     )  # fmt: skip
 
 
@@ -299,3 +299,34 @@ def test_planner_picks_decode_splits_per_shape():
     }  # fmt: skip
     long = {(b, ctx): _plan(b, b, prefill=False, ctx=ctx).num_splits for b in (16, 256) for ctx in (8192, 131072)}
     assert long == {(16, 8192): 2, (16, 131072): 2, (256, 8192): 1, (256, 131072): 16}
+
+
+def test_planner_pairs_two_splits_where_the_device_has_clusters():
+    """Decode with exactly two splits runs as cluster pairs (with room past the rings for
+    split 1's 16 rows of 128 floats and their log-sum-exps), on devices with clusters and
+    in the default variant only; other split counts, prefill and ``v7a`` keep the merge by
+    arrival counter."""
+    pair = _plan(16, 16, prefill=False, ctx=4096, clusters=True)
+    plain = _plan(16, 16, prefill=False, ctx=4096)
+    assert pair.num_splits == 2 and pair.pair and not plain.pair
+    assert pair.smem_bytes == plain.smem_bytes + 16 * 129 * 4
+    assert pair.grid == plain.grid and pair.chunk == plain.chunk and pair.pipe == plain.pipe
+    assert not _plan(16, 16, prefill=False, ctx=4096, clusters=True, variant="v7a").pair
+    assert not _plan(1, 1, prefill=False, ctx=4096, clusters=True).pair  # 16 splits
+    assert not _plan(64, 64, prefill=False, ctx=4096, clusters=True).pair  # 1 split
+    assert _plan(64, 64, prefill=False, ctx=16384, clusters=True).pair  # 2 splits of 8k keys
+    assert not _plan(64, 1, ctx=32768, splits=2, clusters=True).pair  # prefill
+
+
+def test_emulated_pair_without_split_1_arriving_is_caught(monkeypatch):
+    """The emulator's cluster barrier is a real check: with split 1's arrival taken out of the
+    source, split 0's wait finds it missing and the launch fails (instead of merging the
+    poisoned rows split 1 would have sent)."""
+    sent = "            cluster_arrive();                                // release: the rows above are visible\n"
+    assert cuda_emulator.SOURCE.count(sent) == 1
+    monkeypatch.setattr(cuda_emulator, "SOURCE", cuda_emulator.SOURCE.replace(sent, ""))
+    case = make_case([300, 40], num_kv_heads=2, block_size=16, head_dim=64, dtype=torch.bfloat16, seed=3)
+    q = torch.randn(2, 8, 64).to(torch.bfloat16)
+    launcher = cuda_emulator.EmulatorLauncher(num_sms=2)
+    with pytest.raises(RuntimeError, match="cluster barrier"):
+        _run(launcher, case, q, None, 2)
