@@ -1,7 +1,7 @@
 """Paged decode and prefill on the GPU: ours vs FlashInfer vs SDPA on contiguous K/V.
 
     python3 benchmarks/bench_decode.py [--grid none|quick|full | --shapes 16x4096,...] [--variants v7]
-        [--prefill 1024,4096] [--prefill-variants v7] [--no-gather] [--json PATH]
+        [--prefill 1024,4096] [--prefill-variants v8] [--no-gather] [--json PATH]
 
 Decode shape of issue 5: bfloat16, head_dim 128, 32 query / 8 KV heads,
 block size 16, block tables = random permutations of the pool. Timing: a
@@ -339,13 +339,16 @@ GRIDS = {
 
 
 def main() -> None:
+    from kvpool.kernels.cuda_attention import DEFAULT_DECODE, DEFAULT_PREFILL
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--grid", choices=sorted(GRIDS), default="quick")
     p.add_argument("--shapes", default="", help="decode shapes BxCTX to time instead of --grid, e.g. 16x4096,16x16384")
     p.add_argument("--splits", default="", help="comma-separated forced split counts to compare, e.g. 1,2,4")
     p.add_argument("--splits-batches", default="", help="time the forced splits only at these batch sizes (default: all)")
-    p.add_argument("--variants", default="v7", help="our decode kernel variants to time (kvpool.kernels.cuda_attention.VARIANTS)")
-    p.add_argument("--prefill-variants", default="v7", help="our prefill kernel variants to time")
+    p.add_argument("--variants", default=DEFAULT_DECODE,
+                   help="our decode kernel variants to time (kvpool.kernels.cuda_attention.VARIANTS; default: what decode runs)")
+    p.add_argument("--prefill-variants", default=DEFAULT_PREFILL, help="our prefill kernel variants to time (default: what prefill runs)")
     p.add_argument("--no-gather", action="store_true", help="skip the gather-then-SDPA decode rows")
     p.add_argument("--sequential-tables", action="store_true",
                    help="block tables in pool order instead of random permutations (a diagnostic, not issue 5's grid)")
