@@ -125,9 +125,14 @@ def eager_time_us(make_call, copies: int, replays: int = 20) -> float:
     return statistics.median(times[5:])
 
 
+def decode_kv_bytes(batch: int, ctx: int) -> int:
+    """K and V bytes (bfloat16) that one decode call reads."""
+    return batch * ctx * HKV * D * 2 * 2
+
+
 def decode_copies(batch: int, ctx: int) -> int:
     """Input copies to rotate over so that together they exceed L2 four times."""
-    return max(1, math.ceil(4 * L2_BYTES / (batch * ctx * HKV * D * 2 * 2)))
+    return max(1, math.ceil(4 * L2_BYTES / decode_kv_bytes(batch, ctx)))
 
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:
@@ -153,7 +158,7 @@ def bench_decode(batch: int, ctx: int, variants, split_options, fi, gen, with_ga
     from kvpool.kernels import cuda_attention
     from kvpool.kernels._validate import check_attention
 
-    kv_bytes = batch * ctx * HKV * D * 2 * 2
+    kv_bytes = decode_kv_bytes(batch, ctx)
     copies = decode_copies(batch, ctx)
     pool, tables, lens, qs = decode_case(batch, ctx, copies, gen, sequential)
     k, v = pool[:, 0, 0], pool[:, 0, 1]

@@ -179,13 +179,13 @@ def smem_bytes(dt: int, head_dim: int, rings: int, pipe: Pipeline = GENERIC_PREF
     return max(rings * pipe.stages * stage, epilogue)
 
 
-def pair_recv_bytes(dt: int, head_dim: int, warps_kv: int, pipe: Pipeline) -> int:
-    """Shared memory a pair CTA adds past its rings and epilogue (16-byte aligned): split
-    1's rows (16 per warp of a row tile) of ``head_dim`` floats and their log-sum-exps
-    (``pair_recv_offset`` in the kernel source)."""
-    base = smem_bytes(dt, head_dim, warps_kv, pipe)
+def pair_recv_bytes(smem: int, head_dim: int, warps_kv: int) -> int:
+    """Shared memory a pair CTA adds past its rings and epilogue (``smem`` bytes, the
+    ``smem_bytes`` of its plan), 16-byte aligned: split 1's rows (16 per warp of a row
+    tile) of ``head_dim`` floats and their log-sum-exps (``pair_recv_offset`` in the kernel
+    source)."""
     rows = 16 * (WARPS // warps_kv)
-    return -base % 16 + rows * (head_dim + 1) * 4
+    return -smem % 16 + rows * (head_dim + 1) * 4
 
 
 def ctas_per_sm(smem: int) -> int:
@@ -370,7 +370,7 @@ def plan_attention(
     # Two splits as a cluster pair where the extra shared memory seats as many CTAs per SM.
     pair = False
     if pipe.pair and pipe.fused and clusters and not prefill and num_splits == 2:
-        paired = smem + pair_recv_bytes(dt, geo.head_dim, warps_kv, pipe)
+        paired = smem + pair_recv_bytes(smem, geo.head_dim, warps_kv)
         if paired <= SMEM_LIMIT and ctas_per_sm(paired) == ctas_per_sm(smem):
             pair, smem = True, paired
     return AttentionPlan(
@@ -493,7 +493,7 @@ def paged_attention(
     else:
         key = ("attention", plan.dt, plan.head_dim, plan.warps_kv, p.stages, p.keys, plan.pair)
     launcher.launch(key, "attention", q.device, plan.grid, args, plan.smem_bytes)
-    if plan.num_splits > 1 and counters is None and not plan.pair:
+    if part_o is not None and counters is None:  # partials, not merged by the attention kernel
         merge_args = (
             ptr(part_o), ptr(part_lse), ptr(out), ptr(seq_lens), ptr(cu_seqlens_q),
             np.int32(a.num_seqs), np.int32(a.num_tokens), np.int32(block_tables.shape[1]), np.int32(plan.bs_log2),
