@@ -3,17 +3,17 @@
     python3 benchmarks/bench_decode.py [--grid none|quick|full | --shapes 16x4096,...] [--variants v7]
         [--prefill 1024,4096] [--prefill-variants v8] [--no-gather] [--json PATH]
 
-Decode shape of issue 5: bfloat16, head_dim 128, 32 query / 8 KV heads,
+Decode shape (the kernel notes' grid): bfloat16, head_dim 128, 32 query / 8 KV heads,
 block size 16, block tables = random permutations of the pool. Timing: a
 CUDA graph holds R consecutive calls whose inputs rotate over R copies
 (R chosen so the copies exceed the 60 MB L2 several times), so neither Python
 launch overhead nor L2 hits flatter small shapes; each graph replay is timed
 with CUDA events after warm-up and we report the median per call. Bandwidth
 is K+V bytes read per call over time, also as a fraction of the 4.18 TB/s
-device-to-device copy (read + write) measured on the H200 (issue 5).
+device-to-device copy (read + write) measured on the H200.
 
-Rows: ``ours VARIANT`` (each kernel variant of ``cuda_attention.VARIANTS``
-asked for, with the planner's split-KV and, for v7, stage choice), ``ours sN`` (the variant, forced N
+Rows: ``ours VARIANT`` (each kernel variant asked for: the shipped ``cuda_attention.VARIANTS``
+and the benchmark-only ones of ``kernel_variants.py``, with the planner's split-KV and, for v7, stage choice), ``ours sN`` (the variant, forced N
 splits, to tune the planner; ``VARIANT sN`` when several variants are timed), ``fi-tc`` / ``fi-cc`` (FlashInfer's
 ``BatchDecodeWithPagedKVCacheWrapper`` with / without ``use_tensor_cores``),
 ``sdpa`` (torch SDPA, contiguous K/V, no paging: the ceiling), ``gather+sdpa``
@@ -87,7 +87,7 @@ def graph_time_us(make_call, copies: int, replays: int = 20) -> float:
         for c in calls:
             c()
     # Warm up for >= 50 ms of GPU time: short shapes otherwise run their first replays
-    # at idle clocks (run 3 saw the same config 10% slower when it was measured first).
+    # at idle clocks (a config measured first came out 10% slower).
     warm = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     spent_ms = 0.0
     while spent_ms < 50.0:
@@ -344,19 +344,22 @@ GRIDS = {
 
 
 def main() -> None:
+    import kernel_variants
     from kvpool.kernels.cuda_attention import DEFAULT_DECODE, DEFAULT_PREFILL
 
+    names = ",".join(kernel_variants.register())
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--grid", choices=sorted(GRIDS), default="quick")
     p.add_argument("--shapes", default="", help="decode shapes BxCTX to time instead of --grid, e.g. 16x4096,16x16384")
     p.add_argument("--splits", default="", help="comma-separated forced split counts to compare, e.g. 1,2,4")
     p.add_argument("--splits-batches", default="", help="time the forced splits only at these batch sizes (default: all)")
     p.add_argument("--variants", default=DEFAULT_DECODE,
-                   help="our decode kernel variants to time (kvpool.kernels.cuda_attention.VARIANTS; default: what decode runs)")
-    p.add_argument("--prefill-variants", default=DEFAULT_PREFILL, help="our prefill kernel variants to time (default: what prefill runs)")
+                   help=f"our decode kernel variants to time ({names}; default: what decode runs)")
+    p.add_argument("--prefill-variants", default=DEFAULT_PREFILL,
+                   help=f"our prefill kernel variants to time ({names}; default: what prefill runs)")
     p.add_argument("--no-gather", action="store_true", help="skip the gather-then-SDPA decode rows")
     p.add_argument("--sequential-tables", action="store_true",
-                   help="block tables in pool order instead of random permutations (a diagnostic, not issue 5's grid)")
+                   help="block tables in pool order instead of random permutations (a diagnostic, not the notes' grid)")
     p.add_argument("--no-flashinfer", action="store_true", help="skip FlashInfer even if it imports")
     p.add_argument("--prefill", default="1024,4096", help="prefill lengths ('' to skip)")
     p.add_argument("--json", default=None, help="write all rows here")

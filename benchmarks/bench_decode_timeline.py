@@ -2,7 +2,7 @@
 
     python3 benchmarks/bench_decode_timeline.py [--shapes 16x4096,16x16384,1x1024] [--calls 15] [--json PATH]
 
-For each shape (issue 5's decode: bfloat16, head_dim 128, 32 query / 8 KV heads, block
+For each shape (the notes' decode grid: bfloat16, head_dim 128, 32 query / 8 KV heads, block
 size 16, random block tables; ``bench_decode.decode_case``) this compiles the decode
 kernel with timestamps added to its source (``%globaltimer`` and ``%smid``, written by
 thread 0 of each CTA to a buffer) and runs ``--calls`` single calls, each after a
@@ -21,8 +21,8 @@ thread 0 of each CTA to a buffer) and runs ``--calls`` single calls, each after 
 The table shows the call with the median span. Then per SM: each SM's mean loop end over
 the even calls against the odd ones (a correlation near 1 means the spread between SMs
 is a property of the SMs, not chance), and the SMs split at the median into a fast and a
-slow half, with each half's mean loop end. ``NOTES-kernels.md`` (run 31) has what this
-found on the H200.
+slow half, with each half's mean loop end. ``NOTES-kernels.md`` has what this found on
+the H200.
 
 The instrumented kernel is what ``paged_decode_attention`` runs, plus the stores of the
 stamps; the script fails with the missing line's text if the kernel source no longer

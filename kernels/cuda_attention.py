@@ -31,7 +31,7 @@ import torch
 
 from . import cuda_tma
 from ._validate import AttentionArgs
-from .cuda_source_sm90 import WG_GROUPS, WG_KEYS, WG_STAGES
+from .cuda_source import WG_GROUPS, WG_KEYS, WG_STAGES
 from .cuda_runtime import THREADS, ptr
 
 TILE = 16  # keys per MMA step
@@ -40,13 +40,12 @@ CTAS_PER_SM = 3  # what the kernel's registers allow at most
 # Decode: the CTAs per SM that the split count is planned for. Two (the bandwidth of
 # the whole GPU already) even where shared memory would seat three: at B16 x 4k and
 # x 16k two splits were as fast as or faster than the three that filling three CTAs per
-# SM took (H200 runs 17, 23, 32, 34, 35: 73.4-73.6 vs 74.1-75.3 us at 4k, 251.1-255.7 vs
-# 253.7-259.6 at 16k).
+# SM took (benchmarks/NOTES-kernels.md).
 DECODE_SPLIT_CTAS_PER_SM = 2
 # Decode: most keys per CTA where the grid is longer than one wave. The last wave's
-# CTAs end apart by up to a CTA's length, with SMs idle meanwhile; halving 16k-key CTAs
-# took B256 x 16k from 3904.8-3920.3 to 3867.4-3885.8 us (runs 33-34; B64 x 16k
-# unchanged), while splitting 4k-key CTAs lost 2% (B256 x 4k, run 33).
+# CTAs end apart by up to a CTA's length, with SMs idle meanwhile: halving 16k-key CTAs
+# made B256 x 16k about 1% faster (B64 x 16k unchanged), while splitting 4k-key CTAs
+# lost 2% at B256 x 4k.
 DECODE_MAX_CTA_KEYS = 8192
 SM_SMEM = 228 * 1024  # shared memory per SM (H100 / H200), 1 KiB of it reserved per CTA
 SMEM_LIMIT = 227 * 1024  # per-CTA opt-in maximum on sm_80 / sm_90
@@ -89,17 +88,16 @@ DEDICATED = Pipeline(2, 64, dedicated=True, mtiles=0)
 # as many rows as mtiles=2 without its 255 registers and spill (see prefill_kernel).
 W8 = Pipeline(3, 64, dedicated=True, mtiles=1, warps=8)
 # Whether the planner (mtiles 0) may pick W8, and for which grids (in waves of one CTA
-# per SM). Measured on the H200 (NOTES-kernels.md, run 8; one bf16 sequence, 8 KV heads,
-# group 4, 132 SMs): at 1k tokens (2.0 waves) W8 took 65.1 us against 71.1 for 64 rows on
-# 4 warps and 90.3 for 128; at 4k (7.8 waves) it took 855 us against 712 for 128 rows on
-# 4 warps (two CTAs per SM hide each other's barriers better on a long grid). So W8 is
-# taken from W8_MIN_WAVES up to below W8_MAX_WAVES; where between 2 and 7.8 waves the
-# cross-over lies is not measured.
+# per SM). On the H200 (one bf16 sequence, 8 KV heads, group 4, 132 SMs;
+# benchmarks/NOTES-kernels.md) W8 beat both 4-warp tilings at 2 waves (1k tokens) and lost
+# to 128 rows on 4 warps at 7.8 waves (4k tokens): on a long grid two CTAs per SM hide
+# each other's barriers better. So W8 is taken from W8_MIN_WAVES up to below
+# W8_MAX_WAVES; where between 2 and 7.8 waves the cross-over lies is not measured.
 W8_AUTO = True
 W8_MIN_WAVES = 2
 W8_MAX_WAVES = 4
 # Prefill on warpgroup MMA (sm_90a, ``prefill_wg_kernel``; its shape is fixed in
-# cuda_source_sm90). Forced (mtiles 1), it runs whatever the grid; the planner's (mtiles 0)
+# cuda/paged_attention_sm90.cu). Forced (mtiles 1), it runs whatever the grid; the planner's (mtiles 0)
 # only where the query tiles alone give two CTAs per SM, else split-KV as in v7.
 WGMMA = Pipeline(WG_STAGES, WG_KEYS, dedicated=True, warps=4 * WG_GROUPS, wgmma=True)
 # Prefill where the dedicated kernel does not apply (float32, head_dim 256, forced splits,
@@ -107,26 +105,17 @@ WGMMA = Pipeline(WG_STAGES, WG_KEYS, dedicated=True, warps=4 * WG_GROUPS, wgmma=
 GENERIC_PREFILL = Pipeline(3, 16)
 
 
-# Kernel variants, (decode pipeline, prefill pipeline): what the planner runs ("v7")
-# and, forced, each choice it makes per shape, so that tests cover every path and one
-# GPU run can time them side by side (benchmarks/NOTES-kernels.md). "v5": 3-stage
-# decode rings, prefill on the split-KV kernel. "v6": 2-stage decode rings (three CTAs
-# per SM). "v7": decode stages per shape (``decode_stages``), prefill on the dedicated
-# kernel where it applies ("v7m1" / "v7m2": 64 / 128 rows per CTA forced; "v7w8": 8 warps
-# x 16 rows per CTA, 3-stage ring, Q in registers; "v7a": two splits merged by the arrival
-# counter, as before pairs, run 40). "v8": as v7, but prefill on warpgroup
-# MMA with TMA loads where the device has them (Hopper) and the grid fills it ("v8f":
-# whatever the grid); elsewhere v8 is v7.
+# Kernel variants, (decode pipeline, prefill pipeline), by name. "v7": decode stages per
+# shape (``decode_stages``), two splits as cluster pairs where the device has clusters,
+# prefill on the dedicated kernel where it applies (``plan_dedicated`` picks its rows per
+# CTA) and on the split-KV kernel elsewhere. "v8": as v7, but prefill on warpgroup MMA
+# with TMA loads where the device has them (Hopper) and the grid fills it; elsewhere v8 is
+# v7. Only what the defaults run ships here; benchmarks/kernel_variants.py registers the
+# candidates and forced choices that bench_decode.py --variants and the tests time and
+# check side by side.
 VARIANTS: dict[str, tuple[Pipeline, Pipeline]] = {
-    "v5": (Pipeline(3, 16, True), GENERIC_PREFILL),
-    "v6": (Pipeline(2, 16, True), GENERIC_PREFILL),
     "v7": (AUTO_DECODE, DEDICATED),
-    "v7m1": (AUTO_DECODE, Pipeline(2, 64, dedicated=True, mtiles=1)),
-    "v7m2": (AUTO_DECODE, Pipeline(2, 64, dedicated=True, mtiles=2)),
-    "v7w8": (AUTO_DECODE, W8),
-    "v7a": (replace(AUTO_DECODE, pair=False), DEDICATED),
     "v8": (AUTO_DECODE, replace(WGMMA, mtiles=0)),
-    "v8f": (AUTO_DECODE, WGMMA),
 }
 # What `variant=None` runs, per mode.
 DEFAULT_DECODE = "v7"
@@ -223,15 +212,13 @@ def pipeline_for(variant: str | None, prefill: bool, dt: int, head_dim: int) -> 
 def decode_stages(ctas: int, max_kv: int, num_sms: int) -> int:
     """Stages per decode ring when the variant leaves it to the planner (``stages == 0``).
 
-    3 stages (96 KiB: two CTAs per SM) keep the most bytes in flight per warp and won
-    everywhere in run 5 except where (sequences x KV heads) is about one CTA per SM and
-    the contexts are long (B16 at 4k and 16k): there 2 stages (three CTAs per SM, one
-    split more) finished 2% sooner, while they lost 3-15% from B64 up and at B1. Runs
-    23-24 tried 4 stages (one unsplit CTA per SM) at B16 x 4k: 72.4-74.4 us against
-    73.4-75.2 for this rule, inside the spread between runs, so the rule stayed. Since
-    run 35 the split count is planned for two CTAs per SM whatever fits
-    (``DECODE_SPLIT_CTAS_PER_SM``): at B16 with 2 splits, 2 stages took 70.9-71.5 us at 4k
-    and 247.2-250.2 at 16k against 72.4-72.8 and 253.3-257.3 with 3 (run 39).
+    3 stages (96 KiB: two CTAs per SM) keep the most bytes in flight per warp and are
+    fastest except where (sequences x KV heads) is about one CTA per SM and the contexts
+    are long (B16 at 4k and 16k): there 2 stages finish about 2% sooner, while they lose
+    3-15% from B64 up and at B1. The split count is planned for two CTAs per SM whatever
+    fits (``DECODE_SPLIT_CTAS_PER_SM``), and with two splits at B16 two stages still beat
+    three. 4 stages (one unsplit CTA per SM) at B16 x 4k were no faster than this rule
+    (within the spread between runs). Figures: benchmarks/NOTES-kernels.md.
     """
     return 2 if num_sms // 2 <= ctas < 2 * num_sms and max_kv >= 4096 else 3
 
@@ -356,9 +343,9 @@ def plan_attention(
             planned = num_sms * max(1, min(DECODE_SPLIT_CTAS_PER_SM, slots // num_sms))
             num_splits = choose_splits(ctas, tiles, warps_kv, planned)
             # Where one CTA per SM already takes 8 or more splits (small batches), stop
-            # there: run 6 timed B1 x 4k at 13.4 us with 16 splits (one per SM) against
-            # 14.7 with 32 (two per SM); the second CTA per SM costs more partials to merge
-            # than it gains (B1 x 1k and 16k: equal). Larger batches keep the full wave.
+            # there: the second CTA per SM costs more partials to merge than it gains (B1 x
+            # 4k about 10% slower with two per SM; B1 x 1k and 16k equal). Larger batches
+            # keep the full wave.
             one_per_sm = choose_splits(ctas, tiles, warps_kv, num_sms)
             if one_per_sm >= 8:
                 num_splits = one_per_sm

@@ -7,9 +7,11 @@ captured in a ``torch.cuda.CUDAGraph`` (compile and first launch happen
 before capture, in a warm-up call, as with any lazily compiled kernel).
 
 A launcher is anything with ``launch(module_key, name, device, grid, args,
-smem)``; ``CupyLauncher`` is the real one, ``cuda_emulator.EmulatorLauncher``
-runs the same CUDA source on the CPU for tests. Kernel arguments are NumPy
-scalars whose dtype fixes their C type (pointers are ``np.uint64``).
+smem)``; ``CupyLauncher`` is the real one; the tests' ``EmulatorLauncher``
+(``tests/kernels/support/cuda_emulator.py``) runs the same CUDA source on the
+CPU. Kernel arguments are NumPy scalars whose dtype fixes their C type
+(pointers are ``np.uint64``). The source is package data (``cuda/*.cu``,
+read by ``cuda_source``).
 """
 
 from __future__ import annotations
@@ -20,8 +22,12 @@ import warnings
 import numpy as np
 import torch
 
-from .cuda_source import SOURCE
-from .cuda_source_sm90 import SOURCE_SM90, WG_GROUPS
+from . import cuda_source
+from .cuda_source import WG_GROUPS
+
+# The kernels' CUDA C++ (package data: cuda/*.cu), read once at import.
+SOURCE = cuda_source.read(cuda_source.PAGED_ATTENTION)
+SOURCE_SM90 = cuda_source.read_sm90()
 
 THREADS = 128
 SMEM_OPT_IN = 227 * 1024  # largest dynamic shared memory a CTA may use on sm_80 / sm_90
@@ -116,7 +122,7 @@ def compile_sm90a(source: str, names: dict[str, str]) -> dict[str, Sm90aKernel]:
     from cupy.cuda import function
     from cupy_backends.cuda.libs import nvrtc
 
-    prog = nvrtc.createProgram(source, "kvpool_sm90a.cu", (), ())
+    prog = nvrtc.createProgram(source, "kvpool_sm90a.cu", (), ())  # #line directives name the files
     try:
         for expr in names.values():
             nvrtc.addNameExpression(prog, expr)

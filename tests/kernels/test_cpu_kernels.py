@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from kvpool.kernels import cpu_attention, paged_decode_attention, paged_prefill_attention, write_kv
-from kvpool.kernels import reference as ref
-from kvpool.kernels.testing import assert_matches_reference, make_case, poisoned
+from tests.kernels.support import reference as ref
+from tests.kernels.support.testing import assert_matches_reference, make_case, poisoned
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 

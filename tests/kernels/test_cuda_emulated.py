@@ -1,4 +1,4 @@
-"""The CUDA kernels' source, run lane by lane on the CPU (``kvpool.kernels.cuda_emulator``).
+"""The CUDA kernels' source, run lane by lane on the CPU (``tests/kernels/support/cuda_emulator.py``).
 
 This checks the GPU kernels' logic in CI, where there is no GPU: MMA
 fragment layouts, the V operand's dim permutation, causal masks, split-KV
@@ -11,10 +11,11 @@ import random
 import pytest
 import torch
 
-from kvpool.kernels import cuda_attention, cuda_emulator, cuda_write_kv
-from kvpool.kernels import reference as ref
+from kvpool.kernels import cuda_attention, cuda_write_kv
 from kvpool.kernels._validate import check_attention, check_write_kv
-from kvpool.kernels.testing import assert_matches_reference, make_case, poisoned
+from tests.kernels.support import reference as ref
+from tests.kernels.support import cuda_emulator, variants
+from tests.kernels.support.testing import assert_matches_reference, make_case, poisoned
 
 pytestmark = pytest.mark.skipif(not cuda_emulator.available(), reason="needs g++ for the CUDA emulator")
 
@@ -39,10 +40,7 @@ CONFIGS = [
 ]
 
 
-VARIANTS = sorted(cuda_attention.VARIANTS)
-# variants that differ in their decode / prefill pipeline (v7m1 / v7m2 / v7w8 decode exactly like v7)
-DECODE_VARIANTS = sorted({cuda_attention.VARIANTS[v][0]: v for v in reversed(VARIANTS)}.values())
-PREFILL_VARIANTS = sorted({cuda_attention.VARIANTS[v][1]: v for v in reversed(VARIANTS)}.values())
+DECODE_VARIANTS, PREFILL_VARIANTS = variants.DECODE, variants.PREFILL  # shipped and benchmark-only
 
 
 def _run(launcher, case, q, cu, num_splits, max_seq_len=None, variant=None):
@@ -148,13 +146,13 @@ def test_warpgroup_prefill_launch_matches_its_launch_bounds():
     """The host launches the warpgroup-MMA prefill with the threads its source was compiled
     for: the consumer warpgroups plus the producer warpgroup (setmaxnreg needs whole
     warpgroups). Fewer threads would leave a consumer warpgroup or the producer out."""
-    from kvpool.kernels import cuda_runtime, cuda_source_sm90
+    from kvpool.kernels import cuda_runtime, cuda_source
 
-    assert "__launch_bounds__(128 * (WG_GROUPS + 1), 1) prefill_wg_kernel" in cuda_source_sm90.SOURCE_SM90
+    assert "__launch_bounds__(128 * (WG_GROUPS + 1), 1) prefill_wg_kernel" in cuda_runtime.SOURCE_SM90
     key = ("prefill_wg", 2, 128)
-    assert cuda_runtime.block_threads(key) == 128 * (cuda_source_sm90.WG_GROUPS + 1)
+    assert cuda_runtime.block_threads(key) == 128 * (cuda_source.WG_GROUPS + 1)
     assert cuda_runtime.module_kernels(key) == {"attention": "prefill_wg_kernel<2,128>"}
-    assert cuda_attention.WGMMA.warps * 32 == 128 * cuda_source_sm90.WG_GROUPS  # rows = consumer warps x 16
+    assert cuda_attention.WGMMA.warps * 32 == 128 * cuda_source.WG_GROUPS  # rows = consumer warps x 16
 
 
 def test_planner_takes_warpgroup_mma_on_hopper_only():

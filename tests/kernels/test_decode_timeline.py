@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.kernels import cuda_source
+from kvpool.kernels import cuda_runtime
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 timeline = importlib.import_module("bench_decode_timeline")
 
 
 def test_instrumentation_finds_every_line_it_stamps():
-    src = timeline.instrumented(cuda_source.SOURCE, 0x7F0000000000)
+    src = timeline.instrumented(cuda_runtime.SOURCE, 0x7F0000000000)
     assert src.startswith("#define STAMP_ADDR 139637976727552ULL\n")
     # once each, but for the ends of the epilogue (split merge by counter; pair split 1; pair
     # split 0) and of the merge (by counter; in a pair)
@@ -23,13 +23,13 @@ def test_instrumentation_finds_every_line_it_stamps():
         assert src.count(f"STAMP[{slot}] =") == n
     # nothing else changes: the source is the shipped one plus the stamps
     stripped = src.split("\n", 2)[2]
-    assert stripped.count("paged_attention_kernel(") == cuda_source.SOURCE.count("paged_attention_kernel(")
-    assert len(stripped) > len(cuda_source.SOURCE)
+    assert stripped.count("paged_attention_kernel(") == cuda_runtime.SOURCE.count("paged_attention_kernel(")
+    assert len(stripped) > len(cuda_runtime.SOURCE)
 
 
 def test_instrumentation_refuses_a_source_without_its_lines():
     with pytest.raises(SystemExit, match="exactly one"):
-        timeline.instrumented(cuda_source.SOURCE.replace("// the rings are free: reuse them", "// changed"), 1)
+        timeline.instrumented(cuda_runtime.SOURCE.replace("// the rings are free: reuse them", "// changed"), 1)
 
 
 def _call(slow_sms, jitter, t0=10_000):

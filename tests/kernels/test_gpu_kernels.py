@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from kvpool.kernels import cuda_attention, paged_decode_attention, paged_prefill_attention, write_kv
-from kvpool.kernels import reference as ref
 from kvpool.kernels._validate import check_attention
-from kvpool.kernels.testing import assert_matches_reference, make_case, poisoned
+from tests.kernels.support import reference as ref
+from tests.kernels.support import variants
+from tests.kernels.support.testing import assert_matches_reference, make_case, poisoned
 
 pytestmark = [
     pytest.mark.gpu,
@@ -21,10 +22,7 @@ pytestmark = [
 ]
 DEV = "cuda"
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
-VARIANTS = sorted(cuda_attention.VARIANTS)  # every kernel variant the benchmark may time
-# variants that differ in their decode / prefill pipeline (v7m1 / v7m2 / v7w8 decode exactly like v7)
-DECODE_VARIANTS = sorted({cuda_attention.VARIANTS[v][0]: v for v in reversed(VARIANTS)}.values())
-PREFILL_VARIANTS = sorted({cuda_attention.VARIANTS[v][1]: v for v in reversed(VARIANTS)}.values())
+DECODE_VARIANTS, PREFILL_VARIANTS = variants.DECODE, variants.PREFILL  # shipped and benchmark-only
 
 
 def _attend(variant, q, case, cu=None, scale=None, out=None):

@@ -2,8 +2,8 @@
 
 import torch
 
-from kvpool.kernels import reference as ref
-from kvpool.kernels.testing import make_case
+from tests.kernels.support import reference as ref
+from tests.kernels.support.testing import make_case
 
 
 def _sdpa_one(q, k, v, scale, pos):

@@ -2,13 +2,14 @@
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from kvpool.kernels import paged_decode_attention, paged_prefill_attention, write_kv
 from kvpool.kernels._validate import check_attention
-from kvpool.kernels.testing import make_case
+from tests.kernels.support.testing import make_case
 
 
 @pytest.fixture
@@ -137,10 +138,10 @@ def test_cpu_path_never_imports_cupy_or_numba_cuda():
     code = (
         "import sys, torch\n"
         "from kvpool.kernels import paged_decode_attention\n"
-        "from kvpool.kernels.testing import make_case\n"
+        "from tests.kernels.support.testing import make_case\n"
         "c = make_case([3], num_kv_heads=1, block_size=8, head_dim=64)\n"
         "paged_decode_attention(torch.randn(1, 1, 64), c.k_cache, c.v_cache, c.block_tables, c.seq_lens)\n"
         "bad = [m for m in sys.modules if m.startswith(('cupy', 'numba.cuda'))]\n"
         "assert not bad, bad\n"
     )
-    subprocess.run([sys.executable, "-c", code], check=True)
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])  # for tests.*

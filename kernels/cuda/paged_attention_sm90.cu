@@ -1,86 +1,29 @@
-"""CUDA C++ source of the Hopper prefill kernel (sm_90a: warpgroup MMA).
+// CUDA C++ source of the Hopper prefill kernel (sm_90a: warpgroup MMA), compiled appended
+// to paged_attention.cu (cuda_runtime.compile_sm90a).
+//
+// prefill_wg_kernel<DT, D> computes what prefill_kernel in paged_attention.cu computes
+// (same arguments, same rows, same causal rule), but on Hopper's asynchronous warpgroup
+// MMA (wgmma.mma_async) instead of mma.sync: a warpgroup (4 warps, 128 threads) multiplies
+// a 64-row tile in one instruction per 16-wide k-step, reading its operands straight from
+// shared memory through matrix descriptors, so no lane spends instructions or registers
+// loading fragments. SDPA (FlashAttention-3 / cuDNN class) runs at about half of the
+// H200's dense peak this way; the mma.sync prefill stops near a fifth
+// (benchmarks/NOTES-kernels.md).
+//
+// Layout: every tile (Q, K, V) is stored as 128-byte panels of 64 head dims, rows 128
+// bytes apart, with the hardware's 128-byte swizzle (16-byte chunk c of row r at chunk
+// c ^ (r % 8)), so that one descriptor per k-step describes it. S = Q K^T reads Q and K
+// "K-major" (head dims contiguous); O += P V takes P from registers (the S accumulators
+// re-packed to 16 bits, the layout that mma.sync uses too) and V "MN-major" (transposed by
+// the MMA unit itself). K and V arrive by TMA (the copy engine), one box per pool block,
+// through a 3-stage ring that a producer warpgroup of its own keeps full
+// (FlashAttention-3's warp specialization, registers moved to the MMA warpgroups by
+// setmaxnreg); cuda_tma.py makes the tensor maps of the pool that the kernel reads. Q
+// arrives once, by cp.async.
+//
+// Compiled only for sm_90a: wgmma exists on no other architecture, so the planner uses
+// this kernel only on a device of compute capability 9.0.
 
-``prefill_wg_kernel<DT, D>`` computes what ``prefill_kernel`` in
-``cuda_source`` computes (same arguments, same rows, same causal rule), but on
-Hopper's asynchronous warpgroup MMA (``wgmma.mma_async``) instead of
-``mma.sync``: a warpgroup (4 warps, 128 threads) multiplies a 64-row tile in
-one instruction per 16-wide k-step, reading its operands straight from shared
-memory through matrix descriptors, so no lane spends instructions or
-registers loading fragments. SDPA (FlashAttention-3 / cuDNN class) runs at
-about half of the H200's dense peak this way; our ``mma.sync`` prefill
-stopped near a fifth (NOTES-kernels.md, runs 7-16).
-
-Layout: every tile (Q, K, V) is stored as 128-byte panels of 64 head dims,
-rows 128 bytes apart, with the hardware's 128-byte swizzle (16-byte chunk c
-of row r at chunk c ^ (r % 8)), so that one descriptor per k-step describes
-it. S = Q K^T reads Q and K "K-major" (head dims contiguous); O += P V takes
-P from registers (the S accumulators re-packed to 16 bits, the layout that
-``mma.sync`` uses too) and V "MN-major" (transposed by the MMA unit itself).
-K and V arrive by TMA (the copy engine), one box per pool block, through a
-3-stage ring that a producer warpgroup of its own keeps full (FlashAttention-3's
-warp specialization, registers moved to the MMA warpgroups by ``setmaxnreg``);
-``cuda_tma`` makes the tensor maps of the pool that the kernel reads. Q arrives
-once, by ``cp.async``.
-
-Compiled only for sm_90a (``cuda_runtime.compile_sm90a``): ``wgmma`` exists
-on no other architecture, so the planner uses this kernel only on a device
-of compute capability 9.0.
-"""
-
-from __future__ import annotations
-
-# The kernel's fixed shape: MMA (consumer) warpgroups per CTA, keys per tile, ring stages (the source's
-# constants of the same names; checked at import below).
-WG_GROUPS, WG_KEYS, WG_STAGES = 2, 128, 3
-
-
-def _operands(n: int, first: int = 0) -> str:
-    return ", ".join(f"%{first + i}" for i in range(n))
-
-
-def _wgmma_wrappers() -> str:
-    """One ``Wg<N, DT>`` per (N, type): ``ss`` (A and B from shared memory,
-    S = Q K^T; ``ss0`` its first k-step, D = A B) and ``rs`` (A from registers, B
-    transposed: O += P V)."""
-    out = []
-    for dt, ab in ((1, "f16"), (2, "bf16")):
-        for n in (64, 128):
-            regs = n // 2
-            outs = _operands(regs)
-            acc = ", ".join(f'"+f"(d[{i}])' for i in range(regs))
-            ss = (
-                f'        asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{regs + 2}, 0;\\n"\n'
-                f'            "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ab}.{ab} {{{outs}}}, %{regs}, %{regs + 1}, p, 1, 1, 0, 0;\\n}}\\n"\n'
-                f'            : {acc}\n'
-                f'            : "l"(a), "l"(b), "r"(accumulate));\n'
-            )
-            # The first k-step of a fresh S: D is only written ("=f"), so that S is not live
-            # (for the compiler) between one tile's softmax and the next tile's S.
-            ss0 = (
-                f'        asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{regs + 2}, 0;\\n"\n'
-                f'            "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ab}.{ab} {{{outs}}}, %{regs}, %{regs + 1}, p, 1, 1, 0, 0;\\n}}\\n"\n'
-                f'            : {acc.replace("+f", "=f")}\n'
-                f'            : "l"(a), "l"(b), "r"(0));\n'
-            )
-            rs = (
-                f'        asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{regs + 5}, 0;\\n"\n'
-                f'            "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ab}.{ab} {{{outs}}}, '
-                f'{{%{regs}, %{regs + 1}, %{regs + 2}, %{regs + 3}}}, %{regs + 4}, p, 1, 1, 1;\\n}}\\n"\n'
-                f'            : {acc}\n'
-                f'            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(b), "r"(1));\n'
-            )
-            out.append(
-                f"template <> struct Wg<{n}, {dt}> {{\n"
-                f"    static __device__ __forceinline__ void ss(float (&d)[{regs}], u64 a, u64 b, int accumulate) {{\n{ss}    }}\n"
-                f"    static __device__ __forceinline__ void ss0(float (&d)[{regs}], u64 a, u64 b) {{\n{ss0}    }}\n"
-                f"    static __device__ __forceinline__ void rs(float (&d)[{regs}], u32 a0, u32 a1, u32 a2, u32 a3, u64 b) {{\n{rs}    }}\n"
-                "};\n"
-            )
-    return "".join(out)
-
-
-SOURCE_SM90 = (
-    r"""
 typedef unsigned long long u64;
 
 // ---- Warpgroup MMA primitives (sm_90a) ----
@@ -139,9 +82,58 @@ template <int N> __device__ __forceinline__ void setmaxnreg_dec() { asm volatile
 template <int N> __device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(N)); }
 
 template <int N, int DT> struct Wg;
-"""
-    + _wgmma_wrappers()
-    + r"""
+// One Wg<N, DT> per (N, type): ss (A and B from shared memory, S = Q K^T; ss0 its first
+// k-step, D = A B, with D only written so that S is not live between one tile's softmax
+// and the next tile's S) and rs (A from registers, B transposed: O += P V). Written out
+// per N because inline PTX names every accumulator register (AB: the PTX type of A and B);
+// tests/kernels/test_cuda_source.py generates this text again and checks it.
+#define KVPOOL_WG_64(DT, AB) \
+template <> struct Wg<64, DT> { \
+    static __device__ __forceinline__ void ss(float (&d)[32], u64 a, u64 b, int accumulate) { \
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n" \
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32." AB "." AB " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n" \
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]) \
+            : "l"(a), "l"(b), "r"(accumulate)); \
+    } \
+    static __device__ __forceinline__ void ss0(float (&d)[32], u64 a, u64 b) { \
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n" \
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32." AB "." AB " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n" \
+            : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]), "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]), "=f"(d[14]), "=f"(d[15]), "=f"(d[16]), "=f"(d[17]), "=f"(d[18]), "=f"(d[19]), "=f"(d[20]), "=f"(d[21]), "=f"(d[22]), "=f"(d[23]), "=f"(d[24]), "=f"(d[25]), "=f"(d[26]), "=f"(d[27]), "=f"(d[28]), "=f"(d[29]), "=f"(d[30]), "=f"(d[31]) \
+            : "l"(a), "l"(b), "r"(0)); \
+    } \
+    static __device__ __forceinline__ void rs(float (&d)[32], u32 a0, u32 a1, u32 a2, u32 a3, u64 b) { \
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n" \
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32." AB "." AB " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n" \
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]) \
+            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(b), "r"(1)); \
+    } \
+};
+#define KVPOOL_WG_128(DT, AB) \
+template <> struct Wg<128, DT> { \
+    static __device__ __forceinline__ void ss(float (&d)[64], u64 a, u64 b, int accumulate) { \
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n" \
+            "wgmma.mma_async.sync.aligned.m64n128k16.f32." AB "." AB " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n" \
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]) \
+            : "l"(a), "l"(b), "r"(accumulate)); \
+    } \
+    static __device__ __forceinline__ void ss0(float (&d)[64], u64 a, u64 b) { \
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n" \
+            "wgmma.mma_async.sync.aligned.m64n128k16.f32." AB "." AB " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n" \
+            : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]), "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]), "=f"(d[14]), "=f"(d[15]), "=f"(d[16]), "=f"(d[17]), "=f"(d[18]), "=f"(d[19]), "=f"(d[20]), "=f"(d[21]), "=f"(d[22]), "=f"(d[23]), "=f"(d[24]), "=f"(d[25]), "=f"(d[26]), "=f"(d[27]), "=f"(d[28]), "=f"(d[29]), "=f"(d[30]), "=f"(d[31]), "=f"(d[32]), "=f"(d[33]), "=f"(d[34]), "=f"(d[35]), "=f"(d[36]), "=f"(d[37]), "=f"(d[38]), "=f"(d[39]), "=f"(d[40]), "=f"(d[41]), "=f"(d[42]), "=f"(d[43]), "=f"(d[44]), "=f"(d[45]), "=f"(d[46]), "=f"(d[47]), "=f"(d[48]), "=f"(d[49]), "=f"(d[50]), "=f"(d[51]), "=f"(d[52]), "=f"(d[53]), "=f"(d[54]), "=f"(d[55]), "=f"(d[56]), "=f"(d[57]), "=f"(d[58]), "=f"(d[59]), "=f"(d[60]), "=f"(d[61]), "=f"(d[62]), "=f"(d[63]) \
+            : "l"(a), "l"(b), "r"(0)); \
+    } \
+    static __device__ __forceinline__ void rs(float (&d)[64], u32 a0, u32 a1, u32 a2, u32 a3, u64 b) { \
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n" \
+            "wgmma.mma_async.sync.aligned.m64n128k16.f32." AB "." AB " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n" \
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]) \
+            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(b), "r"(1)); \
+    } \
+};
+KVPOOL_WG_64(1, "f16")
+KVPOOL_WG_64(2, "bf16")
+KVPOOL_WG_128(1, "f16")
+KVPOOL_WG_128(2, "bf16")
+
 // Byte offset of 16-byte chunk c of row r in a tile of 128-byte panels (panel_bytes each).
 __device__ __forceinline__ int sw128(int r, int c, int panel_bytes) {
     return (c >> 3) * panel_bytes + r * 128 + (((c & 7) ^ (r & 7)) << 4);
@@ -161,23 +153,22 @@ __device__ __forceinline__ int sw128(int r, int c, int panel_bytes) {
 //   MMA descriptors read. A block id past the sequence or out of range becomes num_blocks,
 //   a coordinate outside the map: zeros. Its other warps only hand their registers over
 //   (setmaxnreg: 40 per producer thread, 232 per consumer thread, FlashAttention-3's split of
-//   the register file). Run 18 (NOTES-kernels.md): 4k tokens in 317-323 us against 412-422
-//   with the producer as the first warp of a consumer warpgroup, whose warpgroup's MMAs then
-//   waited for it every tile.
+//   the register file). About a quarter faster at 4k tokens than the producer as the first
+//   warp of a consumer warpgroup, whose warpgroup's MMAs then waited for it every tile.
 // * Ping-pong (two warpgroups): named barriers make the warpgroups take turns issuing their
 //   MMAs, so one warpgroup's softmax runs while the other's MMAs keep the tensor cores busy.
 // * A warpgroup issues tile k - 1's O += P V and then tile k's S = Q K^T as one group and
 //   waits once. Issuing S first and running the softmax beside P V (FlashAttention-3's
-//   intra-warpgroup overlap) was slower on the H200: 8% in run 14, 42% in run 19 with the
-//   producer warpgroup, where the two accumulators and P live at once and spill
-//   (NOTES-kernels.md). One wait also frees tile k - 1 before the softmax.
+//   intra-warpgroup overlap) was slower on the H200, much slower with the producer
+//   warpgroup, where the two accumulators and P live at once and spill
+//   (benchmarks/NOTES-kernels.md). One wait also frees tile k - 1 before the softmax.
 // A warpgroup whose rows end before a tile skips its MMAs (uniform over the warpgroup, as
 // wgmma requires) but keeps taking part in the barriers.
 //
-// Shape (H200, NOTES-kernels.md runs 9-18): 2 consumer warpgroups (128 rows), 128-key tiles,
-// 3 stages (225 KiB of shared memory, one CTA per SM). One warpgroup per CTA, 64- or 96-key
-// tiles, 4-5 stages and no ping-pong were all slower (measured with the producer inside a
-// consumer warpgroup, runs 13-14).
+// Shape (measured on the H200, benchmarks/NOTES-kernels.md): 2 consumer warpgroups (128
+// rows), 128-key tiles, 3 stages (225 KiB of shared memory, one CTA per SM). One warpgroup
+// per CTA, 64- or 96-key tiles, 4-5 stages and no ping-pong were all slower (measured with
+// the producer inside a consumer warpgroup).
 constexpr int WG_GROUPS = 2, WG_KEYS = 128, WG_STAGES = 3;
 
 template <int DT, int D>
@@ -425,6 +416,3 @@ __global__ void __launch_bounds__(128 * (WG_GROUPS + 1), 1) prefill_wg_kernel(
         store_prefill_row<DT, D>(out, pt, group, num_kv_heads * group, 64 * wg + 16 * wl + g + 8 * i, l_run[i], t4,
                                  [&](int n, int j) { return o[4 * n + 2 * i + j]; });
 }
-"""
-)
-assert f"constexpr int WG_GROUPS = {WG_GROUPS}, WG_KEYS = {WG_KEYS}, WG_STAGES = {WG_STAGES};" in SOURCE_SM90

@@ -3,7 +3,7 @@
 The GPU kernels depend on index arithmetic that is easy to get subtly wrong
 (MMA fragment layouts, the dim permutation of the V operand, split-KV
 bookkeeping) and GPU time is scarce; CI has no GPU at all. This module
-compiles ``cuda_source.SOURCE`` with the host C++ compiler, replacing only
+compiles ``kvpool/kernels/cuda/paged_attention.cu`` with the host C++ compiler, replacing only
 the region between ``BEGIN PRIMITIVES`` and ``END PRIMITIVES`` (inline PTX:
 16-byte loads, float→16-bit conversions, ``mma.sync``) with host code that
 implements the PTX ISA's definitions, and runs each CTA's threads (128, or 256 for
@@ -31,8 +31,11 @@ import threading
 import numpy as np
 import torch
 
-from .cuda_runtime import block_threads, cluster_z, module_kernels
-from .cuda_source import SOURCE
+from kvpool.kernels import cuda_source
+from kvpool.kernels.cuda_runtime import block_threads, cluster_z, module_kernels
+
+# The kernels' source as shipped, behind its ``#line 1 "paged_attention.cu"`` directive.
+SOURCE = cuda_source.read(cuda_source.PAGED_ATTENTION)
 
 _PRELUDE = r"""
 #include <cstdint>
@@ -377,8 +380,15 @@ def _params(kind: str, dt: int) -> list[tuple[str, str]]:
 
 def _emulated_source(module_key: tuple) -> tuple[str, dict[str, str]]:
     begin, end = SOURCE.index("// BEGIN PRIMITIVES"), SOURCE.index("// END PRIMITIVES")
-    kernel_src = SOURCE[:begin] + _PRIMITIVES + SOURCE[end:]
-    parts = [_PRELUDE, kernel_src, _LAUNCH]
+    # g++ reports the kernel source's own file and line numbers: the host primitives under
+    # a name of their own, the rest of the file from the line of its END PRIMITIVES.
+    end_line = SOURCE.count("\n", 0, end)  # the directive in front is line 0
+    kernel_src = (
+        SOURCE[:begin]
+        + f'#line 1 "cuda_emulator.py:_PRIMITIVES"\n{_PRIMITIVES}'
+        + f'#line {end_line} "{cuda_source.PAGED_ATTENTION}"\n{SOURCE[end:]}'
+    )
+    parts = [_PRELUDE, kernel_src, '#line 1 "cuda_emulator.py:_LAUNCH"\n' + _LAUNCH]
     symbols = {}
     dt = module_key[1] if module_key[0] in ("attention", "prefill") else 0
     for short, expr in module_kernels(module_key).items():

@@ -1,0 +1,42 @@
+"""Kernel variants that only benchmarks and tests run, registered into the planner's table.
+
+``kvpool.kernels.cuda_attention.VARIANTS`` ships what the defaults run (``v7`` decode, ``v8``
+prefill). The variants here are earlier pipelines and the planner's per-shape choices
+forced whatever the shape, so that one GPU run can time them side by side
+(``bench_decode.py --variants`` / ``--prefill-variants``, results in NOTES-kernels.md) and
+the tests run every kernel path the planner may pick on small shapes too. They need no
+kernel source of their own: each is a template instance of the shipped kernels.
+
+* ``v5``: 3-stage decode rings, prefill on the split-KV kernel.
+* ``v6``: 2-stage decode rings (three CTAs per SM), prefill on the split-KV kernel.
+* ``v7m1`` / ``v7m2``: v7 with 64 / 128 prefill rows per CTA on 4 warps, forced.
+* ``v7w8``: v7 with 8 warps x 16 prefill rows per CTA (3-stage ring, Q in registers), forced.
+* ``v7a``: v7 with two splits merged by the arrival counter instead of as a cluster pair.
+* ``v8f``: v8 with the warpgroup-MMA prefill whatever the grid (where the device has it).
+
+    import kernel_variants; kernel_variants.register()   # benchmarks/ on sys.path
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from kvpool.kernels import cuda_attention as ca
+
+EXTRA: dict[str, tuple[ca.Pipeline, ca.Pipeline]] = {
+    "v5": (ca.Pipeline(3, 16, True), ca.GENERIC_PREFILL),
+    "v6": (ca.Pipeline(2, 16, True), ca.GENERIC_PREFILL),
+    "v7m1": (ca.AUTO_DECODE, ca.Pipeline(2, 64, dedicated=True, mtiles=1)),
+    "v7m2": (ca.AUTO_DECODE, ca.Pipeline(2, 64, dedicated=True, mtiles=2)),
+    "v7w8": (ca.AUTO_DECODE, ca.W8),
+    "v7a": (replace(ca.AUTO_DECODE, pair=False), ca.DEDICATED),
+    "v8f": (ca.AUTO_DECODE, ca.WGMMA),
+}
+
+
+def register() -> list[str]:
+    """Adds ``EXTRA`` to ``cuda_attention.VARIANTS`` (idempotent); returns every variant name."""
+    for name, pipes in EXTRA.items():
+        if ca.VARIANTS.setdefault(name, pipes) != pipes:
+            raise ValueError(f"kernel variant {name!r} is already registered with other pipelines")
+    return sorted(ca.VARIANTS)
