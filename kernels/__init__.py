@@ -12,8 +12,9 @@ on first use (CuPy is imported only then). On Hopper (compute capability 9.0),
 prefill runs a warpgroup-MMA kernel compiled for sm_90a that loads K/V by TMA;
 its tensor maps of the pool are made at a view's first prefill call and cached,
 so a prefill captured in a CUDA graph should follow one warm-up call on the same
-pool view (otherwise that capture uses the ``mma.sync`` kernel). ``reference``
-holds the float64 definitions the kernels are tested against.
+pool view (otherwise that capture uses the ``mma.sync`` kernel). The CUDA C++
+sources ship as package data (``cuda/*.cu``); the float64 definitions the kernels
+are tested against live with the tests (``tests/kernels/support/reference.py``).
 
 * ``paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale, out, max_seq_len)``
 * ``paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, *, scale, out, max_seq_len)``
