@@ -171,7 +171,8 @@ _ATTACH_CHILD = """
 import json, statistics, sys, time
 t0 = time.perf_counter()
 import torch
-from kvpoold.memory import ArenaDescriptor, open_arena
+from kvpool.ipc import open_arena
+from kvpool.protocol import ArenaDescriptor
 d = {k: bytes.fromhex(v[4:]) if isinstance(v, str) and v.startswith("hex:") else v
      for k, v in json.loads(sys.argv[1]).items()}
 desc = ArenaDescriptor(**d)

@@ -39,7 +39,7 @@ BATCH = 256
 
 def worker(socket: str, iters: int, decode_steps: int, barrier, out_q) -> None:
     import kvpool
-    from kvpool._generated import kvpool_pb2 as pb
+    from kvpool.protocol import kvpool_pb2 as pb
 
     layout = kvpool.Layout(**LAYOUT_ARGS)
     with kvpool.connect(socket, name=f"bench-{os.getpid()}", layout=layout) as c:

@@ -40,7 +40,7 @@ RPCS_PER_ROUND, OPS_PER_ROUND = 9, 160
 
 def worker(socket: str, rounds: int, seed: int, progress, barrier, out_q) -> None:
     import kvpool
-    from kvpool._generated import kvpool_pb2 as pb
+    from kvpool.protocol import kvpool_pb2 as pb
 
     rng = np.random.default_rng(seed)
     layout = kvpool.Layout(**LAYOUT_ARGS)

@@ -21,11 +21,12 @@ from typing import Iterable, Mapping, Sequence as Seq
 
 import numpy as np
 
-from ._generated import kvpool_pb2 as pb
-from ._wire import I32, I64, U32, unpack
 from .connection import Connection
 from .errors import FailedPrecondition, InvalidArgument, KvpoolError, NotFound, SessionExpired, Unavailable
+from .ipc import DeviceMismatch, client_bus_id, open_arena
 from .layout import Layout
+from .protocol import kvpool_pb2 as pb
+from .protocol.wire import I32, I64, U32, unpack
 
 Tokens = Seq[int] | np.ndarray
 
@@ -144,9 +145,6 @@ def _device_bus_id(device) -> str:
 
     The daemon binds the session to that GPU's pool (``kvpoold/server/pools.py``).
     """
-    from kvpoold.memory.base import DeviceMismatch
-    from kvpoold.memory.cuda_ipc import client_bus_id
-
     try:
         return client_bus_id(device)
     except DeviceMismatch as exc:
@@ -214,7 +212,7 @@ class Client:
         self._stop_heartbeat = threading.Event()
         self._descriptor = {
             "kind": r.arena.kind, "nbytes": r.arena.nbytes, "handle": r.arena.handle,
-            "device": r.arena.device, "device_id": r.arena.device_id, "fence": r.arena.fence,
+            "device": r.arena.device, "device_id": r.arena.device_id,
         }
         self._device = device
         self._watch = self._conn._stub.Watch(pb.WatchRequest(session=self._token))
@@ -312,8 +310,6 @@ class Client:
         """
         with self._lock:
             if self._kv is None:
-                from kvpoold.memory import open_arena
-
                 self._arena = open_arena(self._descriptor, device=self._device)
                 self._kv = self._arena.as_tensor(self.layout.dtype, (self.num_blocks, *self.layout.block_shape))
             return self._kv
@@ -627,7 +623,31 @@ class Client:
             return out
 
     def _sync_device(self) -> None:
-        """Make this process's pool writes visible to the daemon's copies (GPU: synchronize)."""
+        """Make this process's pool writes visible to the daemon's copies (GPU: synchronize).
+
+        The ordering rule between a client and the daemon, which needs no CUDA
+        event shared between the processes:
+
+        * The daemon reads pool blocks on a client's behalf (swap-out; demotion
+          of cached blocks to the host or disk tier) only after a call that
+          says their KV is written: a ``Step`` (``extend`` reaching the daemon,
+          ``flush``, ``mark_written``, ``free``) or ``SwapOut``.  This method
+          runs first in each of those calls, so every kernel this process
+          queued on the pool has finished before the daemon can copy a block
+          out.  Blocks of a session that ends without such a call lose their
+          hash and are never copied out.
+        * The daemon's own copies complete before the reply that lets a client
+          use the blocks involved: device reads (demotions, swap-outs) before
+          it replies to the call that planned them, so a block is handed out
+          again only after its bytes are copied; device writes (promotions,
+          swap-ins) before ``Create``/``SwapIn`` reply, or with ``wait=False``
+          before ``Wait`` replies for the positions listed in
+          ``Sequence.arriving`` (the daemon holds those blocks meanwhile).  A
+          reply therefore means the bytes are in place; the client launches
+          nothing on them before it.
+        * Copy-on-write copies are run by this process on its own stream
+          (``run_copies``), ordered after its own writes by stream order.
+        """
         if self._kv is not None and getattr(self._kv, "is_cuda", False):
             import torch
 

@@ -6,9 +6,9 @@ import os
 
 import grpc
 
-from ._generated import kvpool_pb2 as pb
-from ._generated import kvpool_pb2_grpc as pb_grpc
 from .errors import from_rpc_error
+from .protocol import kvpool_pb2 as pb
+from .protocol import kvpool_pb2_grpc as pb_grpc
 from .stats import ClassStats, ClientInfo, DeviceStats, PoolStats, SequenceInfo, TierStats
 
 DEFAULT_SOCKET = "/run/kvpoold/kvpoold.sock"

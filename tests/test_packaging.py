@@ -20,6 +20,37 @@ def test_every_package_folder_is_listed_in_pyproject():
     assert found == listed
 
 
+def _imported_modules(tree: ast.AST, package: str):
+    """Every module an AST imports, anywhere (module level, functions, methods), absolute names."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolve against the file's package
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                yield node.lineno, ".".join(base + ([node.module] if node.module else []))
+            else:
+                yield node.lineno, node.module or ""
+
+
+def test_client_and_kernels_never_import_the_daemon():
+    """kvpool (client/) and kvpool.kernels (kernels/) stand alone: the daemon imports them, never the reverse."""
+    offenders = []
+    checked = 0
+    for top, name in {"client": "kvpool", "kernels": "kvpool.kernels"}.items():
+        for path in (ROOT / top).rglob("*.py"):
+            rel = path.relative_to(ROOT / top)
+            package = ".".join([name, *rel.parent.parts])
+            tree = ast.parse(path.read_text(), str(path))
+            checked += 1
+            for lineno, module in _imported_modules(tree, package):
+                if module == "kvpoold" or module.startswith("kvpoold."):
+                    offenders.append(f"{path.relative_to(ROOT)}:{lineno} imports {module}")
+    assert checked > 10
+    assert not offenders, "\n".join(offenders)
+
+
 def test_core_imports_nothing_heavy():
     banned = {"torch", "cupy", "numba", "grpc", "os", "io", "socket", "pathlib", "mmap"}
     for path in (ROOT / "kvpoold" / "core").glob("*.py"):

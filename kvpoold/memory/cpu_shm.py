@@ -1,4 +1,6 @@
-"""CPU backend: one sparse POSIX shared-memory file per arena under /dev/shm.
+"""CPU backend, daemon side: one sparse POSIX shared-memory file per arena under /dev/shm.
+
+Clients map the segments with ``kvpool.ipc.cpu_shm.CpuMappedArena``.
 
 Why files opened by hand (``os.open`` + ``ftruncate`` + ``mmap``) and not
 ``multiprocessing.shared_memory``: that module registers every segment with a
@@ -27,15 +29,12 @@ import os
 import re
 import weakref
 
-from ._views import check_range, typed_view
-from .base import (
-    Arena,
-    ArenaDescriptor,
-    Backend,
-    BackendUnavailable,
-    MappedArena,
-    PoolDoesNotFit,
-)
+from kvpool.ipc.base import BackendUnavailable
+from kvpool.ipc.cpu_shm import flat_u8
+from kvpool.ipc.views import check_range, typed_view
+from kvpool.protocol import ArenaDescriptor
+
+from .base import Arena, Backend, PoolDoesNotFit
 
 SHM_DIR = "/dev/shm"
 PAGE = mmap.PAGESIZE
@@ -101,20 +100,6 @@ def _page_inward(offset: int, nbytes: int) -> tuple[int, int]:
 def _check_span(offset: int, nbytes: int, total: int) -> None:
     if offset < 0 or nbytes < 0 or offset + nbytes > total:
         raise ValueError(f"range [{offset}, {offset + nbytes}) outside the arena's {total} bytes")
-
-
-def _flat_u8(mm: mmap.mmap, count: int, offset: int):
-    """A uint8 torch tensor over ``mm[offset:offset+count]`` that pins the mapping.
-
-    Not ``torch.frombuffer``: it drops its buffer export at once, so a later
-    ``mmap.close()`` would unmap under a live tensor (segfault).  A NumPy array
-    keeps the export, which makes ``mmap.close()`` raise BufferError instead,
-    and the tensor keeps the array alive.
-    """
-    import numpy as np
-    import torch
-
-    return torch.from_numpy(np.frombuffer(mm, dtype=np.uint8, count=count, offset=offset))
 
 
 def _close_segment(state: dict) -> None:
@@ -192,7 +177,7 @@ class CpuShmArena(Arena):
 
     def as_tensor(self, dtype: str, shape, offset: int = 0):
         shape, count = check_range(dtype, shape, offset, self.nbytes)
-        return typed_view(_flat_u8(self._mm(), count, offset), dtype, shape)
+        return typed_view(flat_u8(self._mm(), count, offset), dtype, shape)
 
     def commit(self, offset: int, nbytes: int) -> None:
         _check_span(offset, nbytes, self.nbytes)
@@ -254,54 +239,3 @@ class CpuShmBackend(Backend):
             except IndexError:  # emptied by a signal handler meanwhile
                 break
             arena.close()
-
-
-def _unmap(state: dict) -> None:
-    mm = state.pop("mm", None)
-    if mm is not None:
-        try:
-            mm.close()
-        except BufferError:
-            pass  # tensors still view it: unmapped when the last one dies
-
-
-class CpuMappedArena(MappedArena):
-    """Client side: maps a daemon's segment read-write."""
-
-    def __init__(self, descriptor: ArenaDescriptor):
-        if descriptor.kind != "cpu":
-            raise ValueError(f"not a CPU arena descriptor (kind={descriptor.kind!r})")
-        raw = descriptor.handle
-        path = raw.decode() if isinstance(raw, bytes) else str(raw)
-        name = os.path.basename(path)
-        if not os.path.isabs(path) or not name.startswith("kvpool-"):
-            raise ValueError(f"bad shared-memory segment path {path!r}")
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-        except FileNotFoundError:
-            raise FileNotFoundError(f"shared-memory segment {path} is gone: has the daemon exited?") from None
-        except PermissionError:
-            raise PermissionError(
-                f"no read-write access to {path}: run as the daemon's user or a group it grants"
-            ) from None
-        try:
-            size = os.fstat(fd).st_size
-            if size < descriptor.nbytes:
-                raise ValueError(f"segment {path} holds {size} bytes, descriptor says {descriptor.nbytes}")
-            mm = mmap.mmap(fd, descriptor.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)  # the mapping keeps the file alive
-        self.name = name
-        self.nbytes = descriptor.nbytes
-        self._state = {"mm": mm}
-        self._finalizer = weakref.finalize(self, _unmap, self._state)
-
-    def as_tensor(self, dtype: str, shape, offset: int = 0):
-        mm = self._state.get("mm")
-        if mm is None:
-            raise RuntimeError(f"mapping of {self.name} is closed")
-        shape, count = check_range(dtype, shape, offset, self.nbytes)
-        return typed_view(_flat_u8(mm, count, offset), dtype, shape)
-
-    def close(self) -> None:
-        self._finalizer()

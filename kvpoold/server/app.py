@@ -35,7 +35,7 @@ from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvpool._generated import kvpool_pb2 as pb
+from kvpool.protocol import kvpool_pb2 as pb
 from kvpoold.config import LIVE_KEYS, Config, ConfigError, changed_keys
 from kvpoold.memory import make_backend
 
@@ -141,7 +141,7 @@ def open_pools(config: Config, service: PoolService, instance: str, backend_kwar
 
     Sizes apply per device.  Any failure raises ``StartupError``; the caller
     closes the service, which releases the pools made so far (their device
-    memory, fences and pinned host memory).
+    memory and pinned host memory).
     """
     devices = config.devices if config.backend == "cuda" else (-1,)
     if config.backend != "cuda" and config.devices != (0,):

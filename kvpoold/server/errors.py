@@ -12,7 +12,8 @@ import logging
 import grpc
 
 from kvpoold.core.errors import KvpoolError
-from kvpoold.memory.base import BackendUnavailable, DeviceMismatch, PoolDoesNotFit
+from kvpool.ipc import BackendUnavailable, DeviceMismatch
+from kvpoold.memory import PoolDoesNotFit
 
 log = logging.getLogger("kvpoold")
 

@@ -1,7 +1,7 @@
 """One pool per device, and which pool each session uses.
 
 A CUDA daemon started with ``--devices 0,1`` owns one ``DevicePool`` per
-GPU: its own backend (device allocations and the fence on that GPU), its own
+GPU: its own backend (the device allocations on that GPU), its own
 ``KVCacheManager``, arenas per layout class and tiers (pinned host memory,
 its own disk directory).  Pools share nothing but the session registry, so a
 prefix cached on GPU 0 is no hit on GPU 1: its bytes are on the other device.
@@ -29,7 +29,9 @@ import numpy as np
 from kvpoold.config import Config
 from kvpoold.core import Geometry, InvalidArgument, KVCacheManager
 from kvpoold.core.results import ExtendResult, LookupResult, PoolStats, SequenceInfo
-from kvpoold.memory.base import Arena, ArenaDescriptor, Backend, DeviceMismatch
+from kvpool.ipc import DeviceMismatch
+from kvpool.protocol import ArenaDescriptor
+from kvpoold.memory import Arena, Backend
 
 from .access import Limits, Quotas
 from .tiers import TIER_ALIGN, Tiers, resolve_disk_dir

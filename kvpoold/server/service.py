@@ -19,7 +19,7 @@ from kvpoold import __version__
 from kvpoold.config import Config
 from kvpoold.core import Geometry, InvalidArgument, WrongState
 from kvpoold.core.results import ExtendResult, LookupResult, PoolStats, SequenceInfo
-from kvpoold.memory.base import ArenaDescriptor
+from kvpool.protocol import ArenaDescriptor
 
 from .access import Draining
 from .pools import DevicePool, PoolSet

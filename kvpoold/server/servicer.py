@@ -18,9 +18,9 @@ from dataclasses import asdict
 import grpc
 import numpy as np
 
-from kvpool._generated import kvpool_pb2 as pb
-from kvpool._generated import kvpool_pb2_grpc as pb_grpc
-from kvpool._wire import I32, I64, U32, unpack
+from kvpool.protocol import kvpool_pb2 as pb
+from kvpool.protocol import kvpool_pb2_grpc as pb_grpc
+from kvpool.protocol.wire import I32, I64, U32, unpack
 from kvpoold.config import LIVE_KEYS, config_as_dict
 from kvpoold.core import InvalidArgument
 from kvpoold.core.results import SequenceInfo
@@ -152,7 +152,7 @@ class KVPoolServicer(pb_grpc.KVPoolServicer):
             session_id=r.session.id,
             class_id=r.session.class_id,
             arena=pb.Arena(kind=d.kind, nbytes=d.nbytes, handle=d.handle, device=d.device,
-                           device_id=d.device_id, fence=d.fence),
+                           device_id=d.device_id),
             num_blocks=r.num_blocks,
             block_bytes=r.block_bytes,
             max_reserve_blocks=self.service.config.max_reserve_blocks,

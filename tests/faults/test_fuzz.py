@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 
 import kvpool
 from faultkit import LAYOUT, admin_of
-from kvpool._generated import kvpool_pb2 as pb
-from kvpool._generated import kvpool_pb2_grpc as pb_grpc
+from kvpool.protocol import kvpool_pb2 as pb
+from kvpool.protocol import kvpool_pb2_grpc as pb_grpc
 
 ALLOWED = {
     grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED,

@@ -10,7 +10,7 @@ import pytest
 
 import kvpool
 from faultkit import LAYOUT
-from kvpool._generated import kvpool_pb2 as pb
+from kvpool.protocol import kvpool_pb2 as pb
 
 
 @pytest.mark.parametrize("flag,key", [("--max-sequences-per-session", "max_sequences_per_session"),

@@ -208,7 +208,8 @@ def test_gpu_copy_on_an_ipc_mapped_pool_in_a_client_process():
         d = {k: "hex:" + v.hex() if isinstance(v, bytes) else v for k, v in arena.descriptor.to_dict().items()}
         code = (
             "import json, sys, torch\n"
-            "from kvpoold.memory import ArenaDescriptor, open_arena\n"
+            "from kvpool.ipc import open_arena\n"
+            "from kvpool.protocol import ArenaDescriptor\n"
             "from kvpool.kernels.block_copy import copy_blocks\n"
             "d = {k: bytes.fromhex(v[4:]) if isinstance(v, str) and v.startswith('hex:') else v\n"
             "     for k, v in json.loads(sys.argv[1]).items()}\n"

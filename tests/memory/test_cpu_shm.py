@@ -16,9 +16,11 @@ import numpy as np
 import pytest
 import torch
 
-from kvpoold.memory import ArenaDescriptor, BackendUnavailable, make_backend, open_arena
+from kvpool.ipc import BackendUnavailable, open_arena
+from kvpool.protocol import ArenaDescriptor
+from kvpoold.memory import make_backend
+from kvpool.ipc.cpu_shm import CpuMappedArena
 from kvpoold.memory.cpu_shm import (
-    CpuMappedArena,
     CpuShmBackend,
     instance_id,
     remove_stale_segments,
@@ -60,7 +62,8 @@ def backend():
 _MAP = """
 import json, sys, hashlib
 import numpy as np
-from kvpoold.memory import ArenaDescriptor, open_arena
+from kvpool.ipc import open_arena
+from kvpool.protocol import ArenaDescriptor
 d = {k: bytes.fromhex(v[4:]) if isinstance(v, str) and v.startswith("hex:") else v
      for k, v in json.loads(sys.argv[1]).items()}
 arena = open_arena(ArenaDescriptor(**d))

@@ -11,7 +11,7 @@ import pytest
 
 import kvpool
 from kvpool import Connection
-from kvpool._generated import kvpool_pb2 as pb
+from kvpool.protocol import kvpool_pb2 as pb
 from opskit import LAYOUT
 
 

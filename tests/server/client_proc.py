@@ -68,7 +68,7 @@ def main() -> None:
             kv = client.kv_cache()
             bus = ""
             if kv.is_cuda:
-                from kvpoold.memory.cuda_ipc import bus_id
+                from kvpool.ipc.cuda import bus_id
 
                 bus = bus_id(kv.device.index)
             print(json.dumps({"values": [kv[b, 0, 0, 0, :, 0].tolist() for b in args["blocks"]],

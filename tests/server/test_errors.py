@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import kvpool
-from kvpool._generated import kvpool_pb2 as pb
+from kvpool.protocol import kvpool_pb2 as pb
 
 LAYOUT = kvpool.Layout("err-model", num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16", block_size=4)
 

@@ -92,7 +92,7 @@ def test_torch_and_cupy_views_share_the_pool(daemon_factory, dtype):
 
 def test_the_pool_is_found_by_the_bus_id_of_the_clients_gpu(gpu_daemon):
     """device=0, or torch's current device once CUDA is in use: the session is bound to GPU 0's pool."""
-    from kvpoold.memory.cuda_ipc import bus_id
+    from kvpool.ipc.cuda import bus_id
 
     b = check_second_process_reads_first_process_blocks(gpu_daemon.socket, device=0)
     peek = run_client(gpu_daemon.socket, "peek", blocks=b["table"][:1], init_cuda=True)

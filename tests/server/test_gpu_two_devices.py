@@ -32,7 +32,7 @@ GiB = 1 << 30
 
 def bus_ids() -> list[str]:
     """PCI bus ids of this process's GPUs 0 and 1, as the daemon names them."""
-    from kvpoold.memory.cuda_ipc import bus_id
+    from kvpool.ipc.cuda import bus_id
 
     return [bus_id(0), bus_id(1)]
 

@@ -20,12 +20,11 @@ from rich.console import Console
 
 import kvpool
 from kvpool import Connection
-from kvpool._generated import kvpool_pb2 as pb
+from kvpool.ipc import DeviceMismatch, open_arena
+from kvpool.protocol import kvpool_pb2 as pb
 from kvpoold.config import Config
 from kvpoold.core import WrongState
 from kvpoold.ctl import stats_view
-from kvpoold.memory import open_arena
-from kvpoold.memory.base import DeviceMismatch
 from kvpoold.memory.cpu_shm import CpuShmBackend
 from kvpoold.server.errors import TooManySessions
 from kvpoold.server.pools import disk_dir_for, normalize_bus_id

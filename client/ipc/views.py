@@ -1,4 +1,4 @@
-"""Turning a raw byte range into a typed torch tensor, shared by the backends.
+"""Turning a raw byte range into a typed torch tensor, shared by every arena (daemon and client side).
 
 Every backend first makes a flat ``uint8`` tensor over its bytes and then
 reinterprets it (``Tensor.view(dtype)``): that works for dtypes that have no
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from .base import DTYPE_ITEMSIZE
+from ..protocol.arena import DTYPE_ITEMSIZE
 
 
 def torch_dtype(name: str):

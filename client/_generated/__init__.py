@@ -1,1 +1,0 @@
-"""Code generated from protos/kvpool.proto by scripts/gen_protos.py (never edited by hand)."""

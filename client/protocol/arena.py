@@ -1,0 +1,42 @@
+"""The arena descriptor: what a client needs to map one arena of the daemon's.
+
+Descriptors travel to clients as plain dicts of str -> (str | int | bytes)
+(``ArenaDescriptor.to_dict``/``from_dict``) so that they can be carried in a
+protobuf message without the memory code knowing about gRPC.  The daemon makes
+them (``kvpoold.memory``), clients open them (``kvpool.ipc.open_arena``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+#: dtype names a layout may use -> bytes per element.  The names are torch's
+#: (``torch.<name>``); the core needs only the sizes to compute block bytes.
+DTYPE_ITEMSIZE: dict[str, int] = {
+    "float16": 2,
+    "bfloat16": 2,
+    "float32": 4,
+    "float8_e4m3fn": 1,
+    "uint8": 1,
+}
+
+
+@dataclass(frozen=True)
+class ArenaDescriptor:
+    """What a client needs to map an arena into its own address space."""
+
+    kind: str  # "cpu" (POSIX shared memory) or "cuda" (CUDA IPC)
+    nbytes: int  # size of the whole virtual range
+    handle: bytes  # cpu: absolute path of the shm file (utf-8); cuda: the 64-byte IPC memory handle
+    device: int = -1  # daemon's CUDA ordinal (for messages), -1 on the CPU
+    # PCI bus id of the pool's GPU ("0000:3B:00.0"): ordinals differ between
+    # processes with different CUDA_VISIBLE_DEVICES, the bus id does not.
+    device_id: str = ""
+
+    def to_dict(self) -> dict[str, str | int | bytes]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ArenaDescriptor":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
