@@ -220,6 +220,16 @@ class TierIndex:
     def is_pinned(self, key: Key) -> bool:
         return key in self._sizes and key not in self._order
 
+    def has_all(self, keys) -> bool:
+        return all(map(self._sizes.__contains__, keys))
+
+    def has_none(self, keys) -> bool:
+        return not self._sizes or self._sizes.keys().isdisjoint(keys)
+
+    def resident(self):
+        """Every key here."""
+        return self._sizes.keys()
+
     def has_many(self, keys: list) -> np.ndarray:
         """Whether each key is here (one C-level pass)."""
         return np.fromiter(map(self._sizes.__contains__, keys), np.bool_, len(keys))
@@ -366,7 +376,7 @@ class TierPlacement:
     def demote_many(self, plan: MovePlan, keys: list, nbytes: int, blocks) -> int:
         """``demote`` of each key in order (blocks of one size); returns how many were placed."""
         lower = self.lower
-        if all(not index._sizes or index._sizes.keys().isdisjoint(keys) for index in lower):  # all new
+        if all(index.has_none(keys) for index in lower):  # all new
             return self._place_many(plan, keys, nbytes, Tier.DEVICE, 0, blocks, pinned=False)
         placed = 0
         run_keys: list = []
@@ -465,7 +475,7 @@ class TierPlacement:
     def _by_index(self, keys: list) -> list[tuple[TierIndex, list]]:
         """The keys in runs of one lower tier each, in order (KeyError for a key in none)."""
         for index in self.lower:  # the common case: all in one tier
-            if all(map(index._sizes.__contains__, keys)):
+            if index.has_all(keys):
                 return [(index, keys)] if keys else []
         out: list[tuple[TierIndex, list]] = []
         for key in keys:
@@ -525,6 +535,6 @@ class TierPlacement:
         seen: set = set()
         for index in self.lower:
             index.check()
-            keys = set(index._sizes)
+            keys = set(index.resident())
             assert not (keys & seen), "a block is resident in two lower tiers"
             seen |= keys
