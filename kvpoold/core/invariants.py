@@ -45,7 +45,8 @@ class InvariantChecks(ManagerState):
                 holders[c][b] = holders[c].get(b, 0) + 1
         for owner, state in self._owners.items():
             for seq_id in state.seqs:
-                assert int(t.owner[seq_id & 0xFFFFFFFF]) == owner and t.seq_id(seq_id & 0xFFFFFFFF) == seq_id
+                slot = self._slot(seq_id)
+                assert int(t.owner[slot]) == owner and t.seq_id(slot) == seq_id
             for c, reserve in state.reserves.items():
                 for b in reserve:
                     holders[c][b] = holders[c].get(b, 0) + 1
