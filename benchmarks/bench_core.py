@@ -6,7 +6,9 @@ Targets (issue 2):
 * allocate+free of a batch of 64 costs no more per block than a dict insert+delete;
 * ``extend`` of 256 sequences by one token costs at most 1/10 of an empty gRPC
   round trip over a Unix socket;
-* block hashing costs at most 1/3 of hashlib.sha256 over the same bytes.
+* block hashing costs at most 1/3 of hashlib.sha256 over the same bytes;
+* freeing a batch of 2048 sequences costs no more per block than a dict
+  insert+delete (the yardstick of allocate + free above).
 """
 
 from __future__ import annotations
@@ -33,13 +35,7 @@ def bench_alloc_free() -> list[dict]:
     m = KVCacheManager(64 << 30, chunk_bytes=2 << 20)
     pool = m.classes[m.register_class(GEOMETRY)]
     pool.release(pool.allocate(4096))  # warm: slabs taken once
-    d: dict = {}
-
-    def dict_op():
-        d[1] = None
-        del d[1]
-
-    yard = median_ns(dict_op, number=20000)
+    yard = _dict_insert_delete_ns()
     rows = []
     for batch in (1, 64):
         def op():
@@ -48,6 +44,39 @@ def bench_alloc_free() -> list[dict]:
         ns = median_ns(op, number=max(200, 20000 // batch)) / batch
         rows.append({"batch": batch, "ns_per_block": ns, "dict_insert_delete_ns": yard, "ratio": ns / yard})
     return rows
+
+
+def _dict_insert_delete_ns() -> float:
+    d: dict = {}
+
+    def dict_op():
+        d[1] = None
+        del d[1]
+
+    return median_ns(dict_op, number=20000)
+
+
+def bench_free_batch(n_seqs: int = 2048, blocks_each: int = 4, rounds: int = 7) -> dict:
+    """``free`` of a batch of ``n_seqs`` sequences, per block (the ``extend`` that allocated them for scale)."""
+    m = KVCacheManager(64 << 30, chunk_bytes=2 << 20)
+    cid = m.register_class(GEOMETRY)
+    bs = GEOMETRY.block_size
+    alloc, free = [], []
+    for r in range(rounds):  # a new extra key each round: no prefix hits on the last round's blocks
+        ids = np.array([m.create(1, cid, "llama", [i % 32000], extra_key=str(r)).seq_id for i in range(n_seqs)])
+        counts = np.full(n_seqs, blocks_each * bs, np.int64)
+        tokens = (np.arange(n_seqs * blocks_each * bs) % 32000).astype(np.uint32)
+        t0 = time.perf_counter_ns()
+        m.extend_columns(1, ids, counts, tokens)
+        t1 = time.perf_counter_ns()
+        m.free(1, ids.tolist())
+        t2 = time.perf_counter_ns()
+        alloc.append((t1 - t0) / (n_seqs * blocks_each))
+        free.append((t2 - t1) / (n_seqs * (blocks_each + 1)))
+    a, f = statistics.median(alloc), statistics.median(free)
+    yard = _dict_insert_delete_ns()
+    return {"sequences": n_seqs, "blocks_per_sequence": blocks_each + 1, "free_ns_per_block": f,
+            "extend_alloc_ns_per_block": a, "dict_insert_delete_ns": yard, "ratio": f / yard}
 
 
 def bench_extend(yard_rpc_p50_ns: float, steps: int = 400) -> dict:
@@ -103,6 +132,7 @@ def main() -> None:
     alloc = bench_alloc_free()
     extend = bench_extend(rpc_p["p50_us"] * 1e3)
     hashing = bench_hash()
+    free = bench_free_batch()
 
     print_table(
         "allocate + free (ClassPool), per block",
@@ -123,7 +153,16 @@ def main() -> None:
         [[f"{hashing['ns_per_token_prepacked']:.2f}", f"{hashing['sha256_ns_per_token']:.2f}",
           f"{hashing['ratio']:.2f}", "<= 0.33", f"{hashing['ns_per_token']:.2f}"]],
     )
-    write_json("core", {"empty_rpc": rpc_p, "alloc_free": alloc, "extend_256": extend, "hashing": hashing})
+    print_table(
+        "free of a batch of sequences (KVCacheManager.free), per block",
+        ["sequences", "blocks each", "free ns/block", "dict ins+del ns", "ratio", "target",
+         "extend (allocating) ns/block"],
+        [[free["sequences"], free["blocks_per_sequence"], f"{free['free_ns_per_block']:.1f}",
+          f"{free['dict_insert_delete_ns']:.1f}", f"{free['ratio']:.2f}", "<= 1.0",
+          f"{free['extend_alloc_ns_per_block']:.1f}"]],
+    )
+    write_json("core", {"empty_rpc": rpc_p, "alloc_free": alloc, "extend_256": extend, "hashing": hashing,
+                        "free_batch": free})
 
 
 if __name__ == "__main__":

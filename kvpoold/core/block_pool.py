@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter, deque
-from itertools import filterfalse, repeat
+from itertools import filterfalse
 from typing import Callable, Iterable
 
 from .errors import LayoutDoesNotFit, OutOfBlocks
 from .layout import Geometry
 from .policy import make_policy
+from .prefix_index import PrefixIndex
 
 DEFAULT_CHUNK_BYTES = 2 << 20
 
@@ -100,11 +101,7 @@ class ClassPool:
         self.free: list[int] = []
         self.cached = make_policy(policy)
         self.extra: dict[int, int] = {}
-        self.hash_of: dict[int, bytes] = {}
-        self.by_hash: dict[bytes, int] = {}
-        #: hashed blocks whose KV the writing owner has not confirmed yet -> that owner.
-        #: Other owners' prefix hits skip them: they may still hold garbage.
-        self.unwritten: dict[int, int] = {}
+        self.prefix = PrefixIndex()
         self.slots: set[int] = set()
         # slots not owned: the given-back ones (a heap, lowest first), then [fresh, max_slabs)
         self._returned: list[int] = []
@@ -205,11 +202,7 @@ class ClassPool:
     def _forget_hashes(self, blocks: list[int]) -> None:
         if not blocks:
             return
-        digests = list(map(self.hash_of.pop, blocks))
-        deque(map(self.by_hash.__delitem__, digests), 0)
-        if self.unwritten:
-            for b in blocks:
-                self.unwritten.pop(b, None)
+        digests = self.prefix.forget_many(blocks)
         self.evictions += len(blocks)
         if self.on_evict is not None:
             self.on_evict(self.class_id, blocks, digests)
@@ -232,15 +225,15 @@ class ClassPool:
         Callers pass a sequence's blocks tail first: cached blocks enter the
         eviction order in that order, so a sequence's tail is evicted first.
         """
-        extra, hash_of = self.extra, self.hash_of
+        extra, prefix = self.extra, self.prefix
         if extra.keys().isdisjoint(ids):  # nobody else holds them: each becomes free or cached, in C
-            if hash_of.keys().isdisjoint(ids):
+            if prefix.none_hashed(ids):
                 self.free.extend(ids)  # the common case
                 return
-            hashed = list(filter(hash_of.__contains__, ids))
+            hashed = prefix.hashed(ids)
             self.cached.insert_many(hashed)
             if len(hashed) < len(ids):
-                self.free.extend(filterfalse(hash_of.__contains__, ids))
+                self.free.extend(prefix.unhashed(ids))
             return
         if len(set(ids)) == len(ids) and list(map(extra.get, ids)).count(1) == len(ids):
             deque(map(extra.__delitem__, ids), 0)  # one holder fewer of blocks held twice (a batch's holds)
@@ -253,35 +246,10 @@ class ClassPool:
                     del extra[b]
                 else:
                     extra[b] = c - 1
-            elif b in hash_of:
+            elif prefix.is_hashed(b):
                 cached.insert(b)
             else:
                 free.append(b)
-
-    def refcount(self, block: int) -> int:
-        """Holders of a block (0 for free or cached); O(n) in the free list: for checks."""
-        if block in self.cached or block in self.free:
-            return 0
-        return 1 + self.extra.get(block, 0)
-
-    def visible(self, block: int, owner: int | None) -> bool:
-        """Whether ``owner``'s prefix hit may use ``block`` (its KV is written, or it is the writer)."""
-        writer = self.unwritten.get(block)
-        return writer is None or writer == owner
-
-    def unregister_unwritten(self, blocks, writer: int) -> None:
-        """``writer`` is gone without confirming: its blocks' KV may be garbage, so drop their hashes."""
-        for b in blocks:
-            if self.unwritten.get(b) == writer:
-                del self.unwritten[b]
-                del self.by_hash[self.hash_of.pop(b)]
-
-    def confirm(self, blocks, writer: int) -> None:
-        """``writer`` says the KV of these blocks is written: every prefix hit may use them."""
-        unwritten = self.unwritten
-        for b in blocks:
-            if unwritten.get(b) == writer:
-                del unwritten[b]
 
     def owns(self, block: int) -> bool:
         """Whether ``block`` lies in a slab this class owns now."""
@@ -290,10 +258,7 @@ class ClassPool:
     def is_shared(self, block: int) -> bool:
         return block in self.extra
 
-    # -- prefix index ---------------------------------------------------------
-    def lookup(self, digest: bytes) -> int | None:
-        return self.by_hash.get(digest)
-
+    # -- prefix hits -----------------------------------------------------------
     def acquire_many(self, blocks: list[int]) -> None:
         """``acquire_cached`` of each block (distinct blocks)."""
         revived = self.cached.present(blocks)
@@ -308,34 +273,13 @@ class ClassPool:
         else:
             self.extra[block] = self.extra.get(block, 0) + 1
 
-    def register(self, block: int, digest: bytes, writer: int | None = None) -> bool:
-        """Give a held, just-filled block its hash, unless another block has it already.
-
-        ``writer``: the owner who still has to write the block's KV; until it
-        confirms (``confirm``), only that owner's prefix hits see the block.
-        """
-        if writer is not None and digest not in self.by_hash:
-            self.unwritten[block] = writer
-        if digest in self.by_hash:
-            return False
-        self.by_hash[digest] = block
-        self.hash_of[block] = digest
-        return True
-
-    def register_many(self, blocks: list[int], digests: list[bytes], writer: int | None = None) -> list[int]:
-        """``register`` of each (block, hash) pair, in order; returns the blocks that got their hash."""
-        by_hash = self.by_hash
-        if not by_hash.keys().isdisjoint(digests):
-            return [b for b, h in zip(blocks, digests) if self.register(b, h, writer)]
-        before = len(by_hash)
-        by_hash.update(zip(digests, blocks))
-        if len(by_hash) != before + len(digests):  # a hash twice in the batch (no set built to find out)
-            deque(map(by_hash.pop, digests, repeat(None)), 0)  # every one was new: undo, then key by key
-            return [b for b, h in zip(blocks, digests) if self.register(b, h, writer)]
-        self.hash_of.update(zip(blocks, digests))
-        if writer is not None:
-            self.unwritten.update(dict.fromkeys(blocks, writer))
-        return blocks
+    def invalidate(self, block: int) -> bytes | None:
+        """Forget ``block``'s hash (its bytes never arrived); an unheld block becomes free.  Returns the hash."""
+        digest = self.prefix.forget(block)
+        if digest is not None and block in self.cached:
+            self.cached.remove(block)
+            self.free.append(block)
+        return digest
 
     def drop_cached(self, max_blocks: int | None = None) -> int:
         """Evict cached blocks (oldest first) to the free list; returns how many."""
@@ -404,11 +348,12 @@ class ClassPool:
         held = owned - free - cached
         assert set(self.extra) <= held, "a shared count on a block that is not held"
         assert all(c >= 1 for c in self.extra.values())
-        assert cached <= set(self.hash_of), "a cached block without a hash"
-        assert set(self.unwritten) <= held & set(self.hash_of), "an unwritten block that is not held and hashed"
-        assert not (free & set(self.hash_of)), "a free block with a hash"
-        assert {self.by_hash[h] for h in self.by_hash} == set(self.hash_of)
-        assert all(self.hash_of[b] == h for h, b in self.by_hash.items())
+        self.prefix.check()
+        hashed = set(self.prefix.blocks())
+        assert cached <= hashed, "a cached block without a hash"
+        assert {b for b, _ in self.prefix.unwritten_items()} <= held, "an unwritten block that is not held"
+        assert not (free & hashed), "a free block with a hash"
+        assert hashed <= owned, "a hashed block outside the owned slabs"
         unowned = set(self._returned) | set(range(self._fresh, self.max_slabs))
         assert all(s < self._fresh for s in self._returned), "a returned slot beyond the fresh range"
         assert not (self.slots & unowned), "a slot both owned and unowned"

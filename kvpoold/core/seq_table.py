@@ -14,6 +14,9 @@ never name the slot's next tenant.
 
 from __future__ import annotations
 
+from collections import deque
+from itertools import chain, repeat
+
 import numpy as np
 
 from .errors import InvalidArgument, NotOwner, UnknownSequence
@@ -145,6 +148,38 @@ class SeqTable:
         else:
             lst.extend(blocks)
 
+    def add_unconfirmed_each(self, slots: list[int], blocks: list[int]) -> None:
+        """``add_unconfirmed`` of each (slot, block) pair, in order."""
+        unconfirmed, newly = self.unconfirmed, []
+        for slot, b in zip(slots, blocks):
+            lst = unconfirmed[slot]
+            if lst is None:
+                unconfirmed[slot] = [b]
+                newly.append(slot)
+            else:
+                lst.append(b)
+        if newly:
+            self.has_unconfirmed[newly] = True
+            self.n_unconfirmed += len(newly)
+
+    def take_unconfirmed_many(self, slots: np.ndarray) -> list[int]:
+        """The slots' unconfirmed blocks (slot by slot, in order), now cleared."""
+        if not self.n_unconfirmed:
+            return []
+        pending = slots[self.has_unconfirmed[slots]].tolist()
+        if not pending:
+            return []
+        unconfirmed = self.unconfirmed
+        out = list(chain.from_iterable(map(unconfirmed.__getitem__, pending)))
+        deque(map(unconfirmed.__setitem__, pending, repeat(None)), 0)
+        self.has_unconfirmed[pending] = False
+        self.n_unconfirmed -= len(pending)
+        return out
+
+    def blocks_tail_first(self, slots: list[int]) -> list[int]:
+        """The slots' page tables, each reversed, one after the other."""
+        return list(chain.from_iterable(map(reversed, map(self.blocks.__getitem__, slots))))
+
     def take_unconfirmed(self, slot: int) -> list[int]:
         """The slot's unconfirmed blocks, now cleared."""
         lst = self.unconfirmed[slot]
@@ -166,6 +201,22 @@ class SeqTable:
         self.last_hash[slot] = None
         self._free.append(slot)
         self.live -= 1
+
+    def remove_many(self, slots: np.ndarray) -> None:
+        """``remove`` of each slot (distinct live slots), in order."""
+        self.take_unconfirmed_many(slots)  # the manager confirmed or forgot them first
+        self.unflag_shared(slots)
+        if self.nswapped:
+            self.nswapped -= int(np.count_nonzero(self.swapped[slots]))
+            self.swapped[slots] = False
+        self.owner[slots] = NO_OWNER
+        self.current[slots] = -1
+        self.gen[slots] += 1
+        listed = slots.tolist()
+        deque(map(self.blocks.__setitem__, listed, repeat(None)), 0)
+        deque(map(self.last_hash.__setitem__, listed, repeat(None)), 0)
+        self._free.extend(listed)
+        self.live -= len(listed)
 
     # -- resolving ids ------------------------------------------------------------------
     def slot_of(self, owner: int, seq_id) -> int:

@@ -31,9 +31,10 @@ blocks and the transfer engine works on whole columns (numpy masks and
 gathers); ``Move`` objects are made only when someone iterates a plan.
 
 The bulk paths (``demote_many``, ``place_pinned_many``, ``take_many``,
-``drop_many``, ``pin_many``) do the same as the single-key methods applied
-key by key, with a few C-level dict operations and one row append per batch
-instead of Python work per block: a batch of blocks of one class has one
+``drop_many``, ``pin_many``) do the same as single-key placement applied key
+by key (the reference the tests hold them to, in ``tests/core/oracle.py``),
+with a few C-level dict operations and one row append per batch instead of
+Python work per block: a batch of blocks of one class has one
 size, so bytes are charged per batch, and the victims that make room are the
 same oldest-first prefix of the LRU order that key-by-key placement would pop.
 Only the row order inside a plan may differ (victims' moves come before the
@@ -190,9 +191,6 @@ class TierIndex:
         """Bytes a block of ``nbytes`` takes here."""
         return -(-nbytes // self.align) * self.align
 
-    def nbytes(self, key: Key) -> int:
-        return self._sizes[key]
-
     def _one_size(self) -> int | None:
         """The size every entry has, if they all have one."""
         if len(self._counts) == 1:
@@ -222,17 +220,30 @@ class TierIndex:
     def is_pinned(self, key: Key) -> bool:
         return key in self._sizes and key not in self._order
 
-    def add(self, key: Key, nbytes: int, pinned: bool = False) -> None:
-        c = self.charge(nbytes)
-        assert key not in self._sizes and self.used + c <= self.capacity
-        self._sizes[key] = nbytes
-        self._count(nbytes, 1)
-        self.used += c
-        if pinned:
-            self.pinned += c
-        else:
-            self._order.insert(key)
-        self.blocks_in += 1
+    def has_all(self, keys) -> bool:
+        return all(map(self._sizes.__contains__, keys))
+
+    def has_none(self, keys) -> bool:
+        return not self._sizes or self._sizes.keys().isdisjoint(keys)
+
+    def resident(self):
+        """Every key here."""
+        return self._sizes.keys()
+
+    def has_many(self, keys: list) -> np.ndarray:
+        """Whether each key is here (one C-level pass)."""
+        return np.fromiter(map(self._sizes.__contains__, keys), np.bool_, len(keys))
+
+    def load(self, key: Key, nbytes: int) -> bool:
+        """Record a block found here at start (a restart): not placed, so ``blocks_in`` does not count it.
+
+        False if it is here already or there is no room.
+        """
+        if key in self._sizes or self.used + self.charge(nbytes) > self.capacity:
+            return False
+        self.add_many([key], nbytes)
+        self.blocks_in -= 1
+        return True
 
     def add_many(self, keys: list, nbytes: int, pinned: bool = False) -> None:
         """``add`` of each key, in order: blocks of one size, charged once for the batch."""
@@ -281,22 +292,6 @@ class TierIndex:
             return self.charge(sizes[0]) * len(sizes)
         return sum(map(self.charge, sizes))
 
-    def remove(self, key: Key) -> int:
-        nbytes = self._sizes.pop(key)
-        self._count(nbytes, -1)
-        c = self.charge(nbytes)
-        self.used -= c
-        if key in self._order:
-            self._order.remove(key)
-        else:
-            self.pinned -= c
-        return nbytes
-
-    def pin(self, key: Key) -> None:
-        if key in self._order:
-            self._order.remove(key)
-            self.pinned += self.charge(self._sizes[key])
-
     def pin_many(self, keys: list) -> None:
         """``pin`` of each key (of this tier)."""
         order = self._order
@@ -315,26 +310,14 @@ class TierIndex:
         else:
             self.pinned += self._charges(list(map(self._sizes.__getitem__, evictable)))
 
-    def unpin(self, key: Key) -> None:
-        if key in self._sizes and key not in self._order:
-            self._order.insert(key)
-            self.pinned -= self.charge(self._sizes[key])
-
     def touch(self, key: Key) -> None:
         if key in self._order:
             self._order.touch(key)
 
-    def pop_victim(self) -> tuple[Key, int]:
-        key = self._order.victim()
-        nbytes = self._sizes.pop(key)
-        self._count(nbytes, -1)
-        self.used -= self.charge(nbytes)
-        return key, nbytes
-
     def pop_victims(self, need: int) -> tuple[list, list[int]]:
         """Pop the fewest oldest evictable entries whose charges reach ``need`` bytes: (keys, sizes).
 
-        The same entries, in the same order, as ``pop_victim`` until ``need`` bytes are free.
+        The same entries, in the same order, as popping the oldest one at a time until ``need`` bytes are free.
         """
         sizes, charge = self._sizes, self.charge
         got = count = 0
@@ -354,17 +337,8 @@ class TierIndex:
         self._uncount(out)
         return keys, out
 
-    def keys(self):
-        """Evictable keys oldest first, then the pinned ones."""
-        out = list(self._order)
-        out.extend(k for k in self._sizes if k not in self._order)
-        return out
-
     def pinned_keys(self) -> set:
         return {k for k in self._sizes if k not in self._order}
-
-    def keys_by_class(self, class_id: int) -> int:
-        return sum(1 for k in self._sizes if k[0] == class_id)
 
     def check(self) -> None:
         assert self.used == sum(self.charge(n) for n in self._sizes.values()) <= self.capacity, "tier bytes are off"
@@ -399,21 +373,10 @@ class TierPlacement:
                 return index.tier
         return None
 
-    def demote(self, plan: MovePlan, key: Key, nbytes: int, block: int = -1) -> bool:
-        """Record a cached block the device evicts; its moves go to ``plan``.
-
-        True if it was placed in a lower tier (False: already there, or dropped).
-        """
-        for index in self.lower:
-            if key in index:
-                index.touch(key)
-                return False
-        return self._place(plan, key, nbytes, Tier.DEVICE, 0, block, pinned=False) != DROP
-
     def demote_many(self, plan: MovePlan, keys: list, nbytes: int, blocks) -> int:
         """``demote`` of each key in order (blocks of one size); returns how many were placed."""
         lower = self.lower
-        if all(not index._sizes or index._sizes.keys().isdisjoint(keys) for index in lower):  # all new
+        if all(index.has_none(keys) for index in lower):  # all new
             return self._place_many(plan, keys, nbytes, Tier.DEVICE, 0, blocks, pinned=False)
         placed = 0
         run_keys: list = []
@@ -441,12 +404,8 @@ class TierPlacement:
             return [(sizes[0], len(sizes))]  # one size: no Python step per block
         return [(n, sum(1 for _ in g)) for n, g in groupby(sizes)]
 
-    def can_pin(self, sizes: list[int]) -> bool:
-        """Whether blocks of these sizes could all be placed pinned (e.g. a swap-out)."""
-        return self.can_pin_runs(self.runs(sizes))
-
     def can_pin_runs(self, runs: list[tuple[int, int]]) -> bool:
-        """``can_pin`` of ``count`` blocks of ``nbytes`` for each (nbytes, count), in order."""
+        """Whether ``count`` blocks of ``nbytes`` for each (nbytes, count), in order, could all be placed pinned."""
         room = [index.room() for index in self.lower]
         for nbytes, count in runs:
             for level, index in enumerate(self.lower):  # the highest tier first, as placement goes
@@ -458,36 +417,24 @@ class TierPlacement:
                 return False
         return True
 
-    def charge_pinned(self, sizes: list[int]) -> int:
-        """Bytes blocks of these sizes take in the host tier (for messages)."""
-        return sum(self.lower[0].charge(n) for n in sizes)
-
     def charge_pinned_runs(self, runs: list[tuple[int, int]]) -> int:
         return sum(self.lower[0].charge(n) * count for n, count in runs)
 
     def pinned_room(self) -> int:
         return sum(max(0, index.room()) for index in self.lower)
 
-    def place_pinned(self, plan: MovePlan, key: Key, nbytes: int, block: int) -> Tier:
-        """Copy a device block into the highest tier with room, pinned (callers check ``can_pin``).
-
-        Returns the tier it is placed in.
-        """
-        dst = self._place(plan, key, nbytes, Tier.DEVICE, 0, block, pinned=True)
-        assert dst != DROP, "place_pinned without room: check can_pin first"
-        return Tier(dst)
-
     def place_pinned_many(self, plan: MovePlan, keys: list, nbytes: int, blocks) -> list[int]:
-        """``place_pinned`` of each key in order (blocks of one size); returns blocks placed per lower tier."""
+        """Copy device blocks (of one size) into the highest tiers with room, pinned, in order (callers check
+        ``can_pin_runs``); returns blocks placed per lower tier."""
         tally = [0] * len(self.lower)
         placed = self._place_many(plan, keys, nbytes, Tier.DEVICE, 0, blocks, pinned=True, tally=tally)
-        assert placed == len(keys), "place_pinned_many without room: check can_pin first"
+        assert placed == len(keys), "place_pinned_many without room: check can_pin_runs first"
         return tally
 
     def _place_many(self, plan: MovePlan, keys: list, nbytes: int, src: Tier, level: int, blocks, pinned: bool,
                     tally: list[int] | None = None) -> int:
-        """``_place`` of each key in order (one size; ``blocks`` a list or one number); returns how many were
-        placed (not dropped).
+        """Place each key (one size; ``blocks`` a list or one number) at ``level`` or below, in order, moving
+        victims one tier down to make room; returns how many were placed (not dropped).
 
         A chunk of ``room // charge`` keys fits in one tier once every evictable entry there is gone, so the
         victims that key-by-key placement pops for it are a prefix of the entries present before the chunk:
@@ -525,42 +472,10 @@ class TierPlacement:
             start += k
         return placed
 
-    def _place(self, plan: MovePlan, key: Key, nbytes: int, src: Tier, level: int, block: int,
-               pinned: bool) -> int:
-        """Place ``key`` at ``level`` or below, making room first; returns the tier (or ``DROP``)."""
-        lower = self.lower
-        while level < len(lower) and lower[level].room() < lower[level].charge(nbytes):
-            level += 1
-        if level == len(lower):
-            if src != Tier.DEVICE:
-                self.index(src).dropped += 1
-            plan.add(key, src, DROP, block, nbytes)
-            return DROP
-        index = lower[level]
-        c = index.charge(nbytes)
-        while index.used + c > index.capacity:
-            victim, vbytes = index.pop_victim()
-            self._place(plan, victim, vbytes, index.tier, level + 1, -1, pinned=False)
-        index.add(key, nbytes, pinned)
-        plan.add(key, src, index.tier, block, nbytes)
-        return index.tier
-
-    def pin(self, key: Key) -> None:
-        for index in self.lower:
-            if key in index:
-                index.pin(key)
-                return
-
-    def unpin(self, key: Key) -> None:
-        for index in self.lower:
-            if key in index:
-                index.unpin(key)
-                return
-
     def _by_index(self, keys: list) -> list[tuple[TierIndex, list]]:
         """The keys in runs of one lower tier each, in order (KeyError for a key in none)."""
         for index in self.lower:  # the common case: all in one tier
-            if all(map(index._sizes.__contains__, keys)):
+            if index.has_all(keys):
                 return [(index, keys)] if keys else []
         out: list[tuple[TierIndex, list]] = []
         for key in keys:
@@ -606,33 +521,20 @@ class TierPlacement:
             if plan is not None:
                 plan.add_many(run, index.tier, DROP, -1, sizes)
 
-    def take(self, plan: MovePlan, key: Key, block: int) -> Tier:
-        """Take ``key`` out of its lower tier into device block ``block`` (promotion, swap-in)."""
-        for index in self.lower:
-            if key in index:
-                nbytes = index.remove(key)
-                index.blocks_out += 1
-                plan.add(key, index.tier, Tier.DEVICE, block, nbytes)
-                return index.tier
-        raise KeyError(key)
-
-    def drop(self, plan: MovePlan | None, key: Key) -> Tier:
-        """Forget ``key`` and free its bytes (a freed swapped sequence, a lost block).
-
-        ``plan`` None: only forget it (its bytes are gone already).
-        """
-        for index in self.lower:
-            if key in index:
-                nbytes = index.remove(key)
-                if plan is not None:
-                    plan.add(key, index.tier, DROP, -1, nbytes)
-                return index.tier
-        raise KeyError(key)
+    def forget(self, key: Key) -> bool:
+        """Forget an evictable key whose bytes were lost (counted as dropped); False if pinned or absent."""
+        tier = self.locate(key)
+        if tier is None or self.index(tier).is_pinned(key):
+            return False
+        index = self.index(tier)
+        index.remove_many([key])
+        index.dropped += 1
+        return True
 
     def check(self) -> None:
         seen: set = set()
         for index in self.lower:
             index.check()
-            keys = set(index._sizes)
+            keys = set(index.resident())
             assert not (keys & seen), "a block is resident in two lower tiers"
             seen |= keys

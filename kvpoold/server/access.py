@@ -68,23 +68,9 @@ class Quotas:
     def limit(self) -> int:
         return self.service.config.max_blocks_per_session
 
-    def _block_size(self, session) -> int:
-        return self.service.manager.classes[session.class_id].block_size
-
     def held(self, session) -> int:
-        """Device blocks in the session's sequences' page tables (ceil(tokens / block size) each).
-
-        Swapped-out sequences hold no device blocks (their page table is empty).
-        """
-        t = self.service.manager.seqs
-        mine = t.owner == session.id
-        swapped = getattr(t, "swapped", None)
-        if swapped is not None and getattr(t, "nswapped", 1):
-            mine &= ~swapped
-        if not mine.any():
-            return 0
-        bs = self._block_size(session)
-        return int((-(-t.ntok[mine] // bs)).sum())
+        """Device blocks in the session's sequences' page tables (swapped-out ones hold none)."""
+        return self.service.manager.held_device_blocks(session.id)
 
     def _check(self, session, needed: int) -> None:
         limit = self.limit
@@ -97,7 +83,7 @@ class Quotas:
     # -- per call ---------------------------------------------------------------------
     def check_create(self, session, token_counts: list[int]) -> None:
         if self.limit:
-            bs = self._block_size(session)
+            bs = self.service.manager.block_size(session.class_id)
             self._check(session, sum(-(-n // bs) for n in token_counts))
 
     def check_fork(self, session, seq_ids: list[int]) -> None:
@@ -110,23 +96,17 @@ class Quotas:
         """Blocks the extends add, less what the step's frees give back (frees run after the extends)."""
         if not self.limit or not len(seq_ids):
             return
-        t = self.service.manager.seqs
-        slots = t.slots_of(session.id, np.asarray(seq_ids, np.int64))  # the core's own ownership errors
-        if counts is None:
-            counts = np.ones(len(slots), np.int64)
-        if len(counts) != len(slots) or int(np.sum(counts)) != ntokens or (len(counts) and counts.min() < 0):
+        m = self.service.manager
+        grow = m.extend_growth(session.id, seq_ids, counts)  # the core's own ownership errors first
+        sent = len(seq_ids) if counts is None else int(np.sum(counts))
+        if grow is None or sent != ntokens:
             return  # malformed: the core rejects it with the precise message
-        bs = self._block_size(session)
-        nt = t.ntok[slots]
-        grow = int((-(-(nt + counts) // bs) + (nt // -bs)).sum())
-        freed = sum(-(-int(t.ntok[t.slot_of(session.id, i)]) // bs) for i in free_ids)
-        self._check(session, grow - freed)
+        self._check(session, grow - m.device_blocks_of(session.id, free_ids))
 
     def check_swap_in(self, session, seq_ids: list[int]) -> None:
         """Swapping in brings a sequence's blocks back onto the device: they count again."""
         if self.limit:
-            t, bs = self.service.manager.seqs, self._block_size(session)
-            self._check(session, sum(-(-int(t.ntok[t.slot_of(session.id, i)]) // bs) for i in seq_ids))
+            self._check(session, self.service.manager.device_blocks_of(session.id, seq_ids))
 
     def reserve_target(self, session, target: int) -> int:
         """The reserve top-up a step may ask for: never past the quota's headroom."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from kvpoold.core import KVCacheManager
 
+from oracle import prefix_state, tier_keys
+
 
 def snapshot(m: KVCacheManager):
     """Everything a call could change, as plain comparable values."""
@@ -17,14 +19,14 @@ def snapshot(m: KVCacheManager):
     }
     pools = [
         (
-            tuple(p.free), tuple(p.cached), dict(p.extra), dict(p.hash_of), dict(p.by_hash),
+            tuple(p.free), tuple(p.cached), dict(p.extra), prefix_state(p),
             frozenset(p.slots), tuple(sorted(p._returned)), p._fresh, p.evictions,
         )
         for p in m.classes
     ]
     owners = {o: (frozenset(s.seqs), {c: tuple(r) for c, r in s.reserves.items()}) for o, s in m._owners.items()}
     tiers = [
-        (index.keys(), dict(index._sizes), index.used, index.pinned, index.blocks_in, index.blocks_out, index.dropped)
+        (tier_keys(index), dict(index._sizes), index.used, index.pinned, index.blocks_in, index.blocks_out, index.dropped)
         for index in m.placement.lower
     ]
     swapped = ({s: tuple(e) for s, e in m._swapped.items()}, t.swapped.tobytes(), t.nswapped, m._next_swap,

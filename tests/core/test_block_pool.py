@@ -5,6 +5,8 @@ import pytest
 from kvpoold.core import ChunkBudget, ClassPool, Geometry, LayoutDoesNotFit, OutOfBlocks
 from kvpoold.core.block_pool import choose_slab_chunks
 
+from oracle import prefix_state, refcount
+
 # 2 layers * 2 (k|v) * 1 head * 8 dim * 4 tokens * 2 bytes = 256-byte blocks
 G = Geometry(num_layers=2, num_kv_heads=1, head_dim=8, dtype="float16", block_size=4)
 
@@ -57,11 +59,11 @@ def test_shared_blocks_need_every_holder_released():
     _, pool, _ = make()
     ids = pool.allocate(2)
     pool.share(ids)
-    assert pool.refcount(ids[0]) == 2 and pool.is_shared(ids[0])
+    assert refcount(pool, ids[0]) == 2 and pool.is_shared(ids[0])
     pool.release(ids)
-    assert pool.refcount(ids[0]) == 1 and not pool.is_shared(ids[0])
+    assert refcount(pool, ids[0]) == 1 and not pool.is_shared(ids[0])
     pool.release(ids)
-    assert pool.refcount(ids[0]) == 0
+    assert refcount(pool, ids[0]) == 0
     assert pool.check() == {}
 
 
@@ -69,35 +71,35 @@ def test_cached_blocks_evicted_in_release_order():
     _, pool, evicted = make(chunks=1)
     ids = pool.allocate(4)
     for i, b in enumerate(ids):
-        assert pool.register(b, bytes([i]) * 16)
+        assert pool.prefix.register(b, bytes([i]) * 16)
     pool.release([ids[3], ids[2]])  # a tail, freed tail first
     pool.release([ids[0]])
     assert list(pool.cached) == [ids[3], ids[2], ids[0]]
     assert pool.allocate(2) == [ids[3], ids[2]]  # evicted oldest first, handed out in that order
     assert evicted == [(ids[3], bytes([3]) * 16), (ids[2], bytes([2]) * 16)]
-    assert pool.lookup(bytes([0]) * 16) == ids[0]
-    assert pool.lookup(bytes([3]) * 16) is None
+    assert pool.prefix.lookup(bytes([0]) * 16) == ids[0]
+    assert pool.prefix.lookup(bytes([3]) * 16) is None
     pool.check()
 
 
 def test_prefix_hit_revives_cached_and_shares_held():
     _, pool, _ = make()
     a, b = pool.allocate(2)
-    pool.register(a, b"a" * 16)
+    pool.prefix.register(a, b"a" * 16)
     pool.release([a])
     pool.acquire_cached(a)  # cached -> held once
-    assert pool.refcount(a) == 1 and a not in pool.cached
+    assert refcount(pool, a) == 1 and a not in pool.cached
     pool.acquire_cached(a)  # held -> held twice
-    assert pool.refcount(a) == 2
+    assert refcount(pool, a) == 2
     pool.check()
 
 
 def test_register_keeps_first_block_for_a_hash():
     _, pool, _ = make()
     a, b = pool.allocate(2)
-    assert pool.register(a, b"h" * 16)
-    assert not pool.register(b, b"h" * 16)
-    assert pool.lookup(b"h" * 16) == a and b not in pool.hash_of
+    assert pool.prefix.register(a, b"h" * 16)
+    assert not pool.prefix.register(b, b"h" * 16)
+    assert pool.prefix.lookup(b"h" * 16) == a and not pool.prefix.is_hashed(b)
 
 
 def test_memory_flows_between_classes_by_slab():
@@ -121,7 +123,7 @@ def test_reclaim_evicts_other_class_cached_slab_last():
     b = ClassPool(1, G, budget)
     ids = a.allocate(8)
     for i, blk in enumerate(ids):
-        a.register(blk, bytes([i]) * 16)
+        a.prefix.register(blk, bytes([i]) * 16)
     a.release(ids[4:][::-1])  # slab 1 holds only cached blocks now
     assert b.obtainable() == 4
     assert b.allocate(4) == [0, 1, 2, 3]
@@ -153,7 +155,7 @@ def test_register_many_with_a_hash_twice_matches_register_one_by_one():
     blocks = one.allocate(4)
     assert many.allocate(4) == blocks
     digests = [b"a" * 16, b"b" * 16, b"a" * 16, b"c" * 16]
-    expect = [b for b, h in zip(blocks, digests) if one.register(b, h, writer=5)]
-    assert many.register_many(blocks, digests, writer=5) == expect == [blocks[0], blocks[1], blocks[3]]
-    assert (many.by_hash, many.hash_of, many.unwritten) == (one.by_hash, one.hash_of, one.unwritten)
+    expect = [b for b, h in zip(blocks, digests) if one.prefix.register(b, h, writer=5)]
+    assert many.prefix.register_many(blocks, digests, writer=5) == expect == [blocks[0], blocks[1], blocks[3]]
+    assert prefix_state(many) == prefix_state(one)
     many.check()

@@ -19,6 +19,7 @@ from kvpoold.core.hashing import chain_hashes, pack_tokens, root_hash
 from kvpoold.core.tiers import Tier
 
 from helpers import snapshot
+from oracle import refcount
 
 G = Geometry(num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16", block_size=4)  # 128 B
 
@@ -43,7 +44,7 @@ def test_prefix_hit_reuses_full_blocks_only():
     assert b.block_table[:2] == a.block_table[:2]
     assert b.block_table[2] not in a.block_table
     assert b.num_cached_tokens == 8
-    assert m.classes[c].refcount(a.block_table[0]) == 2
+    assert refcount(m.classes[c], a.block_table[0]) == 2
     other_model = m.create(3, c, "qwen", range(10))
     assert other_model.num_cached_tokens == 0
     lora = m.create(3, c, "llama", range(10), extra_key="lora-7")

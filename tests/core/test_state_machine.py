@@ -370,7 +370,7 @@ class CoreMachine(RuleBasedStateMachine):
             if isinstance(key[1], bytes):
                 assert data == self.expected[key[1]], f"lower-tier block {key} holds {data}"
         for pool in self.m.classes:
-            for digest, b in pool.by_hash.items():
+            for digest, b in pool.prefix.digest_items():
                 assert self.memory[(pool.class_id, b)] == self.expected[digest], f"device block {b} is wrong"
 
     def teardown(self):

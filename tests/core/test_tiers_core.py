@@ -6,9 +6,10 @@ import pytest
 
 from kvpoold.core import Geometry, InvalidArgument, KVCacheManager, OutOfBlocks, Tier, WrongState
 from kvpoold.core.hashing import chain_hashes, pack_tokens, root_hash
-from kvpoold.core.tiers import DROP, MovePlan
+from kvpoold.core.tiers import DROP, MovePlan, TierPlacement
 
 from helpers import snapshot
+from oracle import OraclePlacement, tier_keys
 
 G = Geometry(1, 1, 4, "float16", 4)  # 64 bytes per block
 
@@ -47,7 +48,7 @@ def test_prefix_hit_on_lower_tiers_promotes_in_chain_order():
         if mv.src == Tier.DEVICE:
             assert all(w.block != mv.block for w in moves[:i] if w.dst == Tier.DEVICE)
     pool = m.classes[c]
-    assert all(pool.hash_of[b] == h for b, h in zip(hit.block_table, hashes))
+    assert all(pool.prefix.digest_of(b) == h for b, h in zip(hit.block_table, hashes))
     st = m.stats()
     assert st.classes[0].promoted_blocks == 4 and st.classes[0].demoted_blocks >= 4
     m.check_invariants()
@@ -185,7 +186,7 @@ def test_restart_entries_load_oldest_first_as_far_as_they_fit():
     assert not m.load_lower(Tier.DISK, c, b"a" * 16, G.block_bytes)  # known already
     assert m.load_lower(Tier.DISK, c, b"b" * 16, G.block_bytes)
     assert not m.load_lower(Tier.DISK, c, b"c" * 16, G.block_bytes)  # full
-    assert m.placement.lower[1].keys() == [(c, b"a" * 16), (c, b"b" * 16)]
+    assert tier_keys(m.placement.lower[1]) == [(c, b"a" * 16), (c, b"b" * 16)]
     m.check_invariants()
 
 
@@ -249,12 +250,10 @@ def test_batch_placement_matches_key_by_key(seed):
     state that the single-key methods leave (LRU order, sizes, charges, counters), with the same moves per key."""
     import random
 
-    from kvpoold.core.tiers import TierPlacement
-
     rng = random.Random(seed)
     align = rng.choice([1, 4096])
     host, disk = rng.randrange(0, 16) * 4096, rng.randrange(0, 16) * 4096
-    ref, bulk = TierPlacement(host, disk, align=align), TierPlacement(host, disk, align=align)
+    ref, bulk = OraclePlacement(host, disk, align=align), TierPlacement(host, disk, align=align)
     serial = 0
     for _ in range(30):
         pr, pb = MovePlan(), MovePlan()

@@ -1,0 +1,61 @@
+"""Pool statistics (``kvpoolctl stats``, the metrics endpoint)."""
+
+from __future__ import annotations
+
+from .results import ClassStats, PoolStats, TierStats
+from .state import ManagerState
+
+
+class Statistics(ManagerState):
+    """``stats``: sizes and counters per class and per lower tier."""
+
+    def stats(self) -> PoolStats:
+        reserved = [0] * len(self.classes)
+        swapped = [0] * len(self.classes)
+        for slot in self._swapped:
+            swapped[int(self.seqs.cls[slot])] += 1
+        for state in self._owners.values():
+            for cls, r in state.reserves.items():
+                reserved[cls] += len(r)
+        classes = []
+        for pool, c in zip(self.classes, self._counters):
+            classes.append(
+                ClassStats(
+                    class_id=pool.class_id,
+                    geometry=pool.geometry.describe(),
+                    block_bytes=pool.block_bytes,
+                    capacity_blocks=pool.num_block_ids,
+                    total_blocks=pool.total_blocks,
+                    used_blocks=pool.held_blocks,
+                    reserved_blocks=reserved[pool.class_id],
+                    cached_blocks=len(pool.cached),
+                    free_blocks=len(pool.free),
+                    cow_copies=c.cow_copies,
+                    evictions=pool.evictions,
+                    prefix_queries=c.prefix_queries,
+                    prefix_hits=c.prefix_hits,
+                    prefix_query_tokens=c.prefix_query_tokens,
+                    prefix_hit_tokens=c.prefix_hit_tokens,
+                    promoted_blocks=c.promoted_blocks,
+                    demoted_blocks=c.demoted_blocks,
+                    swapped_out_blocks=c.swapped_out_blocks,
+                    swapped_in_blocks=c.swapped_in_blocks,
+                    swapped_sequences=swapped[pool.class_id],
+                    lost_blocks=c.lost_blocks,
+                )
+            )
+        tiers = tuple(
+            TierStats(t.tier.name.lower(), t.capacity, t.used, len(t), pinned_bytes=t.pinned,
+                      blocks_in=t.blocks_in, blocks_out=t.blocks_out, dropped_blocks=t.dropped)
+            for t in self.placement.lower
+        )
+        return PoolStats(
+            pool_bytes=self.budget.total * self.budget.chunk_bytes,
+            chunk_bytes=self.budget.chunk_bytes,
+            free_chunks=self.budget.free,
+            sequences=self.seqs.live,
+            owners=len(self._owners),
+            classes=tuple(classes),
+            tiers=tiers,
+        )
+
