@@ -26,7 +26,7 @@ from typing import Iterable, Mapping
 
 import numpy as np
 
-from .block_pool import DEFAULT_CHUNK_BYTES, ChunkBudget, ClassPool
+from .block_pool import DEFAULT_CHUNK_BYTES, ChunkBudget, LayoutClass
 from .errors import InvalidArgument, OutOfBlocks, WrongState
 from .hashing import _digest, chain_hashes, pack_tokens, root_hash
 from .layout import Geometry
@@ -34,17 +34,17 @@ from .results import (
     BlockCopy,
     ClassStats,
     ExtendItem,
-    ExtendResult,
+    ExtendDeltas,
     LookupResult,
-    PoolStats,
+    ManagerStats,
     SeqDelta,
-    SequenceInfo,
+    PageTable,
     TierStats,
 )
 from .seq_table import SeqTable
 from .tiers import Key, MovePlan, Tier, TierPlacement
 
-_NO_CHANGE = ExtendResult()  # immutable, so one instance serves every unchanged step
+_NO_CHANGE = ExtendDeltas()  # immutable, so one instance serves every unchanged step
 
 
 @dataclass
@@ -113,7 +113,7 @@ class KVCacheManager:
         self._track_moves = host_bytes > 0 or disk_bytes > 0
         self.policy = policy
         self.max_reserve_blocks = max_reserve_blocks
-        self.classes: list[ClassPool] = []
+        self.classes: list[LayoutClass] = []
         self._counters: list[_Counters] = []
         self._class_ids: dict[Geometry, int] = {}
         self._block_size = np.zeros(0, np.int64)  # class id -> block size
@@ -134,7 +134,7 @@ class KVCacheManager:
         cid = self._class_ids.get(geometry)
         if cid is None:
             cid = len(self.classes)
-            pool = ClassPool(cid, geometry, self.budget, self.policy, self._on_evict)
+            pool = LayoutClass(cid, geometry, self.budget, self.policy, self._on_evict)
             self.classes.append(pool)
             self._counters.append(_Counters())
             self._holds.append({})
@@ -147,7 +147,7 @@ class KVCacheManager:
         """The class id of ``geometry`` if registered, else None."""
         return self._class_ids.get(geometry)
 
-    def class_pool(self, class_id: int) -> ClassPool:
+    def class_pool(self, class_id: int) -> LayoutClass:
         if type(class_id) is not int or not 0 <= class_id < len(self.classes):
             raise InvalidArgument(f"unknown layout class {class_id!r}")
         return self.classes[class_id]
@@ -191,17 +191,17 @@ class KVCacheManager:
             state = self._owners[owner] = _Owner()
         return state
 
-    def _info(self, slot: int) -> SequenceInfo:
+    def _info(self, slot: int) -> PageTable:
         t = self.seqs
-        return SequenceInfo(
+        return PageTable(
             t.seq_id(slot), int(t.cls[slot]), tuple(t.blocks[slot]), int(t.ntok[slot]), int(t.num_cached[slot]),
             bool(t.swapped[slot]),
         )
 
-    def sequence(self, owner: int, seq_id: int) -> SequenceInfo:
+    def sequence(self, owner: int, seq_id: int) -> PageTable:
         return self._info(self.seqs.slot_of(owner, seq_id))
 
-    def sequences(self, owner: int) -> list[SequenceInfo]:
+    def sequences(self, owner: int) -> list[PageTable]:
         state = self._owners.get(owner)
         return [self.sequence(owner, i) for i in sorted(state.seqs)] if state else []
 
@@ -218,7 +218,7 @@ class KVCacheManager:
     # -- sequences --------------------------------------------------------------
     def create(
         self, owner: int, class_id: int, model_id: str, tokens, extra_key: str = ""
-    ) -> SequenceInfo:
+    ) -> PageTable:
         """A new sequence holding ``tokens``; reuses the longest cached prefix."""
         pool = self.class_pool(class_id)
         packed = pack_tokens(tokens)
@@ -271,7 +271,7 @@ class KVCacheManager:
         state.seqs.add(seq_id)
         return self._info(seq_id & 0xFFFFFFFF)
 
-    def _match(self, pool: ClassPool, owner: int, hashes: list[bytes]):
+    def _match(self, pool: LayoutClass, owner: int, hashes: list[bytes]):
         """The longest prefix of ``hashes`` cached on some tier that ``owner`` may use.
 
         Returns its device blocks (-1 where a lower tier holds the block), the hashes of those
@@ -314,7 +314,7 @@ class KVCacheManager:
             holder = holders[0][0]  # the only lower tier with entries: it holds every lower hit
         return matched, lower, lower_keys, holder
 
-    def extend(self, owner: int, items: Mapping[int, object] | Iterable[ExtendItem]) -> ExtendResult:
+    def extend(self, owner: int, items: Mapping[int, object] | Iterable[ExtendItem]) -> ExtendDeltas:
         """Append tokens to many sequences in one call; returns only what changed.
 
         ``items`` maps sequence ids to token lists, or is a list of
@@ -349,7 +349,7 @@ class KVCacheManager:
         tokens,
         claim_counts=None,
         claims=None,
-    ) -> ExtendResult:
+    ) -> ExtendDeltas:
         """``extend`` for a batch given as flat arrays (the wire format).
 
         ``tokens`` holds ``counts[i]`` tokens for ``seq_ids[i]``, in order
@@ -375,7 +375,7 @@ class KVCacheManager:
         if n == 0:
             if len(tokens):
                 raise InvalidArgument(f"no sequences but {len(tokens)} tokens were sent")
-            return ExtendResult()
+            return ExtendDeltas()
         t = self.seqs
         slots = t.slots_of(owner, seq_ids)
         if t.nswapped and t.swapped[slots].any():
@@ -440,9 +440,9 @@ class KVCacheManager:
         t.unflag_shared(slots[(grow > 0) | cow])
         self._append_general(owner, pool, slots, nt, counts, tokens)
         t.ntok[slots] = new_nt
-        return ExtendResult.from_deltas(deltas, copies)
+        return ExtendDeltas.from_deltas(deltas, copies)
 
-    def _plan_copy_on_write(self, pool: ClassPool, slots, nt, counts) -> np.ndarray:
+    def _plan_copy_on_write(self, pool: LayoutClass, slots, nt, counts) -> np.ndarray:
         """Which sequences of the batch must copy their shared, partly filled last block.
 
         When every holder of such a block appends in this one call, the last
@@ -461,7 +461,7 @@ class KVCacheManager:
                 cow[i] = i != keeper
         return cow
 
-    def _confirm_written(self, owner: int, pool: ClassPool, slots) -> None:
+    def _confirm_written(self, owner: int, pool: LayoutClass, slots) -> None:
         """A call on these sequences says the KV of the tokens they had before is written."""
         t = self.seqs
         if not t.n_unconfirmed:
@@ -470,7 +470,7 @@ class KVCacheManager:
         if not len(pending):
             return
         unconfirmed, unwritten = t.unconfirmed, pool.unwritten
-        for slot in pending.tolist():  # SeqTable.take_unconfirmed + ClassPool.confirm, inlined
+        for slot in pending.tolist():  # SeqTable.take_unconfirmed + LayoutClass.confirm, inlined
             for b in unconfirmed[slot]:
                 if unwritten.get(b) == owner:
                     del unwritten[b]
@@ -478,7 +478,7 @@ class KVCacheManager:
         t.has_unconfirmed[pending] = False
         t.n_unconfirmed -= len(pending)
 
-    def _extend_one_each(self, owner: int, pool: ClassPool, slots, seq_ids, nt, tokens) -> ExtendResult:
+    def _extend_one_each(self, owner: int, pool: LayoutClass, slots, seq_ids, nt, tokens) -> ExtendDeltas:
         """Steady decode: one token for each sequence, none of them sharing its last block."""
         t = self.seqs
         bs = pool.block_size
@@ -504,7 +504,7 @@ class KVCacheManager:
             unwritten, unconfirmed, newly = pool.unwritten, t.unconfirmed, []
             for i, slot in enumerate(filled.tolist()):
                 h = _digest(last_hash[slot] + raw[i * step:(i + 1) * step])
-                if h not in by_hash:  # ClassPool.register(b, h, writer=owner), inlined for the hot path
+                if h not in by_hash:  # LayoutClass.register(b, h, writer=owner), inlined for the hot path
                     b = all_blocks[slot][-1]
                     by_hash[h] = b
                     hash_of[b] = h
@@ -522,7 +522,7 @@ class KVCacheManager:
         if not len(starts):
             return _NO_CHANGE
         # each delta is one new block at the old end (old length is a multiple of bs)
-        return ExtendResult._adopt(
+        return ExtendDeltas._adopt(
             seq_ids[starts], (nt[starts] // bs).astype(np.int32), np.ones(len(starts), np.int32),
             np.array(fresh, np.int32),
         )
@@ -556,7 +556,7 @@ class KVCacheManager:
             seen.add(b)
         return has, claims, starts
 
-    def _append_general(self, owner: int, pool: ClassPool, slots, nt, counts, tokens) -> None:
+    def _append_general(self, owner: int, pool: LayoutClass, slots, nt, counts, tokens) -> None:
         t = self.seqs
         bs = pool.block_size
         offsets = np.concatenate(([0], np.cumsum(counts)))
@@ -581,7 +581,7 @@ class KVCacheManager:
                     pos = 0
             t.last_hash[slot] = parent
 
-    def fork(self, owner: int, seq_id: int) -> SequenceInfo:
+    def fork(self, owner: int, seq_id: int) -> PageTable:
         """A new sequence sharing every block of ``seq_id`` (copy-on-write later)."""
         t = self.seqs
         slot = t.slot_of(owner, seq_id)
@@ -692,7 +692,7 @@ class KVCacheManager:
             self._counters[c].swapped_out_blocks += len(blocks)
         return per_tier[0], per_tier[1]
 
-    def swap_in(self, owner: int, seq_ids: Iterable[int]) -> list[SequenceInfo]:
+    def swap_in(self, owner: int, seq_ids: Iterable[int]) -> list[PageTable]:
         """Bring swapped-out sequences back onto the device, possibly into other blocks.
 
         A block whose hash is on the device already (cached or held) is
@@ -776,7 +776,7 @@ class KVCacheManager:
             holds[b] = holds.get(b, 0) + 1
 
     @staticmethod
-    def _all_held(pool: ClassPool, blocks: list[int]) -> bool:
+    def _all_held(pool: LayoutClass, blocks: list[int]) -> bool:
         """Whether every block is an int in an owned slab and not cached (checked per batch, not per block)."""
         if not blocks:
             return True
@@ -956,7 +956,7 @@ class KVCacheManager:
             n += pool.drop_cached(None if max_blocks is None else max_blocks - n)
         return n
 
-    def stats(self) -> PoolStats:
+    def stats(self) -> ManagerStats:
         reserved = [0] * len(self.classes)
         swapped = [0] * len(self.classes)
         for slot in self._swapped:
@@ -996,7 +996,7 @@ class KVCacheManager:
                       blocks_in=t.blocks_in, blocks_out=t.blocks_out, dropped_blocks=t.dropped)
             for t in self.placement.lower
         )
-        return PoolStats(
+        return ManagerStats(
             pool_bytes=self.budget.total * self.budget.chunk_bytes,
             chunk_bytes=self.budget.chunk_bytes,
             free_chunks=self.budget.free,
