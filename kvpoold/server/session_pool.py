@@ -83,7 +83,8 @@ class PoolSession:
         try:
             for tokens, extra_key in prompts:
                 out.append(pool.manager.create(session.id, session.class_id, session.model_key, tokens, extra_key))
-                started += pool.sync_memory()  # promotions start now and hold their blocks (a later failure frees safely)
+                # promotions start now and hold their blocks (a later failure frees safely)
+                started += pool.sync_memory()
         except BaseException:
             if out:
                 pool.manager.free(session.id, [s.seq_id for s in out])

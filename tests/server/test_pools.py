@@ -101,7 +101,8 @@ def test_prefix_cache_is_per_pool(service):
     (s,) = create(service, a.session, [(prompt, "")])
     service.pool_of(a.session).manager.mark_written(a.session.id, [s.seq_id])
     assert service.session_pool(a.session.token).lookup(prompt, "").num_cached_tokens == 8
-    assert service.session_pool(b.session.token).lookup(prompt, "").num_cached_tokens == 0  # those bytes are on the other GPU
+    # those bytes are on the other GPU
+    assert service.session_pool(b.session.token).lookup(prompt, "").num_cached_tokens == 0
 
 
 def test_a_gpu_not_served_is_refused_naming_the_devices_and_changes_nothing(service):
