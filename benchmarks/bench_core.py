@@ -135,7 +135,7 @@ def main() -> None:
     free = bench_free_batch()
 
     print_table(
-        "allocate + free (ClassPool), per block",
+        "allocate + free (LayoutClass), per block",
         ["batch", "ns/block", "dict ins+del ns", "ratio", "target"],
         [[r["batch"], f"{r['ns_per_block']:.1f}", f"{r['dict_insert_delete_ns']:.1f}", f"{r['ratio']:.2f}",
           "<= 1.0" if r["batch"] == 64 else "-"] for r in alloc],

@@ -6,27 +6,37 @@
         seq = client.create_sequence(prompt_ids)
         kv = client.kv_cache()          # [num_blocks, layers, 2, kv heads, block_size, head_dim]
         client.extend({seq: [next_id]})  # one call per scheduler step, for the whole batch
+
+The names below are imported on first use (PEP 562): ``kvpool.protocol``,
+which the daemon's core imports for the shared figures, must not pull in
+gRPC or numpy through this package.
 """
 
-from .client import Client, ExtendResult, Sequence, connect
-from .connection import Connection
-from .errors import (
-    DaemonError,
-    FailedPrecondition,
-    InvalidArgument,
-    KvpoolError,
-    NotFound,
-    OutOfBlocks,
-    PermissionDenied,
-    SessionExpired,
-    Unavailable,
-)
-from .layout import Layout
-from .stats import ClassStats, ClientInfo, PoolStats, SequenceInfo, TierStats
+from __future__ import annotations
 
-__all__ = [
-    "Client", "ExtendResult", "Sequence", "connect", "Connection", "Layout",
-    "KvpoolError", "InvalidArgument", "NotFound", "OutOfBlocks", "PermissionDenied", "FailedPrecondition",
-    "SessionExpired", "Unavailable", "DaemonError",
-    "ClassStats", "ClientInfo", "PoolStats", "SequenceInfo", "TierStats",
-]
+import importlib
+
+_WHERE = {
+    "Client": "client", "ExtendResult": "client", "Sequence": "client", "connect": "client",
+    "Connection": "connection", "Layout": "layout",
+    "KvpoolError": "errors", "InvalidArgument": "errors", "NotFound": "errors", "OutOfBlocks": "errors",
+    "PermissionDenied": "errors", "FailedPrecondition": "errors", "SessionExpired": "errors",
+    "Unavailable": "errors", "DaemonError": "errors",
+    "ClassStats": "stats", "ClientInfo": "stats", "PoolStats": "stats", "SequenceInfo": "stats",
+    "TierStats": "stats",
+}
+
+__all__ = list(_WHERE)
+
+
+def __getattr__(name: str):
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

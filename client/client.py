@@ -205,7 +205,7 @@ class Client:
         self.backend = r.backend
         self.max_reserve_blocks = r.max_reserve_blocks
         self.grace_seconds = r.grace_seconds
-        # lease (issue 9): a background thread says "still here" when no call did for lease/3
+        # the lease: a background thread says "still here" when no call did for lease/3
         self.lease_seconds = r.lease_seconds
         self._last_call = time.monotonic()
         self.session_expired = threading.Event()  # set when the daemon dropped this session (lease, operator)
@@ -552,7 +552,7 @@ class Client:
                 self._state(sid)
             self._step([], [], ids, True)
 
-    # -- tiers (issue 6) -----------------------------------------------------------------------
+    # -- tiers -----------------------------------------------------------------------
     def swap_out(self, seqs: Sequence | int | Iterable[Sequence | int]) -> int:
         """Preempt sequences: the daemon copies their blocks to the host (or disk) tier and
         frees their device blocks.  Returns how many blocks were given back.

@@ -28,6 +28,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvpool import Connection, KvpoolError, PermissionDenied, Unavailable
+from kvpool.protocol.stats import PoolStats
 from kvpoold.config import DEFAULT_CONFIG, DEFAULT_SOCKET, ConfigError, admin_socket_for, load_config
 
 EXIT_ERROR, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_CHECK_FAILED, EXIT_DENIED = 1, 2, 3, 4, 5
@@ -127,7 +128,7 @@ def cli(ctx: click.Context, socket: str | None, admin_socket: str | None, config
     ctx.obj = _Ctx(socket, admin_socket, config, timeout)
 
 
-def devices_table(st) -> Table:
+def devices_table(st: PoolStats) -> Table:
     """One row per pool of a daemon serving several GPUs (``--devices 0,1``)."""
     table = Table(title="pools (one per GPU)")
     for col in ("device", "PCI bus id", "pool", "not assigned", "used", "cached", "clients", "sequences"):
@@ -140,21 +141,21 @@ def devices_table(st) -> Table:
     return table
 
 
-def stats_view(st):
+def stats_view(st: PoolStats):
     """``stats_table``; with several pools, the per-pool rows above it."""
-    if len(getattr(st, "devices", ())) > 1:
+    if len(st.devices) > 1:
         from rich.console import Group
 
         return Group(devices_table(st), stats_table(st))
     return stats_table(st)
 
 
-def stats_table(st) -> Table:
+def stats_table(st: PoolStats) -> Table:
     """One column per layout class (device tier) and per lower tier; one row per figure.
 
     With several pools (one per GPU) each column is one pool's class or tier, named by its GPU.
     """
-    devices = tuple(getattr(st, "devices", ()))
+    devices = st.devices
     several = len(devices) > 1
     where = ""
     if len(devices) == 1 and devices[0].device >= 0:
@@ -163,7 +164,7 @@ def stats_table(st) -> Table:
         where = f" on {len(devices)} GPUs"
     table = Table(
         title=f"kvpoold {st.version} · {st.backend} backend · pool {human_bytes(st.pool_bytes)}{where} · "
-              f"up {st.uptime_seconds:.0f}s" + (" · DRAINING" if getattr(st, "draining", False) else ""),
+              f"up {st.uptime_seconds:.0f}s" + (" · DRAINING" if st.draining else ""),
         caption=f"{st.clients} clients · {st.sequences} sequences · {st.rpcs} calls · "
                 f"{human_bytes(st.free_bytes)} not assigned to a layout",
     )
@@ -199,7 +200,7 @@ def stats_table(st) -> Table:
     row("hit rate (tokens)", lambda c: f"{100 * c.hit_rate:.1f}% of {c.prefix_query_tokens}")
     row("copy-on-write copies", lambda c: str(c.cow_copies))
     row("evictions", lambda c: str(c.evictions))
-    # tiers (issue 6): blocks moved, and the rate of the copies while they ran
+    # tiers: blocks moved, and the rate of the copies while they ran
     row("promoted (blocks)", lambda c: str(c.promoted_blocks), lambda t: str(t.blocks_out))
     row("demoted (blocks)", lambda c: str(c.demoted_blocks), lambda t: str(t.blocks_in))
     row("swapped out / in (blocks)", lambda c: f"{c.swapped_out_blocks} / {c.swapped_in_blocks}",
@@ -209,8 +210,8 @@ def stats_table(st) -> Table:
     row("read from tier", lambda c: "", lambda t: f"{human_bytes(t.bytes_read)} · {t.read_gbps:.2f} GB/s")
     row("dropped / corrupt (blocks)", lambda c: f"{c.lost_blocks} lost",
         lambda t: f"{t.dropped_blocks} / {t.corrupt_blocks}")
-    row("failed writes / reads (blocks)", lambda c: "",  # faults (issue 9): I/O errors of the tier
-        lambda t: f"{getattr(t, 'failed_writes', 0)} / {getattr(t, 'failed_reads', 0)}")
+    row("failed writes / reads (blocks)", lambda c: "",  # I/O errors of the tier
+        lambda t: f"{t.failed_writes} / {t.failed_reads}")
     return table
 
 

@@ -62,6 +62,12 @@ def test_core_imports_nothing_heavy():
             elif isinstance(node, ast.ImportFrom) and node.level == 0:
                 names = [(node.module or "").split(".")[0]]
             assert not banned & set(names), f"{path.name} imports {banned & set(names)}"
+    # and what it imports (the shared figures of kvpool.protocol) pulls none of them in either
+    code = (
+        "import sys, kvpoold.core; heavy = {'grpc', 'torch', 'numba', 'cupy'} & set(sys.modules);"
+        "assert not heavy, f'importing kvpoold.core imported {heavy}'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
 def test_cpu_path_never_imports_cupy():

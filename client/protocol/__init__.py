@@ -5,7 +5,10 @@
   edited or committed);
 * ``kvpool.protocol.wire``: packed little-endian arrays, numpy <-> bytes;
 * ``kvpool.protocol.arena``: ``ArenaDescriptor`` (how a client finds an arena's
-  memory) and the dtype names a layout may use.
+  memory) and the dtype names a layout may use;
+* ``kvpool.protocol.stats``: the operator figures (class, tier, device, daemon,
+  client), defined once: the daemon's core builds them, both sides convert
+  them to and from their wire messages by field name.
 
 Both sides import from here; nothing here imports either side.
 """

@@ -4,7 +4,7 @@ Nothing here imports torch, CuPy, Numba, gRPC or touches files: it is
 integers, token ids and hashes, testable on its own.
 """
 
-from .block_pool import DEFAULT_CHUNK_BYTES, ChunkBudget, ClassPool
+from .block_pool import DEFAULT_CHUNK_BYTES, ChunkBudget, LayoutClass
 from .errors import (
     InvalidArgument,
     KvpoolError,
@@ -20,19 +20,19 @@ from .results import (
     BlockCopy,
     ClassStats,
     ExtendItem,
-    ExtendResult,
+    ExtendDeltas,
     LookupResult,
-    PoolStats,
+    ManagerStats,
     SeqDelta,
-    SequenceInfo,
+    PageTable,
     TierStats,
 )
 from .tiers import Move, Tier, TierPlacement
 
 __all__ = [
-    "DEFAULT_CHUNK_BYTES", "ChunkBudget", "ClassPool", "InvalidArgument", "KvpoolError",
+    "DEFAULT_CHUNK_BYTES", "ChunkBudget", "LayoutClass", "InvalidArgument", "KvpoolError",
     "LayoutDoesNotFit", "NotOwner", "OutOfBlocks", "UnknownSequence", "WrongState", "DTYPE_SIZES",
-    "Geometry", "KVCacheManager", "BlockCopy", "ClassStats", "ExtendItem", "ExtendResult",
-    "LookupResult", "PoolStats", "SeqDelta", "SequenceInfo", "TierStats", "Move", "Tier",
+    "Geometry", "KVCacheManager", "BlockCopy", "ClassStats", "ExtendItem", "ExtendDeltas",
+    "LookupResult", "ManagerStats", "SeqDelta", "PageTable", "TierStats", "Move", "Tier",
     "TierPlacement",
 ]

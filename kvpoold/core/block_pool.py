@@ -59,13 +59,13 @@ class ChunkBudget:
         self.total = total_chunks
         self.free = total_chunks
         self.chunk_bytes = chunk_bytes
-        self.classes: list[ClassPool] = []
+        self.classes: list[LayoutClass] = []
 
-    def reclaimable(self, requester: "ClassPool", evict: bool) -> int:
+    def reclaimable(self, requester: "LayoutClass", evict: bool) -> int:
         """Chunks the other classes could give back (empty slabs, or unheld ones if ``evict``)."""
         return sum(c.slabs_to_give(evict) * c.slab_chunks for c in self.classes if c is not requester)
 
-    def reclaim(self, requester: "ClassPool", chunks: int, evict: bool) -> None:
+    def reclaim(self, requester: "LayoutClass", chunks: int, evict: bool) -> None:
         """Make at least ``chunks`` chunks free by taking slabs back from other classes."""
         for other in self.classes:
             if self.free >= chunks:
@@ -74,7 +74,7 @@ class ChunkBudget:
                 other.give_back_slabs(chunks - self.free, evict)
 
 
-class ClassPool:
+class LayoutClass:
     """Block ids, ref counts and the device-tier prefix index of one layout class."""
 
     SLABS_AHEAD = 8  # slabs taken at once from unassigned memory when the class grows

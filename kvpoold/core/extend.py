@@ -14,13 +14,13 @@ from typing import Iterable, Mapping
 
 import numpy as np
 
-from .block_pool import ClassPool
+from .block_pool import LayoutClass
 from .errors import InvalidArgument, OutOfBlocks, WrongState
 from .hashing import _digest, pack_tokens
-from .results import BlockCopy, ExtendItem, ExtendResult, SeqDelta
+from .results import BlockCopy, ExtendItem, ExtendDeltas, SeqDelta
 from .state import ManagerState
 
-_NO_CHANGE = ExtendResult()  # immutable, so one instance serves every unchanged step
+_NO_CHANGE = ExtendDeltas()  # immutable, so one instance serves every unchanged step
 
 
 def _as_array(values, dtype, name: str) -> np.ndarray:
@@ -45,7 +45,7 @@ def _as_array(values, dtype, name: str) -> np.ndarray:
 class Extending(ManagerState):
     """``extend``: appending tokens to sequences, copy-on-write and reserve claims."""
 
-    def extend(self, owner: int, items: Mapping[int, object] | Iterable[ExtendItem]) -> ExtendResult:
+    def extend(self, owner: int, items: Mapping[int, object] | Iterable[ExtendItem]) -> ExtendDeltas:
         """Append tokens to many sequences in one call; returns only what changed.
 
         ``items`` maps sequence ids to token lists, or is a list of
@@ -80,7 +80,7 @@ class Extending(ManagerState):
         tokens,
         claim_counts=None,
         claims=None,
-    ) -> ExtendResult:
+    ) -> ExtendDeltas:
         """``extend`` for a batch given as flat arrays (the wire format).
 
         ``tokens`` holds ``counts[i]`` tokens for ``seq_ids[i]``, in order
@@ -106,7 +106,7 @@ class Extending(ManagerState):
         if n == 0:
             if len(tokens):
                 raise InvalidArgument(f"no sequences but {len(tokens)} tokens were sent")
-            return ExtendResult()
+            return ExtendDeltas()
         t = self.seqs
         slots = t.slots_of(owner, seq_ids)
         if t.nswapped and t.swapped[slots].any():
@@ -171,9 +171,9 @@ class Extending(ManagerState):
         t.unflag_shared(slots[(grow > 0) | cow])
         self._append_general(owner, pool, slots, nt, counts, tokens)
         t.ntok[slots] = new_nt
-        return ExtendResult.from_deltas(deltas, copies)
+        return ExtendDeltas.from_deltas(deltas, copies)
 
-    def _plan_copy_on_write(self, pool: ClassPool, slots, nt, counts) -> np.ndarray:
+    def _plan_copy_on_write(self, pool: LayoutClass, slots, nt, counts) -> np.ndarray:
         """Which sequences of the batch must copy their shared, partly filled last block.
 
         When every holder of such a block appends in this one call, the last
@@ -192,12 +192,12 @@ class Extending(ManagerState):
                 cow[i] = i != keeper
         return cow
 
-    def _confirm_written(self, owner: int, pool: ClassPool, slots) -> None:
+    def _confirm_written(self, owner: int, pool: LayoutClass, slots) -> None:
         """A call on these sequences says the KV of the tokens they had before is written."""
         if self.seqs.n_unconfirmed:
             pool.prefix.confirm(self.seqs.take_unconfirmed_many(slots), owner)
 
-    def _extend_one_each(self, owner: int, pool: ClassPool, slots, seq_ids, nt, tokens) -> ExtendResult:
+    def _extend_one_each(self, owner: int, pool: LayoutClass, slots, seq_ids, nt, tokens) -> ExtendDeltas:
         """Steady decode: one token for each sequence, none of them sharing its last block."""
         t = self.seqs
         bs = pool.block_size
@@ -233,7 +233,7 @@ class Extending(ManagerState):
         if not len(starts):
             return _NO_CHANGE
         # each delta is one new block at the old end (old length is a multiple of bs)
-        return ExtendResult._adopt(
+        return ExtendDeltas._adopt(
             seq_ids[starts], (nt[starts] // bs).astype(np.int32), np.ones(len(starts), np.int32),
             np.array(fresh, np.int32),
         )
@@ -267,7 +267,7 @@ class Extending(ManagerState):
             seen.add(b)
         return has, claims, starts
 
-    def _append_general(self, owner: int, pool: ClassPool, slots, nt, counts, tokens) -> None:
+    def _append_general(self, owner: int, pool: LayoutClass, slots, nt, counts, tokens) -> None:
         t = self.seqs
         bs = pool.block_size
         offsets = np.concatenate(([0], np.cumsum(counts)))

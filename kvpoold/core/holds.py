@@ -7,7 +7,7 @@ from typing import Iterable
 
 import numpy as np
 
-from .block_pool import ClassPool
+from .block_pool import LayoutClass
 from .errors import InvalidArgument
 from .state import ManagerState
 from .tiers import Key, Tier
@@ -37,7 +37,7 @@ class TransferHolds(ManagerState):
             holds[b] = holds.get(b, 0) + 1
 
     @staticmethod
-    def _all_held(pool: ClassPool, blocks: list[int]) -> bool:
+    def _all_held(pool: LayoutClass, blocks: list[int]) -> bool:
         """Whether every block is an int in an owned slab and not cached (checked per batch, not per block)."""
         if not blocks:
             return True

@@ -25,14 +25,14 @@ from typing import Iterable
 
 import numpy as np
 
-from .block_pool import ClassPool
+from .block_pool import LayoutClass
 from .errors import InvalidArgument, OutOfBlocks
 from .extend import Extending
 from .hashing import chain_hashes, pack_tokens, root_hash
 from .holds import TransferHolds
 from .invariants import InvariantChecks
 from .layout import Geometry
-from .results import LookupResult, SequenceInfo
+from .results import LookupResult, PageTable
 from .reserves import Reserves
 from .state import ManagerState
 from .stats import Statistics
@@ -68,7 +68,7 @@ class KVCacheManager(Extending, Swapping, TransferHolds, Reserves, Statistics, I
         return out
 
     # -- owners and sequence lookups ----------------------------------------------
-    def sequences(self, owner: int) -> list[SequenceInfo]:
+    def sequences(self, owner: int) -> list[PageTable]:
         state = self._owners.get(owner)
         return [self.sequence(owner, i) for i in sorted(state.seqs)] if state else []
 
@@ -85,7 +85,7 @@ class KVCacheManager(Extending, Swapping, TransferHolds, Reserves, Statistics, I
     # -- sequences --------------------------------------------------------------
     def create(
         self, owner: int, class_id: int, model_id: str, tokens, extra_key: str = ""
-    ) -> SequenceInfo:
+    ) -> PageTable:
         """A new sequence holding ``tokens``; reuses the longest cached prefix."""
         pool = self.class_pool(class_id)
         packed = pack_tokens(tokens)
@@ -137,7 +137,7 @@ class KVCacheManager(Extending, Swapping, TransferHolds, Reserves, Statistics, I
         state.seqs.add(seq_id)
         return self._info(slot)
 
-    def _match(self, pool: ClassPool, owner: int, hashes: list[bytes]):
+    def _match(self, pool: LayoutClass, owner: int, hashes: list[bytes]):
         """The longest prefix of ``hashes`` cached on some tier that ``owner`` may use.
 
         Returns its device blocks (-1 where a lower tier holds the block), the hashes of those
@@ -198,7 +198,7 @@ class KVCacheManager(Extending, Swapping, TransferHolds, Reserves, Statistics, I
         self._counters[class_id].count_prefix_query(len(packed), sum(per_tier) * bs)
         return LookupResult(sum(per_tier) * bs, per_tier[0] * bs, per_tier[1] * bs, per_tier[2] * bs)
 
-    def fork(self, owner: int, seq_id: int) -> SequenceInfo:
+    def fork(self, owner: int, seq_id: int) -> PageTable:
         """A new sequence sharing every block of ``seq_id`` (copy-on-write later)."""
         t = self.seqs
         slot = t.slot_of(owner, seq_id)

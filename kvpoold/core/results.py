@@ -1,16 +1,20 @@
 """Immutable results of core calls.
 
 The core owns the page tables; callers get frozen snapshots or deltas, never
-a reference to internal state.
+a reference to internal state.  The class and tier figures are the shared
+operator schema (``kvpool.protocol.stats``, standard library only): the
+core fills them in, the service and the clients carry them unchanged.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvpool.protocol.stats import ClassStats, TierStats
+
 
 @dataclass(frozen=True)
-class SequenceInfo:
+class PageTable:
     """A sequence's whole page table."""
 
     seq_id: int
@@ -43,7 +47,7 @@ class BlockCopy:
     dst: int
 
 
-class ExtendResult:
+class ExtendDeltas:
     """What an extend changed, as columns (the wire's form) with a per-sequence view.
 
     Sequence ``delta_seq_ids[i]`` has ``block_table[delta_first[i]:]`` replaced
@@ -65,10 +69,10 @@ class ExtendResult:
         object.__setattr__(self, "copies", tuple(copies))
 
     def __setattr__(self, name, value):
-        raise AttributeError("ExtendResult is immutable")
+        raise AttributeError("ExtendDeltas is immutable")
 
     @classmethod
-    def _adopt(cls, seq_ids, first, counts, blocks) -> "ExtendResult":
+    def _adopt(cls, seq_ids, first, counts, blocks) -> "ExtendDeltas":
         """Wrap arrays the caller made for this result alone (no copies: the hot path)."""
         self = object.__new__(cls)
         for name, arr in (("delta_seq_ids", seq_ids), ("delta_first", first),
@@ -79,7 +83,7 @@ class ExtendResult:
         return self
 
     @classmethod
-    def from_deltas(cls, deltas, copies=()) -> "ExtendResult":
+    def from_deltas(cls, deltas, copies=()) -> "ExtendDeltas":
         return cls([d.seq_id for d in deltas], [d.first for d in deltas], [len(d.blocks) for d in deltas],
                    [b for d in deltas for b in d.blocks], copies)
 
@@ -94,10 +98,10 @@ class ExtendResult:
         return tuple(out)
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, ExtendResult) and self.deltas == other.deltas and self.copies == other.copies
+        return isinstance(other, ExtendDeltas) and self.deltas == other.deltas and self.copies == other.copies
 
     def __repr__(self) -> str:
-        return f"ExtendResult(deltas={self.deltas!r}, copies={self.copies!r})"
+        return f"ExtendDeltas(deltas={self.deltas!r}, copies={self.copies!r})"
 
 
 @dataclass(frozen=True)
@@ -125,53 +129,9 @@ class LookupResult:
 
 
 @dataclass(frozen=True)
-class ClassStats:
-    class_id: int
-    geometry: str
-    block_bytes: int
-    capacity_blocks: int  # the id space: what the class could own
-    total_blocks: int  # owned now
-    used_blocks: int  # held by sequences or reserves
-    reserved_blocks: int  # of used: in session reserves
-    cached_blocks: int
-    free_blocks: int
-    cow_copies: int
-    evictions: int
-    prefix_queries: int
-    prefix_hits: int
-    prefix_query_tokens: int
-    prefix_hit_tokens: int
-    # tiers (issue 6), in blocks
-    promoted_blocks: int = 0  # prefix hits brought back from a lower tier
-    demoted_blocks: int = 0  # cached blocks the device evicted into a lower tier
-    swapped_out_blocks: int = 0
-    swapped_in_blocks: int = 0
-    swapped_sequences: int = 0  # now
-    lost_blocks: int = 0  # promoted or swapped-in blocks whose bytes did not arrive (bad checksum, I/O error)
+class ManagerStats:
+    """One ``KVCacheManager``'s figures; the service turns them into a ``DeviceStats``."""
 
-
-@dataclass(frozen=True)
-class TierStats:
-    tier: str
-    capacity_bytes: int
-    used_bytes: int
-    blocks: int
-    # tiers (issue 6)
-    pinned_bytes: int = 0  # held for swapped-out sequences (never evicted)
-    blocks_in: int = 0  # placed here: demoted, pushed down from the tier above, swapped out
-    blocks_out: int = 0  # taken back to the device: promoted or swapped in
-    dropped_blocks: int = 0  # evicted with nowhere lower to go
-    corrupt_blocks: int = 0  # failed their checksum on read (disk); dropped, never served
-    bytes_written: int = 0  # by the transfer engine, with the seconds its copies took
-    write_seconds: float = 0.0
-    bytes_read: int = 0
-    read_seconds: float = 0.0
-    failed_writes: int = 0  # faults (issue 9): blocks whose write failed (the copy was dropped)
-    failed_reads: int = 0  # blocks whose read failed (not served; the owner recomputes)
-
-
-@dataclass(frozen=True)
-class PoolStats:
     pool_bytes: int
     chunk_bytes: int
     free_chunks: int

@@ -13,10 +13,10 @@ from itertools import repeat
 
 import numpy as np
 
-from .block_pool import DEFAULT_CHUNK_BYTES, ChunkBudget, ClassPool
+from .block_pool import DEFAULT_CHUNK_BYTES, ChunkBudget, LayoutClass
 from .errors import InvalidArgument, WrongState
 from .layout import Geometry
-from .results import SequenceInfo
+from .results import PageTable
 from .seq_table import SLOT_MASK, SeqTable
 from .tiers import Key, MovePlan, TierPlacement
 
@@ -77,7 +77,7 @@ class ManagerState:
         self._track_moves = host_bytes > 0 or disk_bytes > 0
         self.policy = policy
         self.max_reserve_blocks = max_reserve_blocks
-        self.classes: list[ClassPool] = []
+        self.classes: list[LayoutClass] = []
         self._counters: list[Counters] = []
         self._class_ids: dict[Geometry, int] = {}
         self._block_size = np.zeros(0, np.int64)  # class id -> block size
@@ -97,7 +97,7 @@ class ManagerState:
         cid = self._class_ids.get(geometry)
         if cid is None:
             cid = len(self.classes)
-            pool = ClassPool(cid, geometry, self.budget, self.policy, self._on_evict)
+            pool = LayoutClass(cid, geometry, self.budget, self.policy, self._on_evict)
             self.classes.append(pool)
             self._counters.append(Counters())
             self._holds.append({})
@@ -113,7 +113,7 @@ class ManagerState:
             placed = self.placement.demote_many(self._moves, keys, self.classes[class_id].block_bytes, blocks)
             self._counters[class_id].demoted_blocks += placed
 
-    def class_pool(self, class_id: int) -> ClassPool:
+    def class_pool(self, class_id: int) -> LayoutClass:
         if type(class_id) is not int or not 0 <= class_id < len(self.classes):
             raise InvalidArgument(f"unknown layout class {class_id!r}")
         return self.classes[class_id]
@@ -130,14 +130,14 @@ class ManagerState:
             state = self._owners[owner] = Owner()
         return state
 
-    def _info(self, slot: int) -> SequenceInfo:
+    def _info(self, slot: int) -> PageTable:
         t = self.seqs
-        return SequenceInfo(
+        return PageTable(
             t.seq_id(slot), int(t.cls[slot]), tuple(t.blocks[slot]), int(t.ntok[slot]), int(t.num_cached[slot]),
             bool(t.swapped[slot]),
         )
 
-    def sequence(self, owner: int, seq_id: int) -> SequenceInfo:
+    def sequence(self, owner: int, seq_id: int) -> PageTable:
         return self._info(self.seqs.slot_of(owner, seq_id))
 
     def _slots(self, owner: int, seq_ids: list) -> np.ndarray:

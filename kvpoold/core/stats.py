@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from .results import ClassStats, PoolStats, TierStats
+from .results import ClassStats, ManagerStats, TierStats
 from .state import ManagerState
 
 
 class Statistics(ManagerState):
     """``stats``: sizes and counters per class and per lower tier."""
 
-    def stats(self) -> PoolStats:
+    def stats(self) -> ManagerStats:
         reserved = [0] * len(self.classes)
         swapped = [0] * len(self.classes)
         for slot in self._swapped:
@@ -49,7 +49,7 @@ class Statistics(ManagerState):
                       blocks_in=t.blocks_in, blocks_out=t.blocks_out, dropped_blocks=t.dropped)
             for t in self.placement.lower
         )
-        return PoolStats(
+        return ManagerStats(
             pool_bytes=self.budget.total * self.budget.chunk_bytes,
             chunk_bytes=self.budget.chunk_bytes,
             free_chunks=self.budget.free,

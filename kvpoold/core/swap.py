@@ -8,7 +8,7 @@ from typing import Iterable
 import numpy as np
 
 from .errors import InvalidArgument, OutOfBlocks, WrongState
-from .results import SequenceInfo
+from .results import PageTable
 from .state import ManagerState
 
 
@@ -57,7 +57,7 @@ class Swapping(ManagerState):
             self._counters[c].swapped_out_blocks += len(blocks)
         return per_tier[0], per_tier[1]
 
-    def swap_in(self, owner: int, seq_ids: Iterable[int]) -> list[SequenceInfo]:
+    def swap_in(self, owner: int, seq_ids: Iterable[int]) -> list[PageTable]:
         """Bring swapped-out sequences back onto the device, possibly into other blocks.
 
         A block whose hash is on the device already (cached or held) is

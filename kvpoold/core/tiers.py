@@ -1,6 +1,6 @@
 """Where blocks live below the device, and what to demote next.
 
-Tier 0 is the device pool itself (``ClassPool``).  Tiers 1 (pinned host) and 2
+Tier 0 is the device pool itself (``LayoutClass``).  Tiers 1 (pinned host) and 2
 (disk) are byte budgets with an index of keys -> bytes and an eviction policy
 each.  The core only *records* placement and *chooses*; the transfer engine
 (``kvpoold.transfer``) moves the bytes, in the order the moves were planned.

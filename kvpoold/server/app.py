@@ -6,7 +6,7 @@ left (stale sockets, shared-memory segments), create one pool per device
 (``--devices``: a backend, core and tiers each; see ``pools``), bind the
 normal socket (``socket_mode``, ``socket_group``: who may attach) and the admin
 socket (``admin_socket_mode``: who may evict, drain, look at other sessions),
-each served by its own gRPC server over the same ``PoolService`` and with the
+each served by its own gRPC server over the same ``Service`` and with the
 gRPC health and reflection services; start the Prometheus endpoint
 (``metrics_port``); then print one ``ready`` line and tell systemd READY=1
 (the sockets accept attaches from then on) and start pinging its watchdog.
@@ -15,7 +15,7 @@ SIGHUP reloads the settings that can change live (``LIVE_KEYS``) and logs
 those that need a restart.  SIGTERM/SIGINT: refuse new attaches, health
 NOT_SERVING, tell the clients through their ``Watch`` streams, wait up to
 ``shutdown_timeout`` for them to detach (a second signal stops waiting),
-drop the rest, flush the tiers (``PoolService.close``), remove the sockets,
+drop the rest, flush the tiers (``Service.close``), remove the sockets,
 exit 0.
 """
 
@@ -41,7 +41,7 @@ from kvpoold.memory import make_backend
 
 from .pools import disk_dir_for
 from .sd import Notifier
-from .service import PoolService
+from .service import Service
 from .tiers import DiskTierError
 from .servicer import KVPoolServicer, add_to_server
 
@@ -136,7 +136,7 @@ def check_gpu_room(config: Config, pool_bytes: int, device: int | None = None) -
         )
 
 
-def open_pools(config: Config, service: PoolService, instance: str, backend_kwargs: dict) -> None:
+def open_pools(config: Config, service: Service, instance: str, backend_kwargs: dict) -> None:
     """One pool per device of ``--devices`` (cuda), or the one CPU pool.
 
     Sizes apply per device.  Any failure raises ``StartupError``; the caller
@@ -164,7 +164,7 @@ def open_pools(config: Config, service: PoolService, instance: str, backend_kwar
         try:
             service.add_pool(backend, pool_bytes, device=device,
                              disk_dir=disk_dir_for(config, device, len(devices)))
-        except DiskTierError as exc:  # tiers (issue 6): a disk directory that cannot be used
+        except DiskTierError as exc:  # a disk tier directory that cannot be used
             raise StartupError(f"{exc}{where}" if len(devices) > 1 else str(exc)) from None
         except ValueError as exc:  # the same GPU twice (two ordinals, one bus id)
             raise StartupError(str(exc)) from None
@@ -173,7 +173,7 @@ def open_pools(config: Config, service: PoolService, instance: str, backend_kwar
 class _Listener:
     """One gRPC server on one Unix socket: the normal socket, or the admin socket."""
 
-    def __init__(self, path: str, mode: int, admin: bool, service: PoolService, shutdown: asyncio.Event,
+    def __init__(self, path: str, mode: int, admin: bool, service: Service, shutdown: asyncio.Event,
                  health, interceptors) -> None:
         self.path, self.mode, self.admin = path, mode, admin
         self.server = grpc.aio.server(interceptors=interceptors, options=[
@@ -244,7 +244,7 @@ async def serve(config: Config, ready=None, reload: Callable[[], Config] | None 
 
             for name in remove_stale_segments(instance, config.shm_dir):
                 log.warning("removed shared memory left by a previous daemon: %s", name)
-        service = PoolService(config)
+        service = Service(config)
         open_pools(config, service, instance, kwargs)  # one per GPU of --devices; closed below on failure
         pool_bytes = sum(p.pool_bytes for p in service.pools)
         loop = asyncio.get_running_loop()
@@ -339,7 +339,7 @@ async def serve(config: Config, ready=None, reload: Callable[[], Config] | None 
             lock.release()
 
 
-def _reload(service: PoolService, listeners: list[_Listener], reload: Callable[[], Config],
+def _reload(service: Service, listeners: list[_Listener], reload: Callable[[], Config],
             notifier: Notifier) -> None:
     """SIGHUP: apply the settings that can change live; say which ones need a restart."""
     notifier.reloading()
@@ -384,7 +384,7 @@ async def _watchdog(notifier: Notifier) -> None:
         await asyncio.sleep(notifier.watchdog_interval)
 
 
-async def _reap_forever(service: PoolService) -> None:
+async def _reap_forever(service: Service) -> None:
     """Every REAP_INTERVAL_S: drop sessions whose lease ran out (frozen clients), then vanished ones."""
     while True:
         await asyncio.sleep(REAP_INTERVAL_S)

@@ -62,9 +62,9 @@ LATENCY_BUCKETS = (
 SCRAPE_TIMEOUT_S = 5.0
 
 
-def _device_label(pool) -> str:
+def _device_label(d) -> str:
     """The ``device`` label of a pool's series: the daemon's CUDA ordinal, or ``cpu``."""
-    return str(pool.device) if pool.device >= 0 else "cpu"
+    return str(d.device) if d.device >= 0 else "cpu"
 
 
 def pool_families(service) -> list:
@@ -72,8 +72,10 @@ def pool_families(service) -> list:
 
     Pool series carry a ``device`` label: one pool per GPU of ``--devices``
     (``cpu`` on the CPU backend); ``class_id`` is a class of that pool.
+    The figures are the service's ``PoolStats`` (``kvpool.protocol.stats``).
     """
-    pools = service.stats()
+    st = service.stats()
+    devices = [(_device_label(d), d) for d in st.devices]
     out = []
 
     def gauge(name, doc, labels=(), rows=()):
@@ -88,16 +90,15 @@ def pool_families(service) -> list:
             c.add_metric(list(values), float(v))
         out.append(c)
 
-    gauge("kvpool_info", "kvpoold version and backend", ("version", "backend"),
-          [((service.version, service.backend_name), 1)])
+    gauge("kvpool_info", "kvpoold version and backend", ("version", "backend"), [((st.version, st.backend), 1)])
     gauge("kvpool_device_info", "one pool per device: its PCI bus id", ("device", "bus_id"),
-          [((_device_label(p), p.bus_id), 1) for p, _ in pools])
+          [((label, d.bus_id), 1) for label, d in devices])
     gauge("kvpool_pool_bytes", "device pool size in bytes", ("device",),
-          [((_device_label(p),), st.pool_bytes) for p, st in pools])
+          [((label,), d.pool_bytes) for label, d in devices])
     gauge("kvpool_pool_unassigned_bytes", "pool bytes not owned by any layout class", ("device",),
-          [((_device_label(p),), st.free_chunks * st.chunk_bytes) for p, st in pools])
+          [((label,), d.free_bytes) for label, d in devices])
     # (device label, class id label, ClassStats) and (device label, TierStats) over every pool
-    classes = [(_device_label(p), str(c.class_id), c) for p, st in pools for c in st.classes]
+    classes = [(label, str(c.class_id), c) for label, d in devices for c in d.classes]
     gauge("kvpool_class_blocks", "device blocks of a layout class by state", ("device", "class_id", "state"), [
         row for d, k, c in classes for row in (
             ((d, k, "used"), c.used_blocks - c.reserved_blocks),
@@ -110,17 +111,16 @@ def pool_families(service) -> list:
           [((d, k), c.block_bytes) for d, k, c in classes])
 
     tiers = []
-    for p, st in pools:
-        d = _device_label(p)
-        blocks = sum(c.used_blocks + c.cached_blocks for c in st.classes)
-        used = sum((c.used_blocks + c.cached_blocks) * c.block_bytes for c in st.classes)
-        tiers.append((d, "device", st.pool_bytes, used, blocks))
-        tiers += [(d, t.tier, t.capacity_bytes, t.used_bytes, t.blocks) for t in st.tiers]
+    for label, d in devices:
+        blocks = sum(c.used_blocks + c.cached_blocks for c in d.classes)
+        used = sum((c.used_blocks + c.cached_blocks) * c.block_bytes for c in d.classes)
+        tiers.append((label, "device", d.pool_bytes, used, blocks))
+        tiers += [(label, t.tier, t.capacity_bytes, t.used_bytes, t.blocks) for t in d.tiers]
     labels = ("device", "tier")
     gauge("kvpool_tier_capacity_bytes", "capacity of a tier in bytes", labels, [(t[:2], t[2]) for t in tiers])
     gauge("kvpool_tier_used_bytes", "bytes of a tier holding blocks", labels, [(t[:2], t[3]) for t in tiers])
     gauge("kvpool_tier_blocks", "blocks held in a tier", labels, [(t[:2], t[4]) for t in tiers])
-    lower = [(_device_label(p), t) for p, st in pools for t in st.tiers]
+    lower = [(label, t) for label, d in devices for t in d.tiers]
     _extra_series("tier", "tier", [t for _, t in lower], [(d, t.tier) for d, t in lower], gauge, counter)
     _extra_series("class", "class_id", [c for _, _, c in classes], [(d, k) for d, k, _ in classes], gauge, counter)
 
@@ -139,16 +139,16 @@ def pool_families(service) -> list:
     gauge("kvpool_sessions", "attached client sessions", ("state",),
           [(("connected",), connected), (("disconnected",), len(sessions) - connected)])
     gauge("kvpool_pool_sessions", "sessions bound to a device's pool", ("device",),
-          [((_device_label(p),), p.sessions) for p, _ in pools])
-    gauge("kvpool_sequences", "live sequences", ("device",), [((_device_label(p),), st.sequences) for p, st in pools])
+          [((label,), d.clients) for label, d in devices])
+    gauge("kvpool_sequences", "live sequences", ("device",), [((label,), d.sequences) for label, d in devices])
     gauge("kvpool_draining", "1 while the daemon is drained (no new attaches or sequences)",
-          rows=[((), int(bool(getattr(service, "draining", False))))])
+          rows=[((), int(st.draining))])
     return out
 
 
 _KNOWN = {
     "tier": {"tier", "capacity_bytes", "used_bytes", "blocks"},
-    "class": {"class_id", "geometry", "block_bytes", "capacity_blocks", "total_blocks", "used_blocks",
+    "class": {"class_id", "geometry", "models", "block_bytes", "capacity_blocks", "total_blocks", "used_blocks",
               "reserved_blocks", "cached_blocks", "free_blocks", "cow_copies", "evictions", "prefix_queries",
               "prefix_hits", "prefix_query_tokens", "prefix_hit_tokens"},
 }
@@ -156,7 +156,7 @@ _LEVELS = {"pinned_bytes", "swapped_sequences"}  # gauges; every other extra fig
 
 
 def _extra_series(kind: str, label: str, rows, keys, gauge, counter) -> None:
-    """Numeric figures of the core's tier and class stats beyond the known ones.
+    """Numeric figures of the tier and class stats beyond the known ones.
 
     ``keys``: (device label, tier or class id label) of each row.
 

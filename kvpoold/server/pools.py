@@ -13,27 +13,28 @@ disk tier is ``--disk-dir`` itself (as before there were several); with
 several, pool ``N`` keeps it in ``<disk-dir>/gpuN`` (``disk_dir_for``), the
 directory the ``kvpoold@N`` unit uses, so a restart finds each device's blocks.
 
-``PoolSet`` binds a session to one pool at attach, by the PCI bus id of the
-client's GPU (``choose``): CUDA ordinals differ between processes with
+``DevicePools`` binds a session to one pool at attach, by the PCI bus id of
+the client's GPU (``choose``): CUDA ordinals differ between processes with
 different ``CUDA_VISIBLE_DEVICES``, the bus id does not.  Every later call
-of the session goes to that pool (``of``).
+of the session goes to that pool, through the ``PoolSession`` made at
+attach (``session_pool.py``; ``calls``).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-
-import numpy as np
+from dataclasses import replace
 
 from kvpoold.config import Config
 from kvpoold.core import Geometry, InvalidArgument, KVCacheManager
-from kvpoold.core.results import ExtendResult, LookupResult, PoolStats, SequenceInfo
 from kvpool.ipc import DeviceMismatch
 from kvpool.protocol import ArenaDescriptor
+from kvpool.protocol.stats import DeviceStats
 from kvpoold.memory import Arena, Backend
 
 from .access import Limits, Quotas
+from .session_pool import PoolSession
 from .tiers import TIER_ALIGN, Tiers, resolve_disk_dir
 
 log = logging.getLogger("kvpoold")
@@ -80,11 +81,11 @@ class DevicePool:
             tier_align=TIER_ALIGN,
         )
         self.tiers = Tiers(config, self.manager, backend.name, device=device if device >= 0 else None,
-                           disk_dir=disk_dir)  # issue 6: host and disk tiers, transfers
+                           disk_dir=disk_dir)  # host and disk tiers, transfers
         self.arenas: dict[int, Arena] = {}
         self.models: dict[int, set[str]] = {}
         self.quotas = Quotas(self)  # per-session limits (access.py), checked before the core allocates
-        self.limits = Limits(self)  # issue 9: sequences per session, tokens per call
+        self.limits = Limits(self)  # sequences per session, tokens per call
         self.sessions = 0  # bound to this pool now
 
     @property
@@ -129,82 +130,24 @@ class DevicePool:
             self.tiers.add_arena(cid, self.arenas[cid], pool)
         return cid, self.arenas[cid].descriptor, pool.num_block_ids, pool.block_bytes
 
-    # -- a session's calls --------------------------------------------------------
+    # -- sessions -------------------------------------------------------------------
     def drop_owner(self, owner: int) -> int:
         released = self.manager.drop_owner(owner)
         self.tiers.forget_owner(owner)
         self.sync_memory()
         return released
 
-    def create(self, session, prompts: list[tuple[np.ndarray, str]]) -> list[SequenceInfo]:
-        """Create several sequences; on an error none of them remains."""
-        self.limits.check_tokens(sum(len(t) for t, _ in prompts))
-        self.limits.check_sequences(session, len(prompts))
-        self.quotas.check_create(session, [len(t) for t, _ in prompts])
-        self.tiers.take_recent()  # this call's arrivals start from here
-        out: list[SequenceInfo] = []
-        try:
-            for tokens, extra_key in prompts:
-                out.append(self.manager.create(session.id, session.class_id, session.model_key, tokens, extra_key))
-                self.sync_memory()  # promotions start now and hold their blocks (a later failure frees safely)
-        except BaseException:
-            if out:
-                self.manager.free(session.id, [s.seq_id for s in out])
-            raise
-        finally:
-            self.sync_memory()
-        return out
-
-    def step(self, session, seq_ids, counts, tokens, claim_counts, claims, free_ids: list[int],
-             reserve_target: int, reserve_return: list[int]) -> tuple[ExtendResult, tuple[int, ...], int]:
-        """One scheduler step: extends, then frees, then reserve changes; validated first."""
-        m, owner, cls = self.manager, session.id, session.class_id
-        self.limits.check_tokens(len(tokens))
-        self.quotas.check_step(session, seq_ids, counts, len(tokens), free_ids)
-        m.check_free(owner, free_ids)
-        m.check_reserve_return(owner, cls, reserve_return)
-        try:
-            result = m.extend_columns(owner, seq_ids, counts, tokens, claim_counts, claims)
-            released = m.free(owner, free_ids) if free_ids else 0
-            if free_ids:
-                self.tiers.forget(owner, free_ids)
-            if reserve_return:
-                released += m.return_reserve(owner, cls, reserve_return)
-            added = m.grant_reserve(owner, cls, self.quotas.reserve_target(session, reserve_target)) \
-                if reserve_target else ()
-        finally:
-            self.sync_memory()
-        return result, added, released
-
-    def fork(self, session, seq_ids: list[int]) -> list[SequenceInfo]:
-        for i in seq_ids:  # validate all first: fork itself cannot fail afterwards
-            self.manager.sequence(session.id, i)
-        self.limits.check_sequences(session, len(seq_ids))
-        self.quotas.check_fork(session, seq_ids)
-        return [self.manager.fork(session.id, i) for i in seq_ids]
-
-    def swap_out(self, session, seq_ids: list[int]) -> tuple[int, int]:
-        try:
-            return self.manager.swap_out(session.id, seq_ids)
-        finally:
-            self.sync_memory()
-
-    def swap_in(self, session, seq_ids: list[int]) -> list[SequenceInfo]:
-        self.quotas.check_swap_in(session, seq_ids)  # its blocks count against the quota again
-        self.tiers.take_recent()
-        try:
-            return self.manager.swap_in(session.id, seq_ids)
-        finally:
-            self.sync_memory()
-
-    def lookup(self, session, tokens: np.ndarray, extra_key: str) -> LookupResult:
-        self.limits.check_tokens(len(tokens))
-        return self.manager.lookup(session.class_id, session.model_key, tokens, extra_key, owner=session.id)
-
     # -- operators ------------------------------------------------------------------
-    def stats(self) -> PoolStats:
+    def stats(self) -> DeviceStats:
+        """This pool's figures: the core's, the tiers' traffic, and the models attached to each class."""
         self.tiers.poll()
-        return self.tiers.decorate(self.manager.stats())
+        st = self.tiers.decorate(self.manager.stats())
+        return DeviceStats(
+            index=self.index, device=self.device, bus_id=self.bus_id, pool_bytes=st.pool_bytes,
+            free_bytes=st.free_chunks * st.chunk_bytes, sequences=st.sequences, clients=self.sessions,
+            classes=tuple(replace(c, models=tuple(sorted(self.models.get(c.class_id, ())))) for c in st.classes),
+            tiers=st.tiers,
+        )
 
     def evict(self, class_id: int | None, max_blocks: int | None) -> int:
         try:
@@ -230,12 +173,12 @@ class DevicePool:
         self.backend.close()
 
 
-class PoolSet:
+class DevicePools:
     """The daemon's pools, in ``--devices`` order, and the pool each session is bound to."""
 
     def __init__(self) -> None:
         self.pools: list[DevicePool] = []
-        self._of: dict[int, DevicePool] = {}  # session id -> its pool
+        self._of: dict[int, PoolSession] = {}  # session id -> its calls on its pool
 
     def add(self, pool: DevicePool) -> DevicePool:
         if pool.bus_id and any(p.bus_id == pool.bus_id for p in self.pools):
@@ -275,18 +218,23 @@ class PoolSet:
             "run the client on one of those GPUs, or attach to the daemon of its GPU"
         )
 
-    def bind(self, session_id: int, pool: DevicePool) -> None:
-        self._of[session_id] = pool
-        pool.sessions += 1
+    def bind(self, calls: PoolSession) -> None:
+        self._of[calls.session.id] = calls
+        calls.pool.sessions += 1
 
     def unbind(self, session_id: int) -> DevicePool | None:
-        pool = self._of.pop(session_id, None)
-        if pool is not None:
-            pool.sessions -= 1
-        return pool
+        calls = self._of.pop(session_id, None)
+        if calls is None:
+            return None
+        calls.pool.sessions -= 1
+        return calls.pool
 
     def of(self, session) -> DevicePool:
         """The pool a session was bound to at attach."""
+        return self._of[session.id].pool
+
+    def calls(self, session) -> PoolSession:
+        """The session's calls on its pool (bound at attach)."""
         return self._of[session.id]
 
     def close(self) -> None:

@@ -2,9 +2,10 @@
 
 Everything here is called from the event loop only (the daemon's single
 concurrency rule), so no locks are needed.  No gRPC types appear: the
-servicer converts messages into these calls and results back.  The memory
-of each device (core, arenas, tiers) lives in a ``pools.DevicePool``; a
-session is bound to one pool at attach and each of its calls goes there.
+servicer converts messages into these calls and results back
+(``convert.py``).  The memory of each device (core, arenas, tiers) lives in
+a ``pools.DevicePool``; a session is bound to one pool at attach, and its
+calls are made on the ``PoolSession`` of that binding (``session_pool``).
 """
 
 from __future__ import annotations
@@ -13,16 +14,16 @@ import logging
 import time
 from dataclasses import dataclass
 
-import numpy as np
-
 from kvpoold import __version__
 from kvpoold.config import Config
-from kvpoold.core import Geometry, InvalidArgument, WrongState
-from kvpoold.core.results import ExtendResult, LookupResult, PoolStats, SequenceInfo
+from kvpoold.core import Geometry, WrongState
+from kvpoold.core.results import PageTable
 from kvpool.protocol import ArenaDescriptor
+from kvpool.protocol.stats import ClientInfo, PoolStats
 
-from .access import Draining
-from .pools import DevicePool, PoolSet
+from .access import AdminOnly, Draining
+from .pools import DevicePool, DevicePools
+from .session_pool import PoolSession
 from .sessions import Session, SessionRegistry
 
 log = logging.getLogger("kvpoold")
@@ -38,13 +39,13 @@ class AttachResult:
 
 
 @dataclass(frozen=True)
-class StepResult:
-    extend: ExtendResult
-    reserve_added: tuple[int, ...]
-    blocks_released: int
+class DrainState:
+    draining: bool
+    sessions: int
+    sequences: int
 
 
-class PoolService:
+class Service:
     """The sessions and the pools; routes each session's calls to the pool it was bound to at attach.
 
     Pools are added by the start-up code (``add_pool``), one per device.
@@ -52,7 +53,7 @@ class PoolService:
 
     def __init__(self, config: Config) -> None:
         self._config = config
-        self.pools = PoolSet()
+        self.pools = DevicePools()
         self.sessions = SessionRegistry(config.max_sessions)  # one registry: ids unique, max_sessions global
         self.started = time.time()
         self.rpcs = 0
@@ -88,31 +89,41 @@ class PoolService:
         return self.pools.of(session)
 
     # -- sessions -----------------------------------------------------------------
-    def attach(self, name: str, layout: dict, pid: int, device_bus_id: str = "") -> AttachResult:
+    def attach(self, name: str, model_key: str, geometry: Geometry, pid: int, device_bus_id: str = "") -> AttachResult:
+        """A new session of ``model_key`` (``model@revision``) on the pool of the client's GPU."""
         if self.closing:
             raise WrongState("the daemon is shutting down")
         if self.draining:
             raise Draining("new attaches")
-        model_id = layout.get("model_id", "")
-        if not model_id:
-            raise InvalidArgument("layout.model_id must be a non-empty string")
-        geometry = Geometry(
-            num_layers=layout["num_layers"], num_kv_heads=layout["num_kv_heads"],
-            head_dim=layout["head_dim"], dtype=layout["dtype"], block_size=layout["block_size"] or 16,
-        )
-        revision = layout.get("revision", "")
-        model_key = f"{model_id}@{revision}" if revision else model_id
         pool = self.pools.choose(device_bus_id)
         cid, descriptor, num_blocks, block_bytes = pool.open_class(geometry)
         session = self.sessions.add(name or "client", pid, model_key, cid)
-        self.pools.bind(session.id, pool)
+        self.pools.bind(PoolSession(self, session, pool))
         pool.models.setdefault(cid, set()).add(model_key)
         log.info("attach: session %d (%s, pid %d) model %s on %s class %d %s", session.id, session.name,
                  session.pid, model_key, pool.name, cid, geometry.describe())
         return AttachResult(session, descriptor, num_blocks, block_bytes, pool)
 
     def session(self, token: bytes) -> Session:
+        """The session of ``token`` (renews its lease); UNAUTHENTICATED when there is none."""
         return self.sessions.get(token)
+
+    def session_pool(self, token: bytes) -> PoolSession:
+        """The calls of the session of ``token`` on the pool it was bound to at attach."""
+        return self.pools.calls(self.sessions.get(token))
+
+    def sequences_of(self, token: bytes, session_id: int, admin: bool) -> list[PageTable]:
+        """The sequences of session ``session_id`` (0: of ``token``'s); another session's need ``admin``."""
+        if not session_id:
+            return self.session_pool(token).sequences()
+        if not (token and self.session(token).id == session_id):
+            self.need_admin(admin, "another session's sequences")
+        return self.pools.calls(self.sessions.by_id(session_id)).sequences()
+
+    def need_admin(self, admin: bool, what: str) -> None:
+        """Refuse an admin call (``what``) that did not arrive on the admin socket."""
+        if not admin:
+            raise AdminOnly(what, self.config.admin_socket_path())
 
     def drop(self, session: Session, reason: str) -> int:
         pool = self.pools.of(session)
@@ -136,65 +147,39 @@ class PoolService:
             self.drop(s, reason)
         return len(lapsed) + len(expired)
 
-    # -- sequence calls: the session's pool -----------------------------------------
-    def create(self, session: Session, prompts: list[tuple[np.ndarray, str]]) -> list[SequenceInfo]:
-        """Create several sequences; on an error none of them remains."""
-        if self.draining:
-            raise Draining("new sequences")
-        return self.pools.of(session).create(session, prompts)
-
-    def step(
-        self,
-        session: Session,
-        seq_ids: np.ndarray,
-        counts: np.ndarray,
-        tokens: np.ndarray,
-        claim_counts: np.ndarray | None,
-        claims: np.ndarray | None,
-        free_ids: list[int],
-        reserve_target: int,
-        reserve_return: list[int],
-    ) -> StepResult:
-        """One scheduler step: extends, then frees, then reserve changes; validated first."""
-        result, added, released = self.pools.of(session).step(
-            session, seq_ids, counts, tokens, claim_counts, claims, free_ids, reserve_target, reserve_return)
-        return StepResult(result, added, released)
-
-    def fork(self, session: Session, seq_ids: list[int]) -> list[SequenceInfo]:
-        if self.draining:
-            raise Draining("new sequences (fork)")
-        return self.pools.of(session).fork(session, seq_ids)
-
-    # -- tiers (issue 6) ---------------------------------------------------------------
-    def tiers_of(self, session: Session):
-        """The tiers of the session's pool (arrivals, waits)."""
-        return self.pools.of(session).tiers
-
-    def swap_out(self, session: Session, seq_ids: list[int]) -> tuple[int, int]:
-        """(blocks copied to host, to disk); the device reads are done when this returns.
-
-        Callers first wait for bytes still arriving into these sequences' blocks
-        (``tiers.arrivals_of``): a block is read only once it is whole.
-        """
-        return self.pools.of(session).swap_out(session, seq_ids)
-
-    def swap_in(self, session: Session, seq_ids: list[int]) -> list[SequenceInfo]:
-        """New page tables; the copies into them may still be arriving (``tiers.track``)."""
-        return self.pools.of(session).swap_in(session, seq_ids)
-
-    def lookup(self, session: Session, tokens: np.ndarray, extra_key: str) -> LookupResult:
-        return self.pools.of(session).lookup(session, tokens, extra_key)
-
-    def sequences(self, session: Session) -> list[SequenceInfo]:
-        return self.pools.of(session).manager.sequences(session.id)
-
-    def detach(self, session: Session) -> int:
-        return self.drop(session, "detached")
-
     # -- operators: every pool ----------------------------------------------------------
-    def stats(self) -> list[tuple[DevicePool, PoolStats]]:
-        """Each pool with its figures, in ``--devices`` order."""
-        return [(pool, pool.stats()) for pool in self.pools]
+    def stats(self) -> PoolStats:
+        """The daemon's figures: each pool's, in ``--devices`` order, and their totals."""
+        devices = tuple(pool.stats() for pool in self.pools)
+        return PoolStats(
+            backend=self.backend_name,
+            version=self.version,
+            pool_bytes=sum(d.pool_bytes for d in devices),
+            chunk_bytes=self.config.chunk_bytes,
+            free_bytes=sum(d.free_bytes for d in devices),
+            sequences=sum(d.sequences for d in devices),
+            clients=len(self.sessions),
+            uptime_seconds=time.time() - self.started,
+            rpcs=self.rpcs,
+            classes=tuple(c for d in devices for c in d.classes),
+            tiers=tuple(t for d in devices for t in d.tiers),
+            draining=self.draining,
+            devices=devices,
+        )
+
+    def clients(self) -> list[ClientInfo]:
+        """Every session, with what it holds and the pool it is bound to."""
+        owners = self.owners()
+        now = time.time()
+        out = []
+        for s in self.sessions:
+            nseq, reserved = owners.get(s.id, (0, 0))
+            out.append(ClientInfo(
+                session_id=s.id, name=s.name, pid=s.pid, model_id=s.model_key, class_id=s.class_id,
+                sequences=nseq, reserved_blocks=reserved, connected=s.connected,
+                attached_seconds=now - s.attached_at, device=self.pool_of(s).name,
+            ))
+        return out
 
     def owners(self) -> dict[int, tuple[int, int]]:
         """Session id -> (sequences, reserved blocks), over every pool."""
@@ -230,6 +215,14 @@ class PoolService:
         released = sum(self.drop(s, "reset by an operator") for s in sessions)
         evicted = self.evict(None, None)
         return len(sessions), released, evicted
+
+    def drain(self, resume: bool) -> DrainState:
+        """Stop taking new attaches and sequences (``resume``: take them again); running ones go on."""
+        if self.draining == resume:
+            self.draining = not resume
+            log.info("%s: %d sessions, %d sequences", "draining" if self.draining else "drain ended",
+                     len(self.sessions), self.live_sequences)
+        return DrainState(self.draining, len(self.sessions), self.live_sequences)
 
     def check(self) -> tuple[bool, str]:
         """Run every pool's invariant checks and the session cross-checks."""

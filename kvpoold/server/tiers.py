@@ -1,9 +1,10 @@
-"""The daemon's side of the memory hierarchy (issue 6): engine, arrivals, waits.
+"""The daemon's side of the memory hierarchy: engine, arrivals, waits.
 
-``PoolService`` owns one ``Tiers``.  After every core call the service's
-``_sync_memory`` hands the call's planned moves to the transfer engine
+Each ``DevicePool`` owns one ``Tiers``.  After every core call the pool's
+``sync_memory`` hands the call's planned moves to the transfer engine
 (``sync``); the device blocks that bytes are still flowing into (promotions,
-swap-ins) come back as one ``Arrivals`` batch per layout class.  Their blocks
+swap-ins) come back as one ``Arrivals`` batch per layout class, returned to
+the caller, which passes its call's batches to ``track``.  Their blocks
 get a transfer hold in the core and are marked in a per-class array
 (block -> batch) until the batch is done: one completion per batch, and the
 batch's per-block state answers "which blocks are still arriving".  A
@@ -32,7 +33,7 @@ from functools import partial
 import numpy as np
 
 from kvpoold.core import Geometry, KvpoolError, Tier
-from kvpoold.core.results import PoolStats, SequenceInfo
+from kvpoold.core.results import ManagerStats, PageTable
 from kvpoold.core.tiers import TIER_ALIGN
 from kvpoold.transfer import Arrivals, DiskTierError, TransferEngine
 
@@ -56,7 +57,7 @@ def resolve_disk_dir(configured: str) -> str:
 class Tracked:
     """A sequence a call returned, and the bytes it still waits for."""
 
-    info: SequenceInfo
+    info: PageTable
     #: per batch its blocks wait on: (positions in the block table, Arrivals, indices in the batch)
     parts: list
     valid_tokens: int  # tokens whose KV is there (or arriving) as far as is known now
@@ -114,7 +115,6 @@ class Tiers:
         self.batches: dict[int, tuple[Arrivals, np.ndarray, np.ndarray]] = {}  # serial -> (batch, held, sorter)
         self._serial = 0
         self.pending: dict[tuple[int, int], Tracked] = {}  # (owner, seq id) -> what it waits for
-        self.recent: list = []  # the batches of the calls since ``take_recent``
         self._scheduled = False
         self._loop: asyncio.AbstractEventLoop | None = None
         if not manager.placement.enabled:
@@ -178,7 +178,10 @@ class Tiers:
 
     # -- after each core call -----------------------------------------------------------------------------
     def sync(self, apply_slabs) -> list:
-        """Run the moves the last core call planned; ``apply_slabs`` runs between reads and writes."""
+        """Run the moves the last core call planned; ``apply_slabs`` runs between reads and writes.
+
+        Returns the batches of device writes started (bytes arriving): the caller's to ``track``.
+        """
         if self.engine is None:
             apply_slabs()
             return []
@@ -205,7 +208,6 @@ class Tiers:
                 apply_slabs()
         for a in batches:
             self._start(a)
-        self.recent.extend(batches)
         return batches
 
     def _start(self, a: Arrivals) -> None:
@@ -220,11 +222,6 @@ class Tiers:
         self.batch_of[a.class_id][held] = serial
         self.manager.hold_blocks(a.class_id, held.tolist())
         a.waiters.append(partial(self._arrived, serial))
-
-    def take_recent(self) -> list:
-        """The batches started since the last call of this (one service call's, when called around it)."""
-        out, self.recent = self.recent, []
-        return out
 
     def _arrived(self, serial: int, a: Arrivals) -> None:
         _, held, _ = self.batches.pop(serial)
@@ -249,9 +246,12 @@ class Tiers:
             log.warning("tiers: a copy of block %s could not be written: forgotten", key)
 
     # -- sequences waiting for bytes ---------------------------------------------------------------------------
-    def track(self, owner: int, infos: list[SequenceInfo], *, swap_in: bool = False,
+    def track(self, owner: int, infos: list[PageTable], *, swap_in: bool = False,
               recent: list | None = None) -> list[Tracked]:
-        """What each returned sequence still waits for (records the pending ones)."""
+        """What each returned sequence still waits for (records the pending ones).
+
+        ``recent``: the batches the call that made ``infos`` started (what its ``sync`` calls returned).
+        """
         found: dict[int, _Found] = {}
         for a in recent or ():
             found.setdefault(a.class_id, []).append(a)
@@ -408,7 +408,7 @@ class Tiers:
         return self.engine is None or self.engine.wait(arrivals, timeout)
 
     # -- operators ------------------------------------------------------------------------------------------------
-    def decorate(self, stats: PoolStats) -> PoolStats:
+    def decorate(self, stats: ManagerStats) -> ManagerStats:
         """The core's tier counters plus the engine's bytes, seconds and corrupt blocks."""
         if self.engine is None:
             return stats

@@ -8,11 +8,11 @@ hold the batch paths to them.
 
 from __future__ import annotations
 
-from kvpoold.core.block_pool import ClassPool
+from kvpoold.core.block_pool import LayoutClass
 from kvpoold.core.tiers import DROP, Key, MovePlan, Tier, TierIndex, TierPlacement
 
 
-def refcount(pool: ClassPool, block: int) -> int:
+def refcount(pool: LayoutClass, block: int) -> int:
     """Holders of a block (0 for free or cached)."""
     if block in pool.cached or block in pool.free:
         return 0
@@ -133,7 +133,7 @@ class OraclePlacement(TierPlacement):
         raise KeyError(key)
 
 
-def prefix_state(pool: ClassPool) -> tuple[dict, dict, dict]:
+def prefix_state(pool: LayoutClass) -> tuple[dict, dict, dict]:
     """(hash -> block, block -> hash, unwritten block -> writer) of a pool's prefix index."""
     p = pool.prefix
     return dict(p._by_hash), dict(p._hash_of), dict(p._unwritten)

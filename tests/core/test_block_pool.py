@@ -1,8 +1,8 @@
-"""ClassPool and ChunkBudget: exact behaviour of ids, holders, eviction and slabs."""
+"""LayoutClass and ChunkBudget: exact behaviour of ids, holders, eviction and slabs."""
 
 import pytest
 
-from kvpoold.core import ChunkBudget, ClassPool, Geometry, LayoutDoesNotFit, OutOfBlocks
+from kvpoold.core import ChunkBudget, LayoutClass, Geometry, LayoutDoesNotFit, OutOfBlocks
 from kvpoold.core.block_pool import choose_slab_chunks
 
 from oracle import prefix_state, refcount
@@ -14,7 +14,7 @@ G = Geometry(num_layers=2, num_kv_heads=1, head_dim=8, dtype="float16", block_si
 def make(chunks=4, chunk_bytes=1024):
     budget = ChunkBudget(chunks, chunk_bytes)
     evicted = []
-    pool = ClassPool(0, G, budget, on_evict=lambda c, bs, hs: evicted.extend(zip(bs, hs)))
+    pool = LayoutClass(0, G, budget, on_evict=lambda c, bs, hs: evicted.extend(zip(bs, hs)))
     return budget, pool, evicted
 
 
@@ -37,10 +37,10 @@ def test_allocate_takes_lowest_ids_and_slabs_on_demand():
 
 def test_slabs_ahead_are_bounded_and_given_back_to_other_classes():
     budget = ChunkBudget(32, 1024)
-    a = ClassPool(0, G, budget)
+    a = LayoutClass(0, G, budget)
     a.allocate(1)
-    assert len(a.slots) == ClassPool.SLABS_AHEAD and budget.free == 32 - ClassPool.SLABS_AHEAD
-    b = ClassPool(1, G, budget)
+    assert len(a.slots) == LayoutClass.SLABS_AHEAD and budget.free == 32 - LayoutClass.SLABS_AHEAD
+    b = LayoutClass(1, G, budget)
     b.allocate(4 * 32 - 4)  # everything but one slab: a gives back its empty ones
     assert len(a.slots) == 1 and budget.free == 0
     a.check(), b.check()
@@ -104,8 +104,8 @@ def test_register_keeps_first_block_for_a_hash():
 
 def test_memory_flows_between_classes_by_slab():
     budget = ChunkBudget(2, 1024)
-    a = ClassPool(0, G, budget)
-    b = ClassPool(1, Geometry(1, 1, 8, "float16", 4), budget)  # 128-byte blocks, 8 per slab
+    a = LayoutClass(0, G, budget)
+    b = LayoutClass(1, Geometry(1, 1, 8, "float16", 4), budget)  # 128-byte blocks, 8 per slab
     ids = a.allocate(8)  # both chunks go to class a
     assert budget.free == 0 and b.obtainable() == 0
     a.release(ids[:4][::-1])  # slab 0 of class a becomes empty
@@ -119,8 +119,8 @@ def test_memory_flows_between_classes_by_slab():
 def test_reclaim_evicts_other_class_cached_slab_last():
     budget = ChunkBudget(2, 1024)
     evicted = []
-    a = ClassPool(0, G, budget, on_evict=lambda c, bs, hs: evicted.extend((c, b) for b in bs))
-    b = ClassPool(1, G, budget)
+    a = LayoutClass(0, G, budget, on_evict=lambda c, bs, hs: evicted.extend((c, b) for b in bs))
+    b = LayoutClass(1, G, budget)
     ids = a.allocate(8)
     for i, blk in enumerate(ids):
         a.prefix.register(blk, bytes([i]) * 16)

@@ -23,22 +23,23 @@ from kvpool import Connection
 from kvpool.ipc import DeviceMismatch, open_arena
 from kvpool.protocol import kvpool_pb2 as pb
 from kvpoold.config import Config
-from kvpoold.core import WrongState
+from kvpoold.core import Geometry, WrongState
 from kvpoold.ctl import stats_view
 from kvpoold.memory.cpu_shm import CpuShmBackend
 from kvpoold.server.errors import TooManySessions
 from kvpoold.server.pools import disk_dir_for, normalize_bus_id
-from kvpoold.server.service import PoolService
+from kvpoold.server.service import Service
 from kvpoold.server.servicer import KVPoolServicer, add_to_server
 
 BUS = ("0000:1A:00.0", "0000:3B:00.0")
 LAYOUT = {"model_id": "m", "revision": "", "num_layers": 1, "num_kv_heads": 1, "head_dim": 8,
           "dtype": "float32", "block_size": 4}
+GEOMETRY = Geometry(num_layers=1, num_kv_heads=1, head_dim=8, dtype="float32", block_size=4)
 
 
-def two_pool_service(tmp_path, **config) -> PoolService:
+def two_pool_service(tmp_path, **config) -> Service:
     cfg = Config(socket=str(tmp_path / "s.sock"), pool_bytes=8 << 20, chunk_bytes=64 << 10, **config)
-    service = PoolService(cfg)
+    service = Service(cfg)
     for device, bus in enumerate(BUS):
         backend = CpuShmBackend(f"pooltest{os.getpid()}d{device}", shm_dir=str(tmp_path))
         service.add_pool(backend, cfg.pool_bytes, device=device, bus_id=bus)
@@ -56,24 +57,29 @@ def tokens(*ids) -> np.ndarray:
     return np.asarray(ids, np.uint32)
 
 
+def create(service, session, prompts):
+    """The page tables of new sequences (no tiers here: nothing to wait for)."""
+    return [t.info for t in service.session_pool(session.token).create(prompts, no_wait=False)]
+
+
 def test_a_session_gets_the_pool_of_its_gpu(service):
-    a = service.attach("a", LAYOUT, os.getpid(), BUS[0])
-    b = service.attach("b", LAYOUT, os.getpid(), "0000:3b:00.0")  # the case CUDA prints does not matter
+    a = service.attach("a", "m", GEOMETRY, os.getpid(), BUS[0])
+    b = service.attach("b", "m", GEOMETRY, os.getpid(), "0000:3b:00.0")  # the case CUDA prints does not matter
     assert a.pool.bus_id == BUS[0] and b.pool.bus_id == BUS[1]
     assert a.descriptor.handle != b.descriptor.handle  # each pool its own memory
     assert a.session.id != b.session.id  # one registry: ids unique across pools
-    service.create(b.session, [(tokens(*range(9)), "")])
+    create(service, b.session, [(tokens(*range(9)), "")])
     assert service.owners() == {b.session.id: (1, 0)}
     assert set(a.pool.manager.owners()) == set() and set(b.pool.manager.owners()) == {b.session.id}
-    st = {pool.bus_id: s for pool, s in service.stats()}
+    st = {d.bus_id: d for d in service.stats().devices}
     assert st[BUS[1]].sequences == 1 and st[BUS[0]].sequences == 0
 
 
 def test_bytes_written_in_one_pool_are_read_from_its_mapping_only(service):
-    a = service.attach("a", LAYOUT, os.getpid(), BUS[0])
-    b = service.attach("b", LAYOUT, os.getpid(), BUS[1])
-    (sa,) = service.create(a.session, [(tokens(1, 2, 3), "")])
-    (sb,) = service.create(b.session, [(tokens(1, 2, 3), "")])
+    a = service.attach("a", "m", GEOMETRY, os.getpid(), BUS[0])
+    b = service.attach("b", "m", GEOMETRY, os.getpid(), BUS[1])
+    (sa,) = create(service, a.session, [(tokens(1, 2, 3), "")])
+    (sb,) = create(service, b.session, [(tokens(1, 2, 3), "")])
     ma, mb = open_arena(a.descriptor), open_arena(b.descriptor)
     try:
         view_a = np.asarray(ma.as_tensor("float32", (a.num_blocks, a.block_bytes // 4)))
@@ -89,20 +95,21 @@ def test_bytes_written_in_one_pool_are_read_from_its_mapping_only(service):
 
 
 def test_prefix_cache_is_per_pool(service):
-    a = service.attach("a", LAYOUT, os.getpid(), BUS[0])
-    b = service.attach("b", LAYOUT, os.getpid(), BUS[1])
+    a = service.attach("a", "m", GEOMETRY, os.getpid(), BUS[0])
+    b = service.attach("b", "m", GEOMETRY, os.getpid(), BUS[1])
     prompt = tokens(*range(20, 29))
-    (s,) = service.create(a.session, [(prompt, "")])
+    (s,) = create(service, a.session, [(prompt, "")])
     service.pool_of(a.session).manager.mark_written(a.session.id, [s.seq_id])
-    assert service.lookup(a.session, prompt, "").num_cached_tokens == 8
-    assert service.lookup(b.session, prompt, "").num_cached_tokens == 0  # those bytes are on the other GPU
+    assert service.session_pool(a.session.token).lookup(prompt, "").num_cached_tokens == 8
+    # those bytes are on the other GPU
+    assert service.session_pool(b.session.token).lookup(prompt, "").num_cached_tokens == 0
 
 
 def test_a_gpu_not_served_is_refused_naming_the_devices_and_changes_nothing(service):
     with pytest.raises(DeviceMismatch, match=r"0000:AF:00.0.*cuda:0 \(0000:1A:00.0\), cuda:1 \(0000:3B:00.0\)"):
-        service.attach("x", LAYOUT, os.getpid(), "0000:af:00.0")
+        service.attach("x", "m", GEOMETRY, os.getpid(), "0000:af:00.0")
     with pytest.raises(DeviceMismatch, match="serves several GPUs .* named none"):
-        service.attach("x", LAYOUT, os.getpid(), "")
+        service.attach("x", "m", GEOMETRY, os.getpid(), "")
     assert len(service.sessions) == 0
     assert all(not pool.manager.classes and not pool.arenas for pool in service.pools)
     assert service.check()[0]
@@ -110,13 +117,13 @@ def test_a_gpu_not_served_is_refused_naming_the_devices_and_changes_nothing(serv
 
 def test_one_pool_takes_a_client_that_names_no_gpu(tmp_path):
     cfg = Config(socket=str(tmp_path / "s.sock"), pool_bytes=4 << 20, chunk_bytes=64 << 10)
-    service = PoolService(cfg)
+    service = Service(cfg)
     try:
         service.add_pool(CpuShmBackend(f"pooltest{os.getpid()}one", shm_dir=str(tmp_path)), cfg.pool_bytes,
                          device=0, bus_id=BUS[0])
-        assert service.attach("a", LAYOUT, os.getpid(), "").pool is service.pools.pools[0]
+        assert service.attach("a", "m", GEOMETRY, os.getpid(), "").pool is service.pools.pools[0]
         with pytest.raises(DeviceMismatch, match="does not serve; it serves cuda:0"):
-            service.attach("b", LAYOUT, os.getpid(), BUS[1])
+            service.attach("b", "m", GEOMETRY, os.getpid(), BUS[1])
     finally:
         service.close()
 
@@ -125,36 +132,36 @@ def test_max_sessions_counts_every_pool(tmp_path):
     service = two_pool_service(tmp_path, max_sessions=3)
     try:
         for bus in (BUS[0], BUS[1], BUS[1]):
-            service.attach("c", LAYOUT, os.getpid(), bus)
+            service.attach("c", "m", GEOMETRY, os.getpid(), bus)
         with pytest.raises(TooManySessions):
-            service.attach("d", LAYOUT, os.getpid(), BUS[0])
+            service.attach("d", "m", GEOMETRY, os.getpid(), BUS[0])
         assert [pool.sessions for pool in service.pools] == [1, 2]
     finally:
         service.close()
 
 
 def test_drop_reset_evict_and_check_act_on_every_pool(service):
-    sessions = [service.attach(f"c{i}", LAYOUT, os.getpid(), BUS[i % 2]).session for i in range(4)]
+    sessions = [service.attach(f"c{i}", "m", GEOMETRY, os.getpid(), BUS[i % 2]).session for i in range(4)]
     for s in sessions:
-        (info,) = service.create(s, [(tokens(*range(100 + s.id, 109 + s.id)), "")])
+        (info,) = create(service, s, [(tokens(*range(100 + s.id, 109 + s.id)), "")])
         service.pool_of(s).manager.mark_written(s.id, [info.seq_id])
     ok, detail = service.check()
     assert ok and "4 sessions, 4 sequences in 2 pools" in detail
-    released = service.detach(sessions[0])  # routed to pool 0
+    released = service.session_pool(sessions[0].token).detach()  # routed to pool 0
     assert released > 0 and service.pools.pools[0].sessions == 1
     assert service.reset()[0] == 3
     assert len(service.sessions) == 0 and service.live_sequences == 0
-    for _pool, st in service.stats():
+    for st in service.stats().devices:
         assert st.sequences == 0 and sum(c.cached_blocks for c in st.classes) == 0  # reset evicted both
     assert service.check()[0]
 
 
 def test_evict_by_class_reaches_every_pool_with_that_class(service):
     for bus in BUS:
-        s = service.attach("e", LAYOUT, os.getpid(), bus).session
-        (info,) = service.create(s, [(tokens(*range(9)), "")])
+        s = service.attach("e", "m", GEOMETRY, os.getpid(), bus).session
+        (info,) = create(service, s, [(tokens(*range(9)), "")])
         service.pool_of(s).manager.mark_written(s.id, [info.seq_id])
-        service.detach(s)  # two full blocks stay cached
+        service.session_pool(s.token).detach()  # two full blocks stay cached
     assert service.evict(0, 3) == 3  # oldest first, pool by pool, within the limit
     assert service.evict(0, None) == 1
     with pytest.raises(Exception, match="class"):
@@ -164,11 +171,11 @@ def test_evict_by_class_reaches_every_pool_with_that_class(service):
 def test_shutdown_refuses_attaches_and_close_removes_every_pools_memory(tmp_path):
     service = two_pool_service(tmp_path)
     for bus in BUS:
-        service.attach("a", LAYOUT, os.getpid(), bus)
+        service.attach("a", "m", GEOMETRY, os.getpid(), bus)
     assert len([f for f in os.listdir(tmp_path) if f.startswith("kvpool")]) == 2  # one segment per pool
     service.closing = True
     with pytest.raises(WrongState):
-        service.attach("late", LAYOUT, os.getpid(), BUS[0])
+        service.attach("late", "m", GEOMETRY, os.getpid(), BUS[0])
     service.close()
     assert not [f for f in os.listdir(tmp_path) if f.startswith("kvpool")]
 

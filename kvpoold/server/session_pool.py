@@ -1,0 +1,197 @@
+"""One session's calls on the device pool it was bound to at attach.
+
+A ``PoolSession`` is made at attach and kept with the binding
+(``pools.DevicePools.calls``); the servicer gets it from the session's token
+(``Service.session_pool``) and makes one call on it.  Each call runs the
+checks that come before the core touches anything (drain, limits, quotas),
+then the core call, then the tier copies it planned (``DevicePool.sync_memory``).
+
+Calls that hand out page tables whose bytes may still be arriving from a
+lower tier (create, swap-in, wait) and swap-out (which must not read a block
+still being written) return either their result or, when something is in
+flight, an awaitable of it: the caller awaits it on the event loop while the
+daemon goes on serving other calls.  The batches a call started are returned
+by ``sync_memory`` and handed to ``Tiers.track`` directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Awaitable, Callable, TypeVar
+
+import numpy as np
+
+from kvpoold.core.results import ExtendDeltas, LookupResult, PageTable
+
+from .access import Draining
+
+if TYPE_CHECKING:
+    from .pools import DevicePool
+    from .service import Service
+    from .sessions import Session
+    from .tiers import Tracked
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class StepCall:
+    """One scheduler step of a session, as the core takes it (``convert.step_request``)."""
+
+    seq_ids: np.ndarray
+    counts: np.ndarray | None  # None: one token each
+    tokens: np.ndarray
+    claim_counts: np.ndarray | None  # None: no blocks claimed from the reserve
+    claims: np.ndarray | None
+    free_ids: list[int]
+    reserve_target: int
+    reserve_return: list[int]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    extend: ExtendDeltas
+    reserve_added: tuple[int, ...]
+    blocks_released: int
+
+
+class PoolSession:
+    """A session bound to its pool: every sequence call of the session."""
+
+    __slots__ = ("service", "session", "pool")
+
+    def __init__(self, service: Service, session: Session, pool: DevicePool) -> None:
+        self.service = service
+        self.session = session
+        self.pool = pool
+
+    def _refuse_if_draining(self, what: str) -> None:
+        if self.service.draining:
+            raise Draining(what)
+
+    # -- sequences ---------------------------------------------------------------------
+    def create(self, prompts: list[tuple[np.ndarray, str]], no_wait: bool) -> list[Tracked] | Awaitable[list[Tracked]]:
+        """Several sequences (all or none): their tables, once the bytes of cached prefixes arrived
+        (``no_wait``: at once, with the positions still arriving)."""
+        self._refuse_if_draining("new sequences")
+        pool, session = self.pool, self.session
+        pool.limits.check_tokens(sum(len(t) for t, _ in prompts))
+        pool.limits.check_sequences(session, len(prompts))
+        pool.quotas.check_create(session, [len(t) for t, _ in prompts])
+        out: list[PageTable] = []
+        started: list = []  # the tier copies this call started
+        try:
+            for tokens, extra_key in prompts:
+                out.append(pool.manager.create(session.id, session.class_id, session.model_key, tokens, extra_key))
+                # promotions start now and hold their blocks (a later failure frees safely)
+                started += pool.sync_memory()
+        except BaseException:
+            if out:
+                pool.manager.free(session.id, [s.seq_id for s in out])
+            raise
+        finally:
+            started += pool.sync_memory()
+        return self._tracked(out, started, no_wait, swap_in=False)
+
+    def step(self, call: StepCall) -> StepResult:
+        """One scheduler step: extends, then frees, then reserve changes; validated first."""
+        pool, session = self.pool, self.session
+        m, owner, cls = pool.manager, session.id, session.class_id
+        pool.limits.check_tokens(len(call.tokens))
+        pool.quotas.check_step(session, call.seq_ids, call.counts, len(call.tokens), call.free_ids)
+        m.check_free(owner, call.free_ids)
+        m.check_reserve_return(owner, cls, call.reserve_return)
+        try:
+            extend = m.extend_columns(owner, call.seq_ids, call.counts, call.tokens, call.claim_counts, call.claims)
+            released = m.free(owner, call.free_ids) if call.free_ids else 0
+            if call.free_ids:
+                pool.tiers.forget(owner, call.free_ids)
+            if call.reserve_return:
+                released += m.return_reserve(owner, cls, call.reserve_return)
+            added = m.grant_reserve(owner, cls, pool.quotas.reserve_target(session, call.reserve_target)) \
+                if call.reserve_target else ()
+        finally:
+            pool.sync_memory()
+        return StepResult(extend, added, released)
+
+    def fork(self, seq_ids: list[int]) -> list[PageTable]:
+        self._refuse_if_draining("new sequences (fork)")
+        pool, session = self.pool, self.session
+        for i in seq_ids:  # validate all first: fork itself cannot fail afterwards
+            pool.manager.sequence(session.id, i)
+        pool.limits.check_sequences(session, len(seq_ids))
+        pool.quotas.check_fork(session, seq_ids)
+        return [pool.manager.fork(session.id, i) for i in seq_ids]
+
+    def lookup(self, tokens: np.ndarray, extra_key: str) -> LookupResult:
+        self.pool.limits.check_tokens(len(tokens))
+        s = self.session
+        return self.pool.manager.lookup(s.class_id, s.model_key, tokens, extra_key, owner=s.id)
+
+    def sequences(self) -> list[PageTable]:
+        return self.pool.manager.sequences(self.session.id)
+
+    def detach(self) -> int:
+        """End the session; returns the blocks released."""
+        return self.service.drop(self.session, "detached")
+
+    # -- tiers ------------------------------------------------------------------------------
+    def swap_out(self, seq_ids: list[int]) -> tuple[int, int] | Awaitable[tuple[int, int]]:
+        """(blocks copied to host, to disk), once the bytes still arriving into these blocks are whole."""
+        pool, owner = self.pool, self.session.id
+
+        def swap() -> tuple[int, int]:
+            try:
+                host, disk = pool.manager.swap_out(owner, seq_ids)
+            finally:
+                pool.sync_memory()  # the device reads are done when this returns
+            pool.tiers.forget(owner, seq_ids)
+            return host, disk
+
+        return self._once_arrived(pool.tiers.arrivals_of(owner, seq_ids), swap)
+
+    def swap_in(self, seq_ids: list[int], no_wait: bool) -> list[Tracked] | Awaitable[list[Tracked]]:
+        """New page tables, once their bytes arrived (``no_wait``: at once, with the positions arriving)."""
+        pool, owner = self.pool, self.session.id
+        pool.quotas.check_swap_in(self.session, seq_ids)  # its blocks count against the quota again
+        try:
+            tables = pool.manager.swap_in(owner, seq_ids)
+        finally:
+            started = pool.sync_memory()
+        return self._tracked(tables, started, no_wait, swap_in=True)
+
+    def wait(self, seq_ids: list[int]) -> list[Tracked] | Awaitable[list[Tracked]]:
+        """The sequences' tables once the bytes they wait for arrived."""
+        tiers, owner = self.pool.tiers, self.session.id
+        return self._once_arrived(tiers.arrivals_of(owner, seq_ids), lambda: tiers.finish(owner, seq_ids))
+
+    def _tracked(self, tables: list[PageTable], started: list, no_wait: bool,
+                 swap_in: bool) -> list[Tracked] | Awaitable[list[Tracked]]:
+        """What each table still waits for: now (``no_wait``, or nothing in flight), or once it arrived."""
+        tiers, owner = self.pool.tiers, self.session.id
+        tracked = tiers.track(owner, tables, swap_in=swap_in, recent=started)
+        inflight = [a for t in tracked for _, a in t.arrivals if not a.done]
+        if no_wait or not inflight:
+            if not no_wait:
+                tiers.forget(owner, [t.info.seq_id for t in tracked])
+            return tracked
+        return self._once_arrived(inflight, lambda: tiers.settled(owner, tracked))
+
+    def _once_arrived(self, inflight: list, then: Callable[[], T]) -> T | Awaitable[T]:
+        """``then()`` now if nothing is in flight, else a coroutine that runs it once the bytes arrived.
+
+        After the wait the session is looked up again: one dropped meanwhile (its lease ran
+        out while it was frozen) gets UNAUTHENTICATED, never block tables it no longer holds.
+        """
+        if not inflight:
+            return then()
+
+        async def when_arrived() -> T:
+            await self.pool.tiers.wait(inflight)
+            self.service.session(self.session.token)
+            return then()
+
+        return when_arrived()
+
+
+__all__ = ["PoolSession", "StepCall", "StepResult"]
