@@ -49,7 +49,7 @@ own ShareGPT-like input and output; the core holds them with its prefix cache
 (one copy of the system prompt's 64 blocks) vs the same requests made unique
 (``extra_key`` per request: no sharing).
 
-Targets (issue 7): waste < 4% with kvpool; >= 2.5x the max-2048 baseline's
+Targets: waste < 4% with kvpool; >= 2.5x the max-2048 baseline's
 concurrent requests.  Writes ``benchmarks/results/memory.json``.
 """
 

@@ -10,7 +10,7 @@ For 1 and 4 concurrent client processes, each with 256 sequences, it times
 and then runs a steady decode through ``Client.extend`` (reserves on) and
 counts decode steps per RPC.
 
-Targets (issue 3): Step p50 <= 1.3x Ping p50, p99 <= 3x Ping p99... measured
+Targets: Step p50 <= 1.3x Ping p50, p99 <= 3x Ping p99... measured
 as p99 <= 3x Ping p50; at least 8 decode steps per RPC.
 """
 

@@ -1,4 +1,4 @@
-"""Soak (issue 9): hundreds of thousands of RPCs against one daemon; its memory must stay flat.
+"""Soak: hundreds of thousands of RPCs against one daemon; its memory must stay flat.
 
 Several client processes each repeat a round of sequence calls through the raw
 stub (every call reaches the daemon; the client's reserve is not used):

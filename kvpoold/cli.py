@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shutdown-timeout", help="on SIGTERM, seconds to wait for clients to detach (default 30)")
     p.add_argument("--metrics-port", help="serve Prometheus metrics on this TCP port (default 0: off)")
     p.add_argument("--metrics-address", help="address of the metrics endpoint (default 127.0.0.1)")
-    # tiers (issue 6)
+    # tiers
     p.add_argument("--host-bytes", help="tier 1: host memory (pinned on a GPU) for blocks evicted from the pool, "
                                         "e.g. 64GiB (default 0: none)")
     p.add_argument("--disk-dir", help="tier 2: directory of the disk tier (default: the systemd state directory "
@@ -83,8 +83,8 @@ FLAG_KEYS = (
     "grace_seconds", "max_reserve_blocks", "max_sessions", "shm_dir", "log_level",
     "socket_group", "admin_socket", "admin_socket_mode", "max_blocks_per_session", "shutdown_timeout",
     "metrics_port", "metrics_address",
-    "max_sequences_per_session", "max_tokens_per_call", "lease_seconds",  # limits, lease (issue 9)
-    "host_bytes", "disk_dir", "disk_bytes",  # tiers (issue 6)
+    "max_sequences_per_session", "max_tokens_per_call", "lease_seconds",  # limits, lease
+    "host_bytes", "disk_dir", "disk_bytes",  # tiers
 )
 
 

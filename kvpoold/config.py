@@ -101,14 +101,14 @@ class Config:
     disk_dir: str = ""
     disk_bytes: int = 0
     metrics_port: int = 0  # 0: no Prometheus endpoint
-    # -- operations (issue 8) --
+    # -- operations --
     metrics_address: str = "127.0.0.1"  # where the Prometheus endpoint listens
     socket_group: str = ""  # chgrp the socket (and CPU shared memory) to this group: its members may attach
     admin_socket: str = "auto"  # admin calls (evict, drain, other sessions' sequences); auto: beside the socket
     admin_socket_mode: int = 0o600
     max_blocks_per_session: int = 0  # device blocks one session's sequences may hold; 0: no quota
     shutdown_timeout: float = 30.0  # SIGTERM: how long to wait for clients to detach
-    # -- limits (issue 9) --
+    # -- limits --
     max_sequences_per_session: int = 0  # live sequences one session may hold; 0: no limit
     max_tokens_per_call: int = 0  # tokens one call may carry (create prompts, step tokens, lookup); 0: no limit
     lease_seconds: float = 10.0  # a session that made no call (the client heartbeats) for this long is dropped; 0: off

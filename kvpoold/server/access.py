@@ -140,7 +140,7 @@ class CallTooLarge(KvpoolError, ValueError):
 
 
 class Limits:
-    """Per-call and per-session bounds (issue 9), read from the live config; checked before the core runs."""
+    """Per-call and per-session bounds, read from the live config; checked before the core runs."""
 
     def __init__(self, service) -> None:
         self.service = service

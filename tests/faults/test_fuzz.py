@@ -1,4 +1,4 @@
-"""Fuzzing every RPC through the raw stub (issue 9).
+"""Fuzzing every RPC through the raw stub.
 
 Random and malformed fields, wrong and foreign session tokens, foreign and huge
 ids, torn packed arrays, huge counts, and undecodable request bytes.  Only the

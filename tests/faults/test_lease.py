@@ -1,4 +1,4 @@
-"""Leases (issue 9): a frozen client loses its session; a busy or idle one keeps it.
+"""Leases: a frozen client loses its session; a busy or idle one keeps it.
 
 A SIGSTOPped process keeps its socket and its pid, so neither the Watch stream
 nor the pid check notices it: the lease does.  The clients here are real

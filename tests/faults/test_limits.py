@@ -1,4 +1,4 @@
-"""Limits (issue 9): sequences per session and tokens per call; refused before the core, nothing changed."""
+"""Limits: sequences per session and tokens per call; refused before the core, nothing changed."""
 
 from __future__ import annotations
 

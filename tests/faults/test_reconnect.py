@@ -1,4 +1,4 @@
-"""Daemon restart (issue 9): a clear UNAVAILABLE, and ``connect(reconnect=True)`` retries with backoff."""
+"""Daemon restart: a clear UNAVAILABLE, and ``connect(reconnect=True)`` retries with backoff."""
 
 from __future__ import annotations
 

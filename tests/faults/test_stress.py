@@ -1,4 +1,4 @@
-"""Stress (issue 9): 16 client processes doing random sequence calls, some SIGKILLed; nothing leaks.
+"""Stress: 16 client processes doing random sequence calls, some SIGKILLed; nothing leaks.
 
 Bounded: a fixed number of operations per process, loopback Unix socket only.
 At the end the daemon's self-check passes and, after the grace period, no block

@@ -1,4 +1,4 @@
-"""Half-finished tier operations when their session dies (issue 9): released or completed, never leaked.
+"""Half-finished tier operations when their session dies: released or completed, never leaked.
 
 A client process is SIGKILLed, or frozen (SIGSTOP) past its lease, while its
 create waits for a promotion from disk, while its swap-in reads from disk, or

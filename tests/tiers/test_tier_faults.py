@@ -1,4 +1,4 @@
-"""Faults in the tiers (issue 9): disk writes and reads that fail, a disk that fills up, a block corrupted
+"""Faults in the tiers: disk writes and reads that fail, a disk that fills up, a block corrupted
 while the daemon runs.
 
 Against a real daemon.  Failing I/O comes from the failpoints of
