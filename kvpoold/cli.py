@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvpoold: bad configuration: {exc}", file=sys.stderr)
         return 2
     if args.check_config:
-        print(json.dumps(config_as_dict(config), indent=2))
+        print(json.dumps(config_as_dict(config), indent=2, allow_nan=False))
         return 0
     from kvpoold.server.app import run
 
