@@ -32,6 +32,11 @@ _UNITS = {
 MAX_COUNT = 2**31 - 1
 MAX_BYTES = 2**63 - 1
 MAX_SECONDS = 365 * 86400.0  # asyncio timers overflow far above; a year is "never" for an operator
+# The gRPC server's message limit (both ways).  A call carries 4 bytes per token
+# plus per-sequence arrays; at 8 bytes per token the most tokens one call may
+# carry still fits, so max_tokens_per_call answers before gRPC's own limit does.
+MAX_MESSAGE_BYTES = 256 << 20
+MAX_TOKENS_PER_CALL = MAX_MESSAGE_BYTES // 8
 # sockaddr_un.sun_path is 108 bytes on Linux, one of them the terminating NUL.
 SUN_PATH_MAX = 107
 
@@ -140,9 +145,15 @@ class Config:
     max_blocks_per_session: int = 0  # device blocks one session's sequences may hold; 0: no quota
     shutdown_timeout: float = 30.0  # SIGTERM: how long to wait for clients to detach
     # -- limits --
-    max_sequences_per_session: int = 0  # live sequences one session may hold; 0: no limit
-    max_tokens_per_call: int = 0  # tokens one call may carry (create prompts, step tokens, lookup); 0: no limit
+    # live sequences one session may hold; 0: no limit.  Far above any batch, low enough that one client
+    # cannot fill the daemon's memory with sequence records.
+    max_sequences_per_session: int = 65536
+    # tokens one call may carry (create prompts, step tokens, lookup); 0: no limit.  Larger than any model's
+    # context with a margin; bounds how long one call holds the event loop (benchmarks/bench_stall.py).
+    max_tokens_per_call: int = 1 << 20
     lease_seconds: float = 10.0  # a session that made no call (the client heartbeats) for this long is dropped; 0: off
+    # bytes of a client string (name, model id, revision, dtype); extra keys may have 4x this; 0: no limit
+    max_string_bytes: int = 1024
 
     def effective_pool_bytes(self) -> int:
         return self.pool_bytes or (1 << 30)
@@ -186,7 +197,7 @@ def _gid(group: str) -> int:
 LIVE_KEYS = frozenset({
     "log_level", "grace_seconds", "max_reserve_blocks", "max_sessions", "max_blocks_per_session",
     "shutdown_timeout", "admin_socket_mode", "max_sequences_per_session", "max_tokens_per_call",
-    "lease_seconds",
+    "lease_seconds", "max_string_bytes",
 })
 
 
@@ -217,6 +228,7 @@ _PARSERS = {
     "max_sequences_per_session": _int,
     "max_tokens_per_call": _int,
     "lease_seconds": _float,
+    "max_string_bytes": _int,
 }
 KEYS = tuple(f.name for f in fields(Config))
 assert set(KEYS) == set(_PARSERS)
@@ -227,9 +239,12 @@ def _validate(cfg: Config, sources: Mapping[str, str]) -> None:
         return ConfigError(f"{key} = {getattr(cfg, key)!r} ({sources.get(key, 'default')}): {why}")
 
     for key in ("max_reserve_blocks", "max_sessions", "max_blocks_per_session", "max_sequences_per_session",
-                "max_tokens_per_call"):
+                "max_tokens_per_call", "max_string_bytes"):
         if getattr(cfg, key) > MAX_COUNT:
             raise bad(key, f"must be at most {MAX_COUNT} (the wire and block ids are 32-bit)")
+    if cfg.max_tokens_per_call > MAX_TOKENS_PER_CALL:
+        raise bad("max_tokens_per_call", f"must be at most {MAX_TOKENS_PER_CALL} (larger calls exceed the "
+                                         f"{MAX_MESSAGE_BYTES >> 20} MiB gRPC message limit)")
     for key in ("pool_bytes", "chunk_bytes", "host_bytes", "disk_bytes"):
         if getattr(cfg, key) > MAX_BYTES:
             raise bad(key, f"must be at most {MAX_BYTES} bytes")
@@ -277,6 +292,8 @@ def _validate(cfg: Config, sources: Mapping[str, str]) -> None:
         raise bad("max_sequences_per_session", "must be >= 0 (0: no limit)")
     if cfg.max_tokens_per_call < 0:
         raise bad("max_tokens_per_call", "must be >= 0 (0: no limit)")
+    if cfg.max_string_bytes < 0:
+        raise bad("max_string_bytes", "must be >= 0 (0: no limit)")
     if cfg.shutdown_timeout < 0:
         raise bad("shutdown_timeout", "must be >= 0 seconds")
     if not cfg.metrics_address:

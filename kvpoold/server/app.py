@@ -36,7 +36,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvpool.protocol import kvpool_pb2 as pb
-from kvpoold.config import LIVE_KEYS, Config, ConfigError, changed_keys
+from kvpoold.config import LIVE_KEYS, MAX_MESSAGE_BYTES, Config, ConfigError, changed_keys
 from kvpoold.memory import make_backend
 
 from .pools import disk_dir_for
@@ -47,7 +47,6 @@ from .servicer import KVPoolServicer, add_to_server
 
 log = logging.getLogger("kvpoold")
 
-MAX_MESSAGE_BYTES = 256 << 20
 REAP_INTERVAL_S = 0.25
 SHUTDOWN_POLL_S = 0.05
 

@@ -40,6 +40,7 @@ def _one_line_exit_2(r: subprocess.CompletedProcess, *needles: str) -> None:
     ("--max-blocks-per-session", "18446744073709551616", "max_blocks_per_session"),
     ("--max-sequences-per-session", "3000000000", "max_sequences_per_session"),
     ("--max-tokens-per-call", "3000000000", "max_tokens_per_call"),
+    ("--max-tokens-per-call", "40000000", "gRPC message limit"),
     ("--grace-seconds", "nan", "grace_seconds"),
     ("--grace-seconds", "inf", "grace_seconds"),
     ("--shutdown-timeout", "nan", "shutdown_timeout"),
