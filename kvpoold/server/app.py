@@ -22,6 +22,7 @@ exit 0.
 from __future__ import annotations
 
 import asyncio
+import errno
 import fcntl
 import logging
 import os
@@ -165,6 +166,13 @@ def open_pools(config: Config, service: Service, instance: str, backend_kwargs: 
                              disk_dir=disk_dir_for(config, device, len(devices)))
         except DiskTierError as exc:  # a disk tier directory that cannot be used
             raise StartupError(f"{exc}{where}" if len(devices) > 1 else str(exc)) from None
+        except (MemoryError, OSError) as exc:
+            # the host tier passed validation (at most the machine's memory) but the kernel refused it
+            if isinstance(exc, OSError) and exc.errno != errno.ENOMEM:
+                raise
+            raise StartupError(f"cannot allocate the host tier (host_bytes = {config.host_bytes}){where}: "
+                               f"{exc.strerror if isinstance(exc, OSError) else 'out of memory'}; "
+                               "use a smaller --host-bytes") from None
         except ValueError as exc:  # the same GPU twice (two ordinals, one bus id)
             raise StartupError(str(exc)) from None
 

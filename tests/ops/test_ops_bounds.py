@@ -118,3 +118,18 @@ def test_host_bytes_over_the_machine_is_refused():
     total = psutil.virtual_memory().total
     _one_line_exit_2(_run([*KVPOOLD, "--socket", "/tmp/kvpool-never.sock", "--host-bytes", str(total * 2),
                            "--check-config"]), "host_bytes", "memory")
+
+
+def test_host_tier_refused_by_the_kernel_is_one_line(tmp_path):
+    """host_bytes within the machine's memory, but the kernel refuses it (ENOMEM): here, an address-space limit."""
+    import resource
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))
+
+    if psutil.virtual_memory().total < 8 << 30:
+        pytest.skip("needs a machine with at least 8 GiB, so that validation lets host_bytes = 8GiB through")
+    r = subprocess.run([*KVPOOLD, "--socket", str(tmp_path / "k.sock"), "--pool-bytes", "64MiB", "--chunk-bytes",
+                        "64KiB", "--host-bytes", "8GiB"], capture_output=True, text=True, timeout=60, env=_env(),
+                       preexec_fn=limit)
+    _one_line_exit_2(r, "host tier", "host_bytes")
