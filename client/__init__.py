@@ -21,7 +21,7 @@ _WHERE = {
     "Connection": "connection", "Layout": "layout",
     "KvpoolError": "errors", "InvalidArgument": "errors", "NotFound": "errors", "OutOfBlocks": "errors",
     "PermissionDenied": "errors", "FailedPrecondition": "errors", "SessionExpired": "errors",
-    "Unavailable": "errors", "DaemonError": "errors",
+    "Unavailable": "errors", "DaemonError": "errors", "TooManySessions": "errors",
     "ClassStats": "stats", "ClientInfo": "stats", "PoolStats": "stats", "SequenceInfo": "stats",
     "TierStats": "stats",
 }

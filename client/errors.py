@@ -35,9 +35,24 @@ class OutOfBlocks(KvpoolError, MemoryError):
 
 
 class PermissionDenied(KvpoolError, PermissionError):
-    """The sequence belongs to another session, or the call needs more rights."""
+    """The sequence belongs to another session, the call needs more rights, or the
+    socket refuses this user (not in the daemon's ``socket_group``)."""
 
     code = "PERMISSION_DENIED"
+
+
+class TooManySessions(KvpoolError):
+    """The daemon serves ``max_sessions`` sessions already; attach later or raise the limit.
+
+    Not an ``OutOfBlocks``: the pool may have plenty of room.
+    """
+
+    code = "RESOURCE_EXHAUSTED"
+
+
+# The daemon's TooManySessions message starts with this; RESOURCE_EXHAUSTED
+# alone cannot tell it from a full pool.
+TOO_MANY_SESSIONS_PREFIX = "too many sessions:"
 
 
 class FailedPrecondition(KvpoolError, RuntimeError):
@@ -69,8 +84,16 @@ def from_rpc_error(exc: grpc.RpcError, address: str) -> KvpoolError:
     code = exc.code() if hasattr(exc, "code") else None
     name = code.name if code is not None else "UNKNOWN"
     details = exc.details() if hasattr(exc, "details") else str(exc)
-    if name == "UNAVAILABLE":
+    kind = _BY_CODE.get(name, DaemonError)
+    if name == "UNAVAILABLE" and "permission denied" in (details or "").lower():
+        # connect() failed with EACCES: the socket exists but this user may not use it
+        name, kind = "PERMISSION_DENIED", PermissionDenied
+        details = (f"permission denied on kvpoold's socket {address}: join the socket's group "
+                   f"(socket_group) or ask the operator ({details})")
+    elif name == "UNAVAILABLE":
         details = f"kvpoold is not reachable at {address} ({details})"
-    err = _BY_CODE.get(name, DaemonError)(details or name)
+    elif name == "RESOURCE_EXHAUSTED" and (details or "").startswith(TOO_MANY_SESSIONS_PREFIX):
+        kind = TooManySessions
+    err = kind(details or name)
     err.code = name
     return err

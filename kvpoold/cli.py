@@ -26,7 +26,7 @@ EPILOG = """examples:
 precedence: defaults < TOML file < KVPOOL_<KEY> environment variables < flags.
 signals: SIGHUP reloads the settings that can change live (log_level, grace_seconds, lease_seconds,
   max_reserve_blocks, max_sessions, max_blocks_per_session, shutdown_timeout,
-  admin_socket_mode, max_sequences_per_session, max_tokens_per_call) and logs the others as needing a restart; SIGTERM/SIGINT stop
+  admin_socket_mode, max_sequences_per_session, max_tokens_per_call, max_string_bytes) and logs the others as needing a restart; SIGTERM/SIGINT stop
   gracefully (clients are told and get shutdown_timeout seconds to detach).
 
 exit codes: 0 stopped cleanly, 2 bad configuration or cannot start"""
@@ -62,8 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "<socket>-admin.sock beside the socket; 'none': no admin socket")
     p.add_argument("--admin-socket-mode", help="file mode of the admin socket, octal (default 600)")
     p.add_argument("--max-blocks-per-session", help="quota: device blocks one session's sequences may hold (0: none)")
-    p.add_argument("--max-sequences-per-session", help="limit: live sequences one session may hold (0: none)")
-    p.add_argument("--max-tokens-per-call", help="limit: tokens one call may carry (0: none)")
+    p.add_argument("--max-sequences-per-session",
+                   help="limit: live sequences one session may hold (default 65536; 0: none)")
+    p.add_argument("--max-tokens-per-call", help="limit: tokens one call may carry (default 1048576; 0: none)")
+    p.add_argument("--max-string-bytes",
+                   help="limit: bytes of a client's name, model id, revision, dtype; extra keys 4x (default 1024; "
+                        "0: none)")
     p.add_argument("--shutdown-timeout", help="on SIGTERM, seconds to wait for clients to detach (default 30)")
     p.add_argument("--metrics-port", help="serve Prometheus metrics on this TCP port (default 0: off)")
     p.add_argument("--metrics-address", help="address of the metrics endpoint (default 127.0.0.1)")
@@ -83,7 +87,7 @@ FLAG_KEYS = (
     "grace_seconds", "max_reserve_blocks", "max_sessions", "shm_dir", "log_level",
     "socket_group", "admin_socket", "admin_socket_mode", "max_blocks_per_session", "shutdown_timeout",
     "metrics_port", "metrics_address",
-    "max_sequences_per_session", "max_tokens_per_call", "lease_seconds",  # limits, lease
+    "max_sequences_per_session", "max_tokens_per_call", "lease_seconds", "max_string_bytes",  # limits, lease
     "host_bytes", "disk_dir", "disk_bytes",  # tiers
 )
 
@@ -100,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvpoold: bad configuration: {exc}", file=sys.stderr)
         return 2
     if args.check_config:
-        print(json.dumps(config_as_dict(config), indent=2))
+        print(json.dumps(config_as_dict(config), indent=2, allow_nan=False))
         return 0
     from kvpoold.server.app import run
 

@@ -8,6 +8,7 @@ from, so the daemon can print one clear line and exit.
 from __future__ import annotations
 
 import grp
+import math
 import os
 import re
 import tomllib
@@ -23,6 +24,21 @@ _UNITS = {
     "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
     "ki": 1024, "kib": 1024, "mi": 1024**2, "mib": 1024**2, "gi": 1024**3, "gib": 1024**3, "ti": 1024**4, "tib": 1024**4,
 }
+
+
+# Upper bounds a value must respect to be usable end to end.  Counts of blocks,
+# sequences and tokens travel as int32 (block ids, token counts) or uint32
+# (reserve target) on the wire; sizes as uint64 and through off_t/mmap.
+MAX_COUNT = 2**31 - 1
+MAX_BYTES = 2**63 - 1
+MAX_SECONDS = 365 * 86400.0  # asyncio timers overflow far above; a year is "never" for an operator
+# The gRPC server's message limit (both ways).  A call carries 4 bytes per token
+# plus per-sequence arrays; at 8 bytes per token the most tokens one call may
+# carry still fits, so max_tokens_per_call answers before gRPC's own limit does.
+MAX_MESSAGE_BYTES = 256 << 20
+MAX_TOKENS_PER_CALL = MAX_MESSAGE_BYTES // 8
+# sockaddr_un.sun_path is 108 bytes on Linux, one of them the terminating NUL.
+SUN_PATH_MAX = 107
 
 
 class ConfigError(ValueError):
@@ -41,6 +57,26 @@ def parse_bytes(value: Any) -> int:
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError("expected a size like 2GiB, 512MiB, 1.5G or a number of bytes")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _float(value: Any) -> float:
+    """A finite number: NaN compares false with every bound and infinity overflows timers."""
+    if isinstance(value, bool):
+        raise ValueError("expected a number")
+    out = float(value)
+    if not math.isfinite(out):
+        raise ValueError("must be a finite number (not nan or inf)")
+    return out
+
+
+def _int(value: Any) -> int:
+    if isinstance(value, bool):
+        raise ValueError("expected an integer")
+    if isinstance(value, float):
+        if not value.is_integer():
+            raise ValueError("expected an integer")
+        return int(value)
+    return int(value)
 
 
 def _bool(value: Any) -> bool:
@@ -109,9 +145,15 @@ class Config:
     max_blocks_per_session: int = 0  # device blocks one session's sequences may hold; 0: no quota
     shutdown_timeout: float = 30.0  # SIGTERM: how long to wait for clients to detach
     # -- limits --
-    max_sequences_per_session: int = 0  # live sequences one session may hold; 0: no limit
-    max_tokens_per_call: int = 0  # tokens one call may carry (create prompts, step tokens, lookup); 0: no limit
+    # live sequences one session may hold; 0: no limit.  Far above any batch, low enough that one client
+    # cannot fill the daemon's memory with sequence records.
+    max_sequences_per_session: int = 65536
+    # tokens one call may carry (create prompts, step tokens, lookup); 0: no limit.  Larger than any model's
+    # context with a margin; bounds how long one call holds the event loop (benchmarks/bench_stall.py).
+    max_tokens_per_call: int = 1 << 20
     lease_seconds: float = 10.0  # a session that made no call (the client heartbeats) for this long is dropped; 0: off
+    # bytes of a client string (name, model id, revision, dtype); extra keys may have 4x this; 0: no limit
+    max_string_bytes: int = 1024
 
     def effective_pool_bytes(self) -> int:
         return self.pool_bytes or (1 << 30)
@@ -135,6 +177,15 @@ def admin_socket_for(socket: str, admin_socket: str = "auto") -> str:
     return base + "-admin.sock"
 
 
+def _memory_total() -> int:
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().total)
+    except Exception:  # noqa: BLE001 - no psutil or no /proc: the allocation reports ENOMEM itself
+        return 0
+
+
 def _gid(group: str) -> int:
     if group.isdigit():
         return int(group)
@@ -146,7 +197,7 @@ def _gid(group: str) -> int:
 LIVE_KEYS = frozenset({
     "log_level", "grace_seconds", "max_reserve_blocks", "max_sessions", "max_blocks_per_session",
     "shutdown_timeout", "admin_socket_mode", "max_sequences_per_session", "max_tokens_per_call",
-    "lease_seconds",
+    "lease_seconds", "max_string_bytes",
 })
 
 
@@ -155,28 +206,29 @@ _PARSERS = {
     "socket_mode": _mode,
     "backend": str,
     "pool_bytes": parse_bytes,
-    "gpu_memory_fraction": float,
+    "gpu_memory_fraction": _float,
     "devices": _devices,
     "chunk_bytes": parse_bytes,
-    "grace_seconds": float,
-    "max_reserve_blocks": int,
-    "max_sessions": int,
+    "grace_seconds": _float,
+    "max_reserve_blocks": _int,
+    "max_sessions": _int,
     "eviction_policy": str,
     "shm_dir": str,
     "log_level": str,
     "host_bytes": parse_bytes,
     "disk_dir": str,
     "disk_bytes": parse_bytes,
-    "metrics_port": int,
+    "metrics_port": _int,
     "metrics_address": str,
     "socket_group": str,
     "admin_socket": str,
     "admin_socket_mode": _mode,
-    "max_blocks_per_session": int,
-    "shutdown_timeout": float,
-    "max_sequences_per_session": int,
-    "max_tokens_per_call": int,
-    "lease_seconds": float,
+    "max_blocks_per_session": _int,
+    "shutdown_timeout": _float,
+    "max_sequences_per_session": _int,
+    "max_tokens_per_call": _int,
+    "lease_seconds": _float,
+    "max_string_bytes": _int,
 }
 KEYS = tuple(f.name for f in fields(Config))
 assert set(KEYS) == set(_PARSERS)
@@ -186,6 +238,26 @@ def _validate(cfg: Config, sources: Mapping[str, str]) -> None:
     def bad(key: str, why: str) -> ConfigError:
         return ConfigError(f"{key} = {getattr(cfg, key)!r} ({sources.get(key, 'default')}): {why}")
 
+    for key in ("max_reserve_blocks", "max_sessions", "max_blocks_per_session", "max_sequences_per_session",
+                "max_tokens_per_call", "max_string_bytes"):
+        if getattr(cfg, key) > MAX_COUNT:
+            raise bad(key, f"must be at most {MAX_COUNT} (the wire and block ids are 32-bit)")
+    if cfg.max_tokens_per_call > MAX_TOKENS_PER_CALL:
+        raise bad("max_tokens_per_call", f"must be at most {MAX_TOKENS_PER_CALL} (larger calls exceed the "
+                                         f"{MAX_MESSAGE_BYTES >> 20} MiB gRPC message limit)")
+    for key in ("pool_bytes", "chunk_bytes", "host_bytes", "disk_bytes"):
+        if getattr(cfg, key) > MAX_BYTES:
+            raise bad(key, f"must be at most {MAX_BYTES} bytes")
+    for key in ("grace_seconds", "shutdown_timeout"):
+        if getattr(cfg, key) > MAX_SECONDS:
+            raise bad(key, f"must be at most {MAX_SECONDS:.0f} seconds (a year)")
+    for key, path in (("socket", cfg.socket), ("admin_socket", cfg.admin_socket_path())):
+        if path and len(os.fsencode(path)) > SUN_PATH_MAX:
+            raise bad(key, f"a Unix socket path is at most {SUN_PATH_MAX} bytes ({len(os.fsencode(path))} given)")
+    if cfg.host_bytes:
+        total = _memory_total()
+        if total and cfg.host_bytes > total:
+            raise bad("host_bytes", f"larger than this machine's memory ({total} bytes)")
     if cfg.backend not in ("cpu", "cuda"):
         raise bad("backend", "must be cpu or cuda")
     if not cfg.socket:
@@ -220,6 +292,8 @@ def _validate(cfg: Config, sources: Mapping[str, str]) -> None:
         raise bad("max_sequences_per_session", "must be >= 0 (0: no limit)")
     if cfg.max_tokens_per_call < 0:
         raise bad("max_tokens_per_call", "must be >= 0 (0: no limit)")
+    if cfg.max_string_bytes < 0:
+        raise bad("max_string_bytes", "must be >= 0 (0: no limit)")
     if cfg.shutdown_timeout < 0:
         raise bad("shutdown_timeout", "must be >= 0 seconds")
     if not cfg.metrics_address:
@@ -255,7 +329,7 @@ def load_config(
         try:
             with open(path, "rb") as f:
                 doc = tomllib.load(f)
-        except (OSError, tomllib.TOMLDecodeError) as exc:
+        except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
             raise ConfigError(f"config file {path}: {exc}") from None
         table = doc.get("kvpoold", doc)
         for key, value in table.items():

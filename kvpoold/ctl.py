@@ -19,6 +19,7 @@ invariant; 5 permission denied (socket file mode, or an admin call refused).
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -46,6 +47,33 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n} B"
+
+
+# Bounds of the wire fields the options travel in (protos/kvpool.proto): a
+# larger value would pass click and then fail serialization with a traceback.
+UINT64_MAX = 2**64 - 1
+INT32_MAX = 2**31 - 1
+
+
+class Seconds(click.ParamType):
+    """A finite duration in seconds: nan passes every range check and inf overflows timers."""
+
+    name = "seconds"
+
+    def __init__(self, min: float = 0.0, min_open: bool = False, max: float = 365 * 86400.0) -> None:
+        self.min, self.min_open, self.max = min, min_open, max
+
+    def convert(self, value, param, ctx):
+        try:
+            out = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number of seconds", param, ctx)
+        if not math.isfinite(out):
+            self.fail(f"{value!r} is not a finite number of seconds", param, ctx)
+        if out < self.min or (self.min_open and out == self.min) or out > self.max:
+            low = f"more than {self.min:g}" if self.min_open else f"at least {self.min:g}"
+            self.fail(f"{value!r} must be {low} and at most {self.max:g} seconds", param, ctx)
+        return out
 
 
 def _fail(message: str, code: int) -> None:
@@ -113,7 +141,7 @@ def _unreachable(path: str, exc: Exception, admin: bool = False) -> str:
                    "<socket>-admin.sock; env KVPOOL_ADMIN_SOCKET).")
 @click.option("--config", envvar="KVPOOL_CONFIG", metavar="FILE",
               help=f"read the socket paths from this kvpoold config (default {DEFAULT_CONFIG} if readable).")
-@click.option("--timeout", default=10.0, show_default=True, help="Seconds to wait for the daemon.")
+@click.option("--timeout", type=Seconds(min=0, min_open=True), default=10.0, show_default=True, help="Seconds to wait for the daemon.")
 @click.version_option(package_name="kvpool", prog_name="kvpoolctl")
 @click.pass_context
 def cli(ctx: click.Context, socket: str | None, admin_socket: str | None, config: str | None, timeout: float) -> None:
@@ -217,7 +245,7 @@ def stats_table(st: PoolStats) -> Table:
 
 @cli.command(epilog=EXIT_CODES)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table (with --watch: one line each time).")
-@click.option("--watch", type=click.FloatRange(min=0.05), default=None, metavar="SECONDS",
+@click.option("--watch", type=Seconds(min=0.05), default=None, metavar="SECONDS",
               help="Refresh in place every SECONDS until Ctrl-C.")
 @click.pass_obj
 def stats(obj: _Ctx, as_json: bool, watch: float | None) -> None:
@@ -279,7 +307,7 @@ def clients(obj: _Ctx, as_json: bool) -> None:
 
 
 @cli.command(epilog=EXIT_CODES)
-@click.argument("session_id", type=click.IntRange(min=1))
+@click.argument("session_id", type=click.IntRange(min=1, max=UINT64_MAX))
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @click.pass_obj
 def sequences(obj: _Ctx, session_id: int, as_json: bool) -> None:
@@ -304,8 +332,10 @@ def sequences(obj: _Ctx, session_id: int, as_json: bool) -> None:
 
 
 @cli.command(epilog=EXIT_CODES)
-@click.option("--class", "class_id", type=click.IntRange(min=0), default=None, help="Only this layout class.")
-@click.option("--max-blocks", type=click.IntRange(min=1), default=None, help="At most this many blocks.")
+@click.option("--class", "class_id", type=click.IntRange(min=0, max=INT32_MAX), default=None,
+              help="Only this layout class.")
+@click.option("--max-blocks", type=click.IntRange(min=1, max=UINT64_MAX), default=None,
+              help="At most this many blocks.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.pass_obj
 def evict(obj: _Ctx, class_id: int | None, max_blocks: int | None, as_json: bool) -> None:
@@ -323,7 +353,7 @@ def evict(obj: _Ctx, class_id: int | None, max_blocks: int | None, as_json: bool
 @cli.command(epilog=EXIT_CODES)
 @click.option("--off", "resume", is_flag=True, help="End the drain: take new attaches and sequences again.")
 @click.option("--wait", is_flag=True, help="Then wait until no sequence is left (exit 1 if --wait-timeout passes).")
-@click.option("--wait-timeout", type=click.FloatRange(min=0), default=None, metavar="SECONDS",
+@click.option("--wait-timeout", type=Seconds(min=0), default=None, metavar="SECONDS",
               help="With --wait: give up after SECONDS (default: wait forever).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.pass_obj

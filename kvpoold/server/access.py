@@ -139,11 +139,36 @@ class CallTooLarge(KvpoolError, ValueError):
                          f"(split it into smaller calls)")
 
 
+class StringTooLong(KvpoolError, ValueError):
+    """A client string (name, model id, extra key...) longer than ``max_string_bytes`` allows."""
+
+    code = "INVALID_ARGUMENT"
+
+    def __init__(self, what: str, limit: int, nbytes: int) -> None:
+        super().__init__(f"{what} is {nbytes} bytes; at most {limit} are allowed (max_string_bytes)")
+
+
+# An extra key (e.g. a LoRA id, or a serialized adapter list) may need more room than a name.
+EXTRA_KEY_FACTOR = 4
+
+
+def check_string(config, what: str, value: str, factor: int = 1) -> None:
+    """Refuse a client string over the limit before it reaches the core, a log or the stats."""
+    limit = config.max_string_bytes * factor
+    if limit and len(value) > limit // 4:  # a str's UTF-8 bytes are at most 4 per character
+        nbytes = len(value.encode("utf-8", "surrogatepass"))
+        if nbytes > limit:
+            raise StringTooLong(what, limit, nbytes)
+
+
 class Limits:
     """Per-call and per-session bounds, read from the live config; checked before the core runs."""
 
     def __init__(self, service) -> None:
         self.service = service
+
+    def check_extra_key(self, extra_key: str) -> None:
+        check_string(self.service.config, "extra_key", extra_key, EXTRA_KEY_FACTOR)
 
     def check_sequences(self, session, adding: int) -> None:
         limit = self.service.config.max_sequences_per_session

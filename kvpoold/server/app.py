@@ -22,6 +22,7 @@ exit 0.
 from __future__ import annotations
 
 import asyncio
+import errno
 import fcntl
 import logging
 import os
@@ -36,7 +37,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvpool.protocol import kvpool_pb2 as pb
-from kvpoold.config import LIVE_KEYS, Config, ConfigError, changed_keys
+from kvpoold.config import LIVE_KEYS, MAX_MESSAGE_BYTES, Config, ConfigError, changed_keys
 from kvpoold.memory import make_backend
 
 from .pools import disk_dir_for
@@ -47,7 +48,6 @@ from .servicer import KVPoolServicer, add_to_server
 
 log = logging.getLogger("kvpoold")
 
-MAX_MESSAGE_BYTES = 256 << 20
 REAP_INTERVAL_S = 0.25
 SHUTDOWN_POLL_S = 0.05
 
@@ -166,6 +166,13 @@ def open_pools(config: Config, service: Service, instance: str, backend_kwargs: 
                              disk_dir=disk_dir_for(config, device, len(devices)))
         except DiskTierError as exc:  # a disk tier directory that cannot be used
             raise StartupError(f"{exc}{where}" if len(devices) > 1 else str(exc)) from None
+        except (MemoryError, OSError) as exc:
+            # the host tier passed validation (at most the machine's memory) but the kernel refused it
+            if isinstance(exc, OSError) and exc.errno != errno.ENOMEM:
+                raise
+            raise StartupError(f"cannot allocate the host tier (host_bytes = {config.host_bytes}){where}: "
+                               f"{exc.strerror if isinstance(exc, OSError) else 'out of memory'}; "
+                               "use a smaller --host-bytes") from None
         except ValueError as exc:  # the same GPU twice (two ordinals, one bus id)
             raise StartupError(str(exc)) from None
 

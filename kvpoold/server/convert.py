@@ -157,5 +157,5 @@ def reset_reply(counts: tuple[int, int, int]) -> pb.ResetReply:
 
 
 def config_reply(config: Config) -> pb.GetConfigReply:
-    return pb.GetConfigReply(config_json=json.dumps(config_as_dict(config)), live_keys=sorted(LIVE_KEYS),
+    return pb.GetConfigReply(config_json=json.dumps(config_as_dict(config), allow_nan=False), live_keys=sorted(LIVE_KEYS),
                              admin_socket=config.admin_socket_path())

@@ -21,7 +21,8 @@ from kvpoold.core.results import PageTable
 from kvpool.protocol import ArenaDescriptor
 from kvpool.protocol.stats import ClientInfo, PoolStats
 
-from .access import AdminOnly, Draining
+from .access import AdminOnly, Draining, check_string
+from .logsafe import printable
 from .pools import DevicePool, DevicePools
 from .session_pool import PoolSession
 from .sessions import Session, SessionRegistry
@@ -95,13 +96,16 @@ class Service:
             raise WrongState("the daemon is shutting down")
         if self.draining:
             raise Draining("new attaches")
+        for what, value in (("name", name), ("model_id@revision", model_key), ("dtype", geometry.dtype),
+                            ("device_bus_id", device_bus_id)):
+            check_string(self.config, what, value)
         pool = self.pools.choose(device_bus_id)
         cid, descriptor, num_blocks, block_bytes = pool.open_class(geometry)
         session = self.sessions.add(name or "client", pid, model_key, cid)
         self.pools.bind(PoolSession(self, session, pool))
         pool.models.setdefault(cid, set()).add(model_key)
-        log.info("attach: session %d (%s, pid %d) model %s on %s class %d %s", session.id, session.name,
-                 session.pid, model_key, pool.name, cid, geometry.describe())
+        log.info("attach: session %d (%s, pid %d) model %s on %s class %d %s", session.id, printable(session.name),
+                 session.pid, printable(model_key), pool.name, cid, printable(geometry.describe()))
         return AttachResult(session, descriptor, num_blocks, block_bytes, pool)
 
     def session(self, token: bytes) -> Session:
@@ -131,7 +135,7 @@ class Service:
         self.sessions.remove(session)
         self.pools.unbind(session.id)
         log.info("session %d (%s, pid %d) dropped: %s; %d blocks released on %s",
-                 session.id, session.name, session.pid, reason, released, pool.name)
+                 session.id, printable(session.name), session.pid, printable(reason, 1000), released, pool.name)
         return released
 
     def reap(self) -> int:

@@ -80,7 +80,11 @@ def _unary(fn):
             return result
         except Exception as exc:  # noqa: BLE001 - mapped to a status, never swallowed
             code, message = status_for(exc)
-            await context.abort(code, message)
+        # Abort outside the except block and without the request: the abort's exception would
+        # otherwise chain the failed call's traceback, whose frames hold the request and the arrays
+        # unpacked from it (tens of MB for a huge call) until a garbage collection.
+        request = None
+        await context.abort(code, message)
 
     return wrapper
 

@@ -76,6 +76,8 @@ class PoolSession:
         self._refuse_if_draining("new sequences")
         pool, session = self.pool, self.session
         pool.limits.check_tokens(sum(len(t) for t, _ in prompts))
+        for _, extra_key in prompts:
+            pool.limits.check_extra_key(extra_key)
         pool.limits.check_sequences(session, len(prompts))
         pool.quotas.check_create(session, [len(t) for t, _ in prompts])
         out: list[PageTable] = []
@@ -125,6 +127,7 @@ class PoolSession:
 
     def lookup(self, tokens: np.ndarray, extra_key: str) -> LookupResult:
         self.pool.limits.check_tokens(len(tokens))
+        self.pool.limits.check_extra_key(extra_key)
         s = self.session
         return self.pool.manager.lookup(s.class_id, s.model_key, tokens, extra_key, owner=s.id)
 

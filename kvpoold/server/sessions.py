@@ -84,7 +84,8 @@ class SessionRegistry:
 
     def add(self, name: str, pid: int, model_key: str, class_id: int) -> Session:
         if len(self._by_token) >= self.max_sessions:
-            raise TooManySessions(f"the daemon serves at most {self.max_sessions} sessions")
+            raise TooManySessions(f"too many sessions: the daemon serves at most {self.max_sessions} sessions "
+                                  "at once (max_sessions)")
         pid = int(pid) or os.getpid()
         s = Session(
             id=self._next_id, token=secrets.token_bytes(16), name=name, pid=pid,

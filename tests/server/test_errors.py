@@ -46,8 +46,11 @@ def test_status_codes_for_bad_requests(daemon, two_clients):
         raw_step(a, seq_ids=np.array([seq.id], "<i8").tobytes(), token_counts=np.array([4], "<i4").tobytes(),
                  tokens=np.arange(4, dtype="<u4").tobytes(), claim_counts=np.array([1], "<i4").tobytes(),
                  claims=np.array([0], "<i4").tobytes())
-    with pytest.raises(kvpool.OutOfBlocks, match="needed"):  # far more than the 64 MiB pool holds
-        a.create_sequence(np.zeros(4 * 5_000_000, np.int64))
+    # more than the 64 MiB pool holds, in the most tokens one call may carry (max_tokens_per_call)
+    wide = kvpool.Layout("err-wide", num_layers=4, num_kv_heads=1, head_dim=128, dtype="float16", block_size=4)
+    with kvpool.connect(daemon.socket, layout=wide, name="wide") as w:
+        with pytest.raises(kvpool.OutOfBlocks, match="needed"):
+            w.create_sequence(np.zeros(1 << 20, np.int64))
     with pytest.raises(kvpool.SessionExpired):
         a._conn.call("Step", pb.StepRequest(session=b"forged-session-token"))
     with pytest.raises(kvpool.InvalidArgument, match="block_size|positive"):
