@@ -23,6 +23,7 @@ import numpy as np
 
 from .connection import Connection
 from .errors import FailedPrecondition, InvalidArgument, KvpoolError, NotFound, SessionExpired, Unavailable
+from .handoff import attach_ticket
 from .ipc import DeviceMismatch, client_bus_id, open_arena
 from .layout import Layout
 from .protocol import kvpool_pb2 as pb
@@ -229,6 +230,7 @@ class Client:
         delay = 0.05
         while True:
             try:
+                req.attach_ticket = attach_ticket(self._conn.address)  # one-time: a retry needs a new one
                 return self._conn.call("Attach", req)
             except Unavailable:
                 left = deadline - time.monotonic()

@@ -112,6 +112,7 @@ class Config:
     max_sequences_per_session: int = 0  # live sequences one session may hold; 0: no limit
     max_tokens_per_call: int = 0  # tokens one call may carry (create prompts, step tokens, lookup); 0: no limit
     lease_seconds: float = 10.0  # a session that made no call (the client heartbeats) for this long is dropped; 0: off
+    tenant_by: str = "uid"  # clients of different tenants (uid, gid; none: one tenant) share no memory or cache
 
     def effective_pool_bytes(self) -> int:
         return self.pool_bytes or (1 << 30)
@@ -177,6 +178,7 @@ _PARSERS = {
     "max_sequences_per_session": int,
     "max_tokens_per_call": int,
     "lease_seconds": float,
+    "tenant_by": str,
 }
 KEYS = tuple(f.name for f in fields(Config))
 assert set(KEYS) == set(_PARSERS)
@@ -196,6 +198,8 @@ def _validate(cfg: Config, sources: Mapping[str, str]) -> None:
         raise bad("chunk_bytes", "must be a power of two of at least 4096")
     if cfg.pool_bytes and cfg.pool_bytes < cfg.chunk_bytes:
         raise bad("pool_bytes", f"must hold at least one chunk ({cfg.chunk_bytes} bytes)")
+    if cfg.tenant_by not in ("uid", "gid", "none"):
+        raise bad("tenant_by", "must be uid, gid or none")
     if cfg.grace_seconds < 0:
         raise bad("grace_seconds", "must be >= 0")
     if not (cfg.lease_seconds == 0 or 0.3 <= cfg.lease_seconds <= 86400):

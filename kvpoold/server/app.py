@@ -39,6 +39,7 @@ from kvpool.protocol import kvpool_pb2 as pb
 from kvpoold.config import LIVE_KEYS, Config, ConfigError, changed_keys
 from kvpoold.memory import make_backend
 
+from .handoff import HandoffServer, handoff_path
 from .pools import disk_dir_for
 from .sd import Notifier
 from .service import Service
@@ -176,6 +177,7 @@ class _Listener:
     def __init__(self, path: str, mode: int, admin: bool, service: Service, shutdown: asyncio.Event,
                  health, interceptors) -> None:
         self.path, self.mode, self.admin = path, mode, admin
+        self.handoff = HandoffServer(handoff_path(path), mode, service.tickets)  # kernel credentials, tickets
         self.server = grpc.aio.server(interceptors=interceptors, options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -201,6 +203,10 @@ class _Listener:
             except OSError as exc:
                 raise StartupError(f"cannot give {self.path} to group {gid} (socket_group): {exc}") from None
         os.chmod(self.path, self.mode)
+        try:
+            await self.handoff.start(gid)
+        except OSError as exc:
+            raise StartupError(f"cannot serve the side socket {self.handoff.path}: {exc}") from None
 
     def remove(self) -> None:
         try:
@@ -334,6 +340,7 @@ async def serve(config: Config, ready=None, reload: Callable[[], Config] | None 
         if service is not None:
             service.close()  # every pool: flushes its tiers, then releases its arenas and device memory
         for listener in listeners:
+            await listener.handoff.stop()
             listener.remove()
         for lock in reversed(locks):
             lock.release()
@@ -365,6 +372,8 @@ def _reload(service: Service, listeners: list[_Listener], reload: Callable[[], C
             for listener in listeners:
                 if listener.admin:
                     os.chmod(listener.path, new.admin_socket_mode)
+                    if os.path.exists(listener.handoff.path):
+                        os.chmod(listener.handoff.path, new.admin_socket_mode)
         service.config = applied  # every pool reads it (max_reserve_blocks, quotas, limits)
         if live:
             log.warning("reload: changed %s", ", ".join(f"{k} {getattr(old, k)!r} -> {getattr(new, k)!r}"

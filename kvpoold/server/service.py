@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvpoold import __version__
 from kvpoold.config import Config
@@ -22,11 +22,19 @@ from kvpool.protocol import ArenaDescriptor
 from kvpool.protocol.stats import ClientInfo, PoolStats
 
 from .access import AdminOnly, Draining
+from .handoff import Credentials, TicketStore
 from .pools import DevicePool, DevicePools
 from .session_pool import PoolSession
 from .sessions import Session, SessionRegistry
 
 log = logging.getLogger("kvpoold")
+
+
+def tenant_of(tenant_by: str, creds: Credentials | None) -> str:
+    """The tenant of a client with ``creds`` under ``tenant_by`` ("uid", "gid", "none")."""
+    if creds is None or tenant_by == "none":
+        return ""
+    return f"uid {creds.uid}" if tenant_by == "uid" else f"gid {creds.gid}"
 
 
 @dataclass(frozen=True)
@@ -59,6 +67,7 @@ class Service:
         self.rpcs = 0
         self.closing = False
         self.draining = False  # kvpoolctl drain: no new attaches or sequences; running ones go on
+        self.tickets = TicketStore()  # issued on the side sockets (handoff.py), redeemed by Attach
 
     @property
     def config(self) -> Config:
@@ -89,8 +98,15 @@ class Service:
         return self.pools.of(session)
 
     # -- sessions -----------------------------------------------------------------
-    def attach(self, name: str, model_key: str, geometry: Geometry, pid: int, device_bus_id: str = "") -> AttachResult:
-        """A new session of ``model_key`` (``model@revision``) on the pool of the client's GPU."""
+    def attach(self, name: str, model_key: str, geometry: Geometry, pid: int, device_bus_id: str = "",
+               creds: Credentials | None = None) -> AttachResult:
+        """A new session of ``model_key`` (``model@revision``) on the pool of the client's GPU.
+
+        ``creds`` (from the kernel, through a ticket) decide the tenant: the
+        layout class is per (tenant, geometry), so tenants share no memory
+        and no cache.  None (in-process callers): no tenant.
+        """
+        geometry = replace(geometry, tenant=tenant_of(self.config.tenant_by, creds))
         if self.closing:
             raise WrongState("the daemon is shutting down")
         if self.draining:

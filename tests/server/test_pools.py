@@ -20,6 +20,7 @@ from rich.console import Console
 
 import kvpool
 from kvpool import Connection
+from kvpool.handoff import attach_ticket
 from kvpool.ipc import DeviceMismatch, open_arena
 from kvpool.protocol import kvpool_pb2 as pb
 from kvpoold.config import Config
@@ -27,6 +28,7 @@ from kvpoold.core import Geometry, WrongState
 from kvpoold.ctl import stats_view
 from kvpoold.memory.cpu_shm import CpuShmBackend
 from kvpoold.server.errors import TooManySessions
+from kvpoold.server.handoff import HandoffServer, handoff_path
 from kvpoold.server.pools import disk_dir_for, normalize_bus_id
 from kvpoold.server.service import Service
 from kvpoold.server.servicer import KVPoolServicer, add_to_server
@@ -217,9 +219,12 @@ def served(tmp_path):
         add_to_server(KVPoolServicer(service, asyncio.Event(), admin=True), server)
         server.add_insecure_port("unix://" + path)
         await server.start()
+        handoff = HandoffServer(handoff_path(path), 0o600, service.tickets)  # attach tickets
+        await handoff.start(None)
         ready.set()
         await stop.wait()
         await server.stop(None)
+        await handoff.stop()
 
     thread = threading.Thread(target=loop.run_until_complete, args=(main(),), daemon=True)
     thread.start()
@@ -233,7 +238,8 @@ def served(tmp_path):
 
 def attach(conn: Connection, bus: str):
     lay = pb.Layout(**{k: v for k, v in LAYOUT.items()})
-    return conn.call("Attach", pb.AttachRequest(name="g", pid=os.getpid(), layout=lay, device_bus_id=bus))
+    return conn.call("Attach", pb.AttachRequest(name="g", pid=os.getpid(), layout=lay, device_bus_id=bus,
+                                                attach_ticket=attach_ticket(conn.address)))
 
 
 def test_attach_and_stats_over_grpc(served):
