@@ -23,7 +23,7 @@ import numpy as np
 
 from .connection import Connection
 from .errors import FailedPrecondition, InvalidArgument, KvpoolError, NotFound, SessionExpired, Unavailable
-from .handoff import attach_ticket
+from .handoff import arena_fd, attach_ticket
 from .ipc import DeviceMismatch, client_bus_id, open_arena
 from .layout import Layout
 from .protocol import kvpool_pb2 as pb
@@ -312,7 +312,8 @@ class Client:
         """
         with self._lock:
             if self._kv is None:
-                self._arena = open_arena(self._descriptor, device=self._device)
+                fd = arena_fd(self._conn.address, self._token) if self._descriptor["kind"] == "memfd" else None
+                self._arena = open_arena(self._descriptor, device=self._device, fd=fd)
                 self._kv = self._arena.as_tensor(self.layout.dtype, (self.num_blocks, *self.layout.block_shape))
             return self._kv
 

@@ -9,9 +9,11 @@ client cannot choose what it says there.
 Protocol (one request per connection, both ways bounded):
 
 * the client sends one line of at most ``MAX_REQUEST`` bytes within
-  ``TIMEOUT`` seconds: ``ticket``;
-* the daemon answers one line: ``ok <64 hex digits>`` (a ticket) or
-  ``err <reason>``, and closes.
+  ``TIMEOUT`` seconds: ``ticket``, or ``arena <session token in hex>``;
+* the daemon answers one line and closes: ``ok <64 hex digits>`` (a
+  ticket); ``ok <bytes>`` with the arena's memfd attached (``SCM_RIGHTS``),
+  only when the connection's credentials are the session's (same pid, uid
+  and gid); or ``err <reason>``.  Refusals say no more than that.
 
 A ticket is 32 random bytes bound to the connection's credentials, valid
 for ``TICKET_SECONDS`` and redeemed at most once by ``Attach``
@@ -103,8 +105,9 @@ class TicketStore:
 class HandoffServer:
     """The side socket beside one gRPC socket; served on the daemon's event loop."""
 
-    def __init__(self, path: str, mode: int, tickets: TicketStore) -> None:
-        self.path, self.mode, self.tickets = path, mode, tickets
+    def __init__(self, path: str, mode: int, tickets: TicketStore, arena_fd=None) -> None:
+        """``arena_fd(token, creds) -> (fd, nbytes)`` (``Service.arena_fd``); None: no arenas here."""
+        self.path, self.mode, self.tickets, self.arena_fd = path, mode, tickets, arena_fd
         self._server: asyncio.AbstractServer | None = None
 
     async def start(self, gid: int | None) -> None:
@@ -133,6 +136,9 @@ class HandoffServer:
             if verb == "ticket":
                 ticket = self.tickets.issue(creds)
                 writer.write(b"ok " + ticket.hex().encode() + b"\n" if ticket else b"err too many tickets\n")
+            elif verb.startswith("arena ") and self.arena_fd is not None:
+                self._send_arena(writer, verb[len("arena "):], creds)
+                return
             else:
                 writer.write(b"err unknown request\n")
             await asyncio.wait_for(writer.drain(), TIMEOUT)
@@ -142,6 +148,21 @@ class HandoffServer:
             log.exception("handoff: connection failed")
         finally:
             writer.close()
+
+    def _send_arena(self, writer: asyncio.StreamWriter, token_hex: str, creds: Credentials) -> None:
+        try:
+            fd, nbytes = self.arena_fd(bytes.fromhex(token_hex.strip()), creds)
+        except Exception as exc:  # noqa: BLE001 - unknown session, other credentials, bad hex: one answer
+            log.warning("handoff: arena refused to pid %d uid %d gid %d: %s", creds.pid, creds.uid, creds.gid,
+                        type(exc).__name__)
+            writer.write(b"err refused\n")
+            return
+        # a fresh connection's send buffer is empty: this one short message with its fd never blocks
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, fileno=os.dup(writer.get_extra_info("socket").fileno()))
+        try:
+            socket.send_fds(sock, [b"ok %d\n" % nbytes], [fd])
+        finally:
+            sock.close()
 
     async def stop(self) -> None:
         if self._server is not None:

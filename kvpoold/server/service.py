@@ -22,7 +22,7 @@ from kvpool.protocol import ArenaDescriptor
 from kvpool.protocol.stats import ClientInfo, PoolStats
 
 from .access import AdminOnly, Draining
-from .handoff import Credentials, TicketStore
+from .handoff import Credentials, NoCredentials, TicketStore
 from .pools import DevicePool, DevicePools
 from .session_pool import PoolSession
 from .sessions import Session, SessionRegistry
@@ -114,11 +114,27 @@ class Service:
         pool = self.pools.choose(device_bus_id)
         cid, descriptor, num_blocks, block_bytes = pool.open_class(geometry)
         session = self.sessions.add(name or "client", pid, model_key, cid)
+        session.creds = creds
         self.pools.bind(PoolSession(self, session, pool))
         pool.models.setdefault(cid, set()).add(model_key)
         log.info("attach: session %d (%s, pid %d) model %s on %s class %d %s", session.id, session.name,
                  session.pid, model_key, pool.name, cid, geometry.describe())
         return AttachResult(session, descriptor, num_blocks, block_bytes, pool)
+
+    def arena_fd(self, token: bytes, creds: Credentials) -> tuple[int, int]:
+        """(file descriptor, bytes) of the arena of ``token``'s session, for the process that attached it.
+
+        ``creds`` are the kernel's for the asking connection; anything else than
+        the session's own (another process, user or group, or a session
+        attached without credentials) gets ``NoCredentials``.
+        """
+        session = self.sessions.get(token)
+        if session.creds is None or session.creds != creds:
+            raise NoCredentials("the process asking is not the one that attached the session")
+        arena = self.pools.of(session).arenas[session.class_id]
+        if not hasattr(arena, "fileno"):
+            raise NoCredentials(f"the {self.backend_name} backend hands no file descriptors")
+        return arena.fileno(), arena.nbytes
 
     def session(self, token: bytes) -> Session:
         """The session of ``token`` (renews its lease); UNAUTHENTICATED when there is none."""

@@ -27,10 +27,12 @@ def test_sockets_modes_and_group(daemon_factory):
     assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o640 and st.st_gid == os.getgid()
     st = os.stat(admin_of(d))
     assert stat.S_IMODE(st.st_mode) == 0o600  # the default: only the daemon's user
+    st = os.stat(d.socket + ".handoff")  # the side socket (tickets, arena fds) has the same access
+    assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o640 and st.st_gid == os.getgid()
     with kvpool.connect(d.socket, name="g", layout=LAYOUT) as c:
         c.create_sequence(range(5))
-        shm = c._descriptor["handle"].decode()
-        assert os.stat(shm).st_gid == os.getgid()  # whoever may attach may map the pool
+        assert c._descriptor["kind"] == "memfd"  # no file to give a group: the fd goes to the attached process
+        c.kv_cache()
 
 
 def test_no_admin_socket(daemon_factory):

@@ -82,13 +82,17 @@ def test_bytes_written_in_one_pool_are_read_from_its_mapping_only(service):
     b = service.attach("b", "m", GEOMETRY, os.getpid(), BUS[1])
     (sa,) = create(service, a.session, [(tokens(1, 2, 3), "")])
     (sb,) = create(service, b.session, [(tokens(1, 2, 3), "")])
-    ma, mb = open_arena(a.descriptor), open_arena(b.descriptor)
+    def mapping(r):  # as a client does with the memfd the side socket hands it
+        arena = r.pool.arenas[r.session.class_id]
+        return open_arena(r.descriptor, fd=os.dup(arena.fileno()))
+
+    ma, mb = mapping(a), mapping(b)
     try:
         view_a = np.asarray(ma.as_tensor("float32", (a.num_blocks, a.block_bytes // 4)))
         view_b = np.asarray(mb.as_tensor("float32", (b.num_blocks, b.block_bytes // 4)))
         view_a[sa.block_table[0], :] = 7.0
         view_b[sb.block_table[0], :] = 9.0
-        again = np.asarray(open_arena(a.descriptor).as_tensor("float32", (a.num_blocks, a.block_bytes // 4)))
+        again = np.asarray(mapping(a).as_tensor("float32", (a.num_blocks, a.block_bytes // 4)))
         assert again[sa.block_table[0], 0] == 7.0  # another mapping of pool A sees A's bytes
         assert view_b[sb.block_table[0], 0] == 9.0
     finally:
@@ -170,16 +174,24 @@ def test_evict_by_class_reaches_every_pool_with_that_class(service):
         service.evict(5, None)
 
 
+def memfd(fd: int) -> bool:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:kvpool-")
+    except FileNotFoundError:
+        return False
+
+
 def test_shutdown_refuses_attaches_and_close_removes_every_pools_memory(tmp_path):
     service = two_pool_service(tmp_path)
     for bus in BUS:
         service.attach("a", "m", GEOMETRY, os.getpid(), bus)
-    assert len([f for f in os.listdir(tmp_path) if f.startswith("kvpool")]) == 2  # one segment per pool
+    fds = [a.fileno() for p in service.pools for a in p.arenas.values()]
+    assert len(fds) == 2 and all(memfd(fd) for fd in fds)  # one anonymous arena per pool
     service.closing = True
     with pytest.raises(WrongState):
         service.attach("late", "m", GEOMETRY, os.getpid(), BUS[0])
     service.close()
-    assert not [f for f in os.listdir(tmp_path) if f.startswith("kvpool")]
+    assert not any(memfd(fd) for fd in fds)  # closed: the kernel frees the memory with the last mapping
 
 
 def test_reload_reaches_every_pool(service):
