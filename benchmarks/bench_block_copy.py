@@ -168,7 +168,7 @@ def sweep(block: int, pool_bytes: int, copy_bytes: int) -> list[dict]:
 
 
 _ATTACH_CHILD = """
-import json, statistics, sys, time
+import json, os, statistics, sys, time
 t0 = time.perf_counter()
 import torch
 from kvpool.ipc import open_arena
@@ -185,7 +185,7 @@ shape = (desc.nbytes // (2 << 20), 32, 2, 8, 16, 128)
 times = []
 for i in range(20):
     s = time.perf_counter()
-    m = open_arena(desc)
+    m = open_arena(desc, fd=os.dup(int(sys.argv[2])) if desc.kind == "memfd" else None)
     x = m.as_tensor("bfloat16", shape)
     x[0, 0, 0, 0, 0, 0] = 1
     if gpu:
@@ -198,12 +198,13 @@ print(json.dumps({"process_start_and_runtime_init_s": t1 - t0, "first_attach_ms"
 """
 
 
-def attach_time(descriptor) -> dict:
+def attach_time(descriptor, fd: int = -1) -> dict:
+    """A child maps the arena 20 times (``fd``: a CPU arena's memfd, inherited; each mapping its own copy)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     d = {k: "hex:" + v.hex() if isinstance(v, bytes) else v for k, v in descriptor.to_dict().items()}
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(_ATTACH_CHILD), json.dumps(d)],
-                         env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(_ATTACH_CHILD), json.dumps(d), str(fd)],
+                         env=env, capture_output=True, text=True, timeout=300, pass_fds=(fd,) if fd >= 0 else ())
     if out.returncode:
         return {"error": out.stderr[-2000:]}
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -248,7 +249,7 @@ def cpu_time(fn, reps: int = 10, warmup: int = 2) -> float:
 
 
 def run_cpu(args) -> dict:
-    from kvpoold.memory.cpu_shm import CpuShmBackend, remove_stale_segments
+    from kvpoold.memory.cpu_shm import CpuShmBackend
 
     inst = f"bench{os.getpid()}"
     backend = CpuShmBackend(inst)
@@ -278,10 +279,9 @@ def run_cpu(args) -> dict:
                 "numpy_copy_s": t_ref, "numpy_copy_GBps": moved / t_ref / 1e9,
                 "fraction_of_numpy_copy": t_ref / t_k,
             })
-        res["attach"] = attach_time(arena.descriptor)
+        res["attach"] = attach_time(arena.descriptor, arena.fileno())
     finally:
         backend.close()
-        remove_stale_segments(inst)
     return res
 
 

@@ -23,6 +23,7 @@ import numpy as np
 
 from .connection import Connection
 from .errors import FailedPrecondition, InvalidArgument, KvpoolError, NotFound, SessionExpired, Unavailable
+from .handoff import arena_fd, attach_ticket
 from .ipc import DeviceMismatch, client_bus_id, open_arena
 from .layout import Layout
 from .protocol import kvpool_pb2 as pb
@@ -229,6 +230,7 @@ class Client:
         delay = 0.05
         while True:
             try:
+                req.attach_ticket = attach_ticket(self._conn.address)  # one-time: a retry needs a new one
                 return self._conn.call("Attach", req)
             except Unavailable:
                 left = deadline - time.monotonic()
@@ -310,7 +312,8 @@ class Client:
         """
         with self._lock:
             if self._kv is None:
-                self._arena = open_arena(self._descriptor, device=self._device)
+                fd = arena_fd(self._conn.address, self._token) if self._descriptor["kind"] == "memfd" else None
+                self._arena = open_arena(self._descriptor, device=self._device, fd=fd)
                 self._kv = self._arena.as_tensor(self.layout.dtype, (self.num_blocks, *self.layout.block_shape))
             return self._kv
 

@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lease-seconds",
                    help="a session whose client made no call for this long is dropped: a frozen (SIGSTOPped, "
                         "hung) client; the client library heartbeats every lease/3 (default 10; 0: off)")
+    p.add_argument("--tenant-by", choices=("uid", "gid", "none"),
+                   help="clients of different users (uid) or groups (gid) share no memory or prefix cache; "
+                        "none: all share (default uid; needs a restart)")
     p.add_argument("--max-reserve-blocks", help="blocks a session may hold to assign locally (default 1024)")
     p.add_argument("--max-sessions", help="most sessions at once (default 1024)")
     p.add_argument("--shm-dir", help="cpu: shared-memory directory (default /dev/shm)")
@@ -89,6 +92,7 @@ FLAG_KEYS = (
     "metrics_port", "metrics_address",
     "max_sequences_per_session", "max_tokens_per_call", "lease_seconds", "max_string_bytes",  # limits, lease
     "host_bytes", "disk_dir", "disk_bytes",  # tiers
+    "tenant_by",
 )
 
 

@@ -154,6 +154,7 @@ class Config:
     lease_seconds: float = 10.0  # a session that made no call (the client heartbeats) for this long is dropped; 0: off
     # bytes of a client string (name, model id, revision, dtype); extra keys may have 4x this; 0: no limit
     max_string_bytes: int = 1024
+    tenant_by: str = "uid"  # clients of different tenants (uid, gid; none: one tenant) share no memory or cache
 
     def effective_pool_bytes(self) -> int:
         return self.pool_bytes or (1 << 30)
@@ -229,6 +230,7 @@ _PARSERS = {
     "max_tokens_per_call": _int,
     "lease_seconds": _float,
     "max_string_bytes": _int,
+    "tenant_by": str,
 }
 KEYS = tuple(f.name for f in fields(Config))
 assert set(KEYS) == set(_PARSERS)
@@ -268,6 +270,8 @@ def _validate(cfg: Config, sources: Mapping[str, str]) -> None:
         raise bad("chunk_bytes", "must be a power of two of at least 4096")
     if cfg.pool_bytes and cfg.pool_bytes < cfg.chunk_bytes:
         raise bad("pool_bytes", f"must hold at least one chunk ({cfg.chunk_bytes} bytes)")
+    if cfg.tenant_by not in ("uid", "gid", "none"):
+        raise bad("tenant_by", "must be uid, gid or none")
     if cfg.grace_seconds < 0:
         raise bad("grace_seconds", "must be >= 0")
     if not (cfg.lease_seconds == 0 or 0.3 <= cfg.lease_seconds <= 86400):

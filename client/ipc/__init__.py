@@ -1,4 +1,4 @@
-"""Mapping the daemon's arenas into a client process: POSIX shared memory, CUDA IPC.
+"""Mapping the daemon's arenas into a client process: anonymous shared memory (memfd), CUDA IPC.
 
 ``open_arena(descriptor)`` maps an arena (``kvpool.protocol.ArenaDescriptor``)
 and gives zero-copy torch views of it.  The daemon side that creates arenas is
@@ -15,14 +15,14 @@ from .cuda import client_bus_id  # imports no CuPy: that happens on first use
 __all__ = ["BackendUnavailable", "DeviceMismatch", "MappedArena", "TensorView", "client_bus_id", "open_arena"]
 
 
-def open_arena(descriptor: ArenaDescriptor | dict, device=None) -> MappedArena:
-    """Map a daemon's arena into this process, by ``descriptor.kind``."""
+def open_arena(descriptor: ArenaDescriptor | dict, device=None, fd: int | None = None) -> MappedArena:
+    """Map a daemon's arena into this process, by ``descriptor.kind`` (``memfd``: from ``fd``, which it closes)."""
     if isinstance(descriptor, dict):
         descriptor = ArenaDescriptor.from_dict(descriptor)
-    if descriptor.kind == "cpu":
+    if descriptor.kind == "memfd":
         from .cpu_shm import CpuMappedArena
 
-        return CpuMappedArena(descriptor)
+        return CpuMappedArena(descriptor, fd)
     if descriptor.kind == "cuda":
         from .cuda import CudaMappedArena
 

@@ -1,8 +1,9 @@
-"""Client side of the CPU backend: map a daemon's POSIX shared-memory segment.
+"""Client side of the CPU backend: map a daemon's arena, an anonymous memfd.
 
-The daemon creates the segment (``kvpoold.memory.cpu_shm``, which also says
-why the files are opened by hand rather than with
-``multiprocessing.shared_memory``); a client only maps it, and never unlinks it.
+The daemon creates the memfd (``kvpoold.memory.cpu_shm``) and sends it over
+its side socket to the process that attached the session
+(``kvpool.handoff.arena_fd``); the client maps it and closes the descriptor.
+There is no name to open.
 """
 
 from __future__ import annotations
@@ -40,32 +41,22 @@ def _unmap(state: dict) -> None:
 
 
 class CpuMappedArena(MappedArena):
-    """Client side: maps a daemon's segment read-write."""
+    """Client side: maps a daemon's arena read-write from the memfd the daemon handed this process."""
 
-    def __init__(self, descriptor: ArenaDescriptor):
-        if descriptor.kind != "cpu":
+    def __init__(self, descriptor: ArenaDescriptor, fd: int | None = None):
+        if descriptor.kind != "memfd":
             raise ValueError(f"not a CPU arena descriptor (kind={descriptor.kind!r})")
+        if fd is None:
+            raise ValueError("a CPU arena is mapped from the file descriptor the daemon sends (kvpool.connect)")
         raw = descriptor.handle
-        path = raw.decode() if isinstance(raw, bytes) else str(raw)
-        name = os.path.basename(path)
-        if not os.path.isabs(path) or not name.startswith("kvpool-"):
-            raise ValueError(f"bad shared-memory segment path {path!r}")
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-        except FileNotFoundError:
-            raise FileNotFoundError(f"shared-memory segment {path} is gone: has the daemon exited?") from None
-        except PermissionError:
-            raise PermissionError(
-                f"no read-write access to {path}: run as the daemon's user or a group it grants"
-            ) from None
+        self.name = raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
         try:
             size = os.fstat(fd).st_size
             if size < descriptor.nbytes:
-                raise ValueError(f"segment {path} holds {size} bytes, descriptor says {descriptor.nbytes}")
+                raise ValueError(f"arena {self.name} holds {size} bytes, descriptor says {descriptor.nbytes}")
             mm = mmap.mmap(fd, descriptor.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
-            os.close(fd)  # the mapping keeps the file alive
-        self.name = name
+            os.close(fd)  # the mapping keeps the memory alive
         self.nbytes = descriptor.nbytes
         self._state = {"mm": mm}
         self._finalizer = weakref.finalize(self, _unmap, self._state)

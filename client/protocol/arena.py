@@ -25,9 +25,11 @@ DTYPE_ITEMSIZE: dict[str, int] = {
 class ArenaDescriptor:
     """What a client needs to map an arena into its own address space."""
 
-    kind: str  # "cpu" (POSIX shared memory) or "cuda" (CUDA IPC)
+    # "memfd" (CPU: anonymous shared memory; the fd itself comes over the daemon's side socket,
+    # to the attached process only) or "cuda" (CUDA IPC)
+    kind: str
     nbytes: int  # size of the whole virtual range
-    handle: bytes  # cpu: absolute path of the shm file (utf-8); cuda: the 64-byte IPC memory handle
+    handle: bytes  # memfd: a label for messages, nothing to open; cuda: the 64-byte IPC memory handle
     device: int = -1  # daemon's CUDA ordinal (for messages), -1 on the CPU
     # PCI bus id of the pool's GPU ("0000:3B:00.0"): ordinals differ between
     # processes with different CUDA_VISIBLE_DEVICES, the bus id does not.

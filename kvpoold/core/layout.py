@@ -32,6 +32,9 @@ class Geometry:
     head_dim: int
     dtype: str
     block_size: int = 16
+    # who may share the class (its arena, blocks and prefix cache): decided by the daemon from the
+    # client's kernel credentials (``tenant_by``), never by the client; "" when nobody is told apart
+    tenant: str = ""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
@@ -59,4 +62,4 @@ class Geometry:
         return (
             f"L{self.num_layers}-H{self.num_kv_heads}-D{self.head_dim}-"
             f"{self.dtype}-bs{self.block_size}"
-        )
+        ) + (f" [{self.tenant}]" if self.tenant else "")

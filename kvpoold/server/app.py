@@ -2,12 +2,15 @@
 
 Start-up order: take the sockets' lock files (a second daemon on the same
 socket stops here with a clear message), remove what a crashed predecessor
-left (stale sockets, shared-memory segments), create one pool per device
+left (stale sockets; CPU arenas are anonymous memfds, nothing of them outlives
+a daemon), create one pool per device
 (``--devices``: a backend, core and tiers each; see ``pools``), bind the
 normal socket (``socket_mode``, ``socket_group``: who may attach) and the admin
 socket (``admin_socket_mode``: who may evict, drain, look at other sessions),
 each served by its own gRPC server over the same ``Service`` and with the
-gRPC health and reflection services; start the Prometheus endpoint
+gRPC health and reflection services, and beside each its side socket
+(``<socket>.handoff``, ``handoff.py``: kernel credentials, attach tickets,
+arena file descriptors); start the Prometheus endpoint
 (``metrics_port``); then print one ``ready`` line and tell systemd READY=1
 (the sockets accept attaches from then on) and start pinging its watchdog.
 
@@ -40,6 +43,7 @@ from kvpool.protocol import kvpool_pb2 as pb
 from kvpoold.config import LIVE_KEYS, MAX_MESSAGE_BYTES, Config, ConfigError, changed_keys
 from kvpoold.memory import make_backend
 
+from .handoff import HandoffServer, handoff_path
 from .pools import disk_dir_for
 from .sd import Notifier
 from .service import Service
@@ -183,6 +187,8 @@ class _Listener:
     def __init__(self, path: str, mode: int, admin: bool, service: Service, shutdown: asyncio.Event,
                  health, interceptors) -> None:
         self.path, self.mode, self.admin = path, mode, admin
+        # kernel credentials, attach tickets, arena fds
+        self.handoff = HandoffServer(handoff_path(path), mode, service.tickets, service.arena_fd)
         self.server = grpc.aio.server(interceptors=interceptors, options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -208,6 +214,10 @@ class _Listener:
             except OSError as exc:
                 raise StartupError(f"cannot give {self.path} to group {gid} (socket_group): {exc}") from None
         os.chmod(self.path, self.mode)
+        try:
+            await self.handoff.start(gid)
+        except OSError as exc:
+            raise StartupError(f"cannot serve the side socket {self.handoff.path}: {exc}") from None
 
     def remove(self) -> None:
         try:
@@ -244,13 +254,7 @@ async def serve(config: Config, ready=None, reload: Callable[[], Config] | None 
         instance = _instance(config.socket)
         kwargs = {}
         if config.backend == "cpu":
-            kwargs = {"shm_dir": config.shm_dir, "mode": config.socket_mode & 0o666}
-            if gid is not None:
-                kwargs["group"] = gid
-            from kvpoold.memory.cpu_shm import remove_stale_segments
-
-            for name in remove_stale_segments(instance, config.shm_dir):
-                log.warning("removed shared memory left by a previous daemon: %s", name)
+            kwargs = {"shm_dir": config.shm_dir}  # arenas are anonymous memfds: no names, nothing left by a crash
         service = Service(config)
         open_pools(config, service, instance, kwargs)  # one per GPU of --devices; closed below on failure
         pool_bytes = sum(p.pool_bytes for p in service.pools)
@@ -341,6 +345,7 @@ async def serve(config: Config, ready=None, reload: Callable[[], Config] | None 
         if service is not None:
             service.close()  # every pool: flushes its tiers, then releases its arenas and device memory
         for listener in listeners:
+            await listener.handoff.stop()
             listener.remove()
         for lock in reversed(locks):
             lock.release()
@@ -372,6 +377,8 @@ def _reload(service: Service, listeners: list[_Listener], reload: Callable[[], C
             for listener in listeners:
                 if listener.admin:
                     os.chmod(listener.path, new.admin_socket_mode)
+                    if os.path.exists(listener.handoff.path):
+                        os.chmod(listener.handoff.path, new.admin_socket_mode)
         service.config = applied  # every pool reads it (max_reserve_blocks, quotas, limits)
         if live:
             log.warning("reload: changed %s", ", ".join(f"{k} {getattr(old, k)!r} -> {getattr(new, k)!r}"

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvpoold import __version__
 from kvpoold.config import Config
@@ -23,11 +23,19 @@ from kvpool.protocol.stats import ClientInfo, PoolStats
 
 from .access import AdminOnly, Draining, check_string
 from .logsafe import printable
+from .handoff import Credentials, NoCredentials, TicketStore
 from .pools import DevicePool, DevicePools
 from .session_pool import PoolSession
 from .sessions import Session, SessionRegistry
 
 log = logging.getLogger("kvpoold")
+
+
+def tenant_of(tenant_by: str, creds: Credentials | None) -> str:
+    """The tenant of a client with ``creds`` under ``tenant_by`` ("uid", "gid", "none")."""
+    if creds is None or tenant_by == "none":
+        return ""
+    return f"uid {creds.uid}" if tenant_by == "uid" else f"gid {creds.gid}"
 
 
 @dataclass(frozen=True)
@@ -60,6 +68,7 @@ class Service:
         self.rpcs = 0
         self.closing = False
         self.draining = False  # kvpoolctl drain: no new attaches or sequences; running ones go on
+        self.tickets = TicketStore()  # issued on the side sockets (handoff.py), redeemed by Attach
 
     @property
     def config(self) -> Config:
@@ -90,8 +99,15 @@ class Service:
         return self.pools.of(session)
 
     # -- sessions -----------------------------------------------------------------
-    def attach(self, name: str, model_key: str, geometry: Geometry, pid: int, device_bus_id: str = "") -> AttachResult:
-        """A new session of ``model_key`` (``model@revision``) on the pool of the client's GPU."""
+    def attach(self, name: str, model_key: str, geometry: Geometry, pid: int, device_bus_id: str = "",
+               creds: Credentials | None = None) -> AttachResult:
+        """A new session of ``model_key`` (``model@revision``) on the pool of the client's GPU.
+
+        ``creds`` (from the kernel, through a ticket) decide the tenant: the
+        layout class is per (tenant, geometry), so tenants share no memory
+        and no cache.  None (in-process callers): no tenant.
+        """
+        geometry = replace(geometry, tenant=tenant_of(self.config.tenant_by, creds))
         if self.closing:
             raise WrongState("the daemon is shutting down")
         if self.draining:
@@ -102,11 +118,27 @@ class Service:
         pool = self.pools.choose(device_bus_id)
         cid, descriptor, num_blocks, block_bytes = pool.open_class(geometry)
         session = self.sessions.add(name or "client", pid, model_key, cid)
+        session.creds = creds
         self.pools.bind(PoolSession(self, session, pool))
         pool.models.setdefault(cid, set()).add(model_key)
         log.info("attach: session %d (%s, pid %d) model %s on %s class %d %s", session.id, printable(session.name),
                  session.pid, printable(model_key), pool.name, cid, printable(geometry.describe()))
         return AttachResult(session, descriptor, num_blocks, block_bytes, pool)
+
+    def arena_fd(self, token: bytes, creds: Credentials) -> tuple[int, int]:
+        """(file descriptor, bytes) of the arena of ``token``'s session, for the process that attached it.
+
+        ``creds`` are the kernel's for the asking connection; anything else than
+        the session's own (another process, user or group, or a session
+        attached without credentials) gets ``NoCredentials``.
+        """
+        session = self.sessions.get(token)
+        if session.creds is None or session.creds != creds:
+            raise NoCredentials("the process asking is not the one that attached the session")
+        arena = self.pools.of(session).arenas[session.class_id]
+        if not hasattr(arena, "fileno"):
+            raise NoCredentials(f"the {self.backend_name} backend hands no file descriptors")
+        return arena.fileno(), arena.nbytes
 
     def session(self, token: bytes) -> Session:
         """The session of ``token`` (renews its lease); UNAUTHENTICATED when there is none."""

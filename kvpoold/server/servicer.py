@@ -117,7 +117,9 @@ class KVPoolServicer(pb_grpc.KVPoolServicer):
     # -- sessions ----------------------------------------------------------------------
     @_unary
     def Attach(self, request):
-        r = self.service.attach(*convert.attach_request(request))
+        name, model_key, geometry, pid, bus_id = convert.attach_request(request)
+        creds = self.service.tickets.redeem(request.attach_ticket, pid)  # who it is, as the kernel said
+        r = self.service.attach(name, model_key, geometry, pid, bus_id, creds=creds)
         return convert.attach_reply(r, self.service.config, self.service.version)
 
     async def Watch(self, request, context):

@@ -48,6 +48,7 @@ class Session:
     lost_since: float | None = None  # monotonic time the last stream dropped (or attach)
     last_seen: float = 0.0  # monotonic time of the session's last call (its lease runs from here)
     end_reason: str = ""  # why the reaper dropped it (told to a client that calls afterwards)
+    creds: object = None  # handoff.Credentials the kernel gave at attach; arena fds go to that process only
 
     @property
     def connected(self) -> bool:

@@ -141,8 +141,11 @@ class Tiers:
     # -- classes --------------------------------------------------------------------------------------
     @staticmethod
     def _geometry_dict(g: Geometry) -> dict:
-        return {"num_layers": g.num_layers, "num_kv_heads": g.num_kv_heads, "head_dim": g.head_dim,
-                "dtype": g.dtype, "block_size": g.block_size, "block_bytes": g.block_bytes}
+        d = {"num_layers": g.num_layers, "num_kv_heads": g.num_kv_heads, "head_dim": g.head_dim,
+             "dtype": g.dtype, "block_size": g.block_size, "block_bytes": g.block_bytes}
+        if g.tenant:  # a tenant's blocks come back to that tenant's class only (and none is written without)
+            d["tenant"] = g.tenant
+        return d
 
     def _load_disk(self) -> None:
         """Offer the blocks a previous daemon left on disk to the core, oldest first."""

@@ -1,4 +1,4 @@
-"""CPU shared-memory backend: real segments, real processes, real page accounting."""
+"""CPU shared-memory backend: real anonymous memfds, real processes, real page accounting."""
 
 from __future__ import annotations
 
@@ -16,16 +16,11 @@ import numpy as np
 import pytest
 import torch
 
-from kvpool.ipc import BackendUnavailable, open_arena
+from kvpool.ipc import open_arena
 from kvpool.protocol import ArenaDescriptor
 from kvpoold.memory import make_backend
 from kvpool.ipc.cpu_shm import CpuMappedArena
-from kvpoold.memory.cpu_shm import (
-    CpuShmBackend,
-    instance_id,
-    remove_stale_segments,
-    segment_name,
-)
+from kvpoold.memory.cpu_shm import CpuShmBackend, instance_id
 
 REPO = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
@@ -39,11 +34,16 @@ def _env():
     return env
 
 
-def _child(code: str, *args, stdin=None, stdout=subprocess.PIPE) -> subprocess.Popen:
+def _child(code: str, *args, stdin=None, stdout=subprocess.PIPE, pass_fds=()) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(code), *map(str, args)],
-        env=_env(), stdin=stdin, stdout=stdout, stderr=subprocess.PIPE, text=True,
+        env=_env(), stdin=stdin, stdout=stdout, stderr=subprocess.PIPE, text=True, pass_fds=pass_fds,
     )
+
+
+def _open(arena):
+    """What a client does with the fd the daemon sends it: map it (``open_arena`` closes its copy)."""
+    return open_arena(arena.descriptor, fd=os.dup(arena.fileno()))
 
 
 def _pattern(seed: int, n: int) -> np.ndarray:
@@ -55,10 +55,9 @@ def backend():
     b = CpuShmBackend(f"t{uuid.uuid4().hex[:10]}")
     yield b
     b.close()
-    remove_stale_segments(b.instance)
 
 
-# The child maps the daemon's arena from a JSON descriptor given on argv.
+# The child maps the daemon's arena from a JSON descriptor and the inherited fd given on argv.
 _MAP = """
 import json, sys, hashlib
 import numpy as np
@@ -66,7 +65,7 @@ from kvpool.ipc import open_arena
 from kvpool.protocol import ArenaDescriptor
 d = {k: bytes.fromhex(v[4:]) if isinstance(v, str) and v.startswith("hex:") else v
      for k, v in json.loads(sys.argv[1]).items()}
-arena = open_arena(ArenaDescriptor(**d))
+arena = open_arena(ArenaDescriptor(**d), fd=int(sys.argv[2]))
 def region(off, n):
     return np.asarray(arena.as_tensor("uint8", (n,), offset=off))
 def sha(off, n):
@@ -89,12 +88,12 @@ region(0, 1 << 20)[:] = pattern(1, 1 << 20)
 print("written", flush=True)
 sys.stdin.readline()
 print(sha(1 << 20, 1 << 20), flush=True)
-""", _desc_json(arena), stdin=subprocess.PIPE)
+""", _desc_json(arena), arena.fileno(), stdin=subprocess.PIPE, pass_fds=(arena.fileno(),))
     assert a.stdout.readline().strip() == "written", a.stderr.read()
     b = _child(_MAP + """
 print(sha(0, 1 << 20))
 region(1 << 20, 1 << 20)[:] = pattern(2, 1 << 20)
-""", _desc_json(arena))
+""", _desc_json(arena), arena.fileno(), pass_fds=(arena.fileno(),))
     out, err = b.communicate(timeout=60)
     assert b.returncode == 0, err
     assert out.strip() == hashlib.sha256(_pattern(1, MiB).tobytes()).hexdigest()
@@ -112,7 +111,7 @@ region(1 << 20, 1 << 20)[:] = pattern(2, 1 << 20)
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float8_e4m3fn", "uint8"])
 def test_client_tensor_zero_copy(backend, dtype):
     arena = backend.create_arena("cls0", 2 * MiB)
-    client = open_arena(arena.descriptor)
+    client = _open(arena)
     shape = (4, 2, 2, 16, 8)  # blocks, layers, k|v, tokens, dim
     t = client.as_tensor(dtype, shape)
     assert t.dtype == getattr(torch, dtype) and tuple(t.shape) == shape and t.is_contiguous()
@@ -130,7 +129,7 @@ def test_client_tensor_zero_copy(backend, dtype):
 
 def test_views_bounds_and_dtype_errors(backend):
     arena = backend.create_arena("cls0", MiB)
-    client = CpuMappedArena(arena.descriptor)
+    client = CpuMappedArena(arena.descriptor, os.dup(arena.fileno()))
     with pytest.raises(ValueError, match="unknown dtype"):
         client.as_tensor("int4", (4,))
     with pytest.raises(ValueError, match="does not fit"):
@@ -139,10 +138,12 @@ def test_views_bounds_and_dtype_errors(backend):
         client.as_tensor("float32", (4,), offset=2)
     with pytest.raises(ValueError, match="not a CPU arena"):
         CpuMappedArena(ArenaDescriptor(kind="cuda", nbytes=1, handle=b"x"))
-    with pytest.raises(ValueError, match="bad shared-memory segment path"):
-        CpuMappedArena(ArenaDescriptor(kind="cpu", nbytes=1, handle=b"/etc/passwd"))
-    with pytest.raises(ValueError, match="bad shared-memory segment path"):
-        CpuMappedArena(ArenaDescriptor(kind="cpu", nbytes=1, handle=b"kvpool-relative"))
+    with pytest.raises(ValueError, match="not a CPU arena"):  # the old name-based kind: nothing opens by name
+        CpuMappedArena(ArenaDescriptor(kind="cpu", nbytes=1, handle=b"/dev/shm/kvpool-x"), -1)
+    with pytest.raises(ValueError, match="file descriptor"):
+        CpuMappedArena(arena.descriptor)
+    with pytest.raises(ValueError, match="holds"):
+        CpuMappedArena(ArenaDescriptor(kind="memfd", nbytes=2 * MiB, handle=b"x"), os.dup(arena.fileno()))
 
 
 def test_release_frees_pages(backend):
@@ -150,13 +151,13 @@ def test_release_frees_pages(backend):
     assert arena.resident_bytes() == 0  # sparse: ftruncate commits nothing
     arena.commit(0, 8 * MiB)
     assert arena.resident_bytes() >= 8 * MiB
-    client = open_arena(arena.descriptor)
+    client = _open(arena)
     data = client.as_tensor("uint8", (16 * MiB,)).numpy()
     data[:] = 0xAB  # a client touches every page
     assert arena.resident_bytes() >= 16 * MiB
-    before = os.stat(arena.path).st_blocks
+    before = os.fstat(arena.fileno()).st_blocks
     arena.release(4 * MiB, 8 * MiB)  # the core took the middle slabs back
-    after = os.stat(arena.path).st_blocks
+    after = os.fstat(arena.fileno()).st_blocks
     assert (before - after) * 512 >= 8 * MiB
     assert (data[4 * MiB:12 * MiB] == 0).all()  # the client sees the hole
     assert (data[:4 * MiB] == 0xAB).all() and (data[12 * MiB:] == 0xAB).all()
@@ -167,49 +168,43 @@ def test_release_frees_pages(backend):
         arena.release(15 * MiB, 2 * MiB)
 
 
-def test_stale_segments_of_a_crashed_daemon(backend):
+def test_arenas_have_no_name_to_squat_or_leave_behind(backend, tmp_path):
     other = f"x{uuid.uuid4().hex[:10]}"
-    code = """
+
+    def named():  # files in /dev/shm naming either instance (others' files come and go meanwhile)
+        return [n for n in os.listdir("/dev/shm") if backend.instance in n or other in n]
+
+    arena = backend.create_arena("c0", MiB)
+    assert os.readlink(f"/proc/self/fd/{arena.fileno()}").startswith("/memfd:kvpool-")
+    assert named() == []  # nothing by name, so nothing to squat
+    # a crashed daemon leaves nothing: the kernel frees the memfd with the process
+    p = _child("""
 import os, signal, sys
 from kvpoold.memory.cpu_shm import CpuShmBackend
 b = CpuShmBackend(sys.argv[1])
 for tag in ("c0", "c1"):
-    print(b.create_arena(tag, 1 << 20).path, flush=True)
+    b.create_arena(tag, 1 << 20)
 os.kill(os.getpid(), signal.SIGKILL)
-"""
-    p = _child(code, other)
-    out, _ = p.communicate(timeout=60)
+""", other)
+    p.communicate(timeout=60)
     assert p.returncode == -signal.SIGKILL
-    paths = out.split()
-    assert len(paths) == 2 and all(os.path.exists(x) for x in paths)  # a crash leaves them
-    mine = backend.create_arena("c0", MiB)  # another daemon's segment
-    removed = remove_stale_segments(other)
-    assert sorted(removed) == sorted(os.path.basename(x) for x in paths)
-    assert not any(os.path.exists(x) for x in paths)
-    assert os.path.exists(mine.path)
-    # the restarted daemon can now create its arenas under the same names
-    again = CpuShmBackend(other)
-    again.create_arena("c0", MiB)
-    again.close()
-
-
-def test_existing_segment_is_a_clear_error(backend):
-    backend.create_arena("dup", MiB)
-    with pytest.raises(FileExistsError, match="remove_stale_segments"):
-        backend.create_arena("dup", MiB)
+    assert named() == []
+    again = backend.create_arena("c0", MiB)  # the same tag twice: two arenas, no clash
+    assert again.fileno() != arena.fileno()
 
 
 def test_close_is_idempotent_and_views_survive(backend):
     arena = backend.create_arena("cls0", 2 * MiB)
     view = arena.as_tensor("uint8", (2 * MiB,))
-    client = open_arena(arena.descriptor)
+    client = _open(arena)
     cview = client.as_tensor("uint8", (2 * MiB,))
     view[:10] = 5
     arena.close()
     arena.close()
     backend.close()
     backend.close()
-    assert not os.path.exists(arena.path)  # unlinked at once
+    with pytest.raises(RuntimeError, match="closed"):
+        arena.fileno()  # no more fds to hand out
     assert int(view[3]) == 5 and int(cview[3]) == 5  # live views still map the bytes
     cview[4] = 9
     assert int(view[4]) == 9  # and still share them
@@ -218,46 +213,9 @@ def test_close_is_idempotent_and_views_survive(backend):
     assert int(cview[4]) == 9
     with pytest.raises(RuntimeError, match="closed"):
         client.as_tensor("uint8", (1,))
-    with pytest.raises(FileNotFoundError, match="daemon exited"):
-        open_arena(arena.descriptor)
 
 
-def test_sigterm_and_exit_remove_segments():
-    inst = f"s{uuid.uuid4().hex[:10]}"
-    code = """
-import signal, sys, time
-from kvpoold.memory.cpu_shm import CpuShmBackend
-b = CpuShmBackend(sys.argv[1])
-def stop(signum, frame):
-    b.close(); b.close()
-    sys.exit(0)
-signal.signal(signal.SIGTERM, stop)
-for tag in ("c0", "c1"):
-    print(b.create_arena(tag, 1 << 20).path, flush=True)
-print("ready", flush=True)
-time.sleep(60)
-"""
-    p = _child(code, inst)
-    paths = [p.stdout.readline().strip() for _ in range(2)]
-    assert p.stdout.readline().strip() == "ready"
-    assert all(os.path.exists(x) for x in paths)
-    p.send_signal(signal.SIGTERM)
-    p.wait(timeout=30)
-    assert p.returncode == 0, p.stderr.read()
-    assert not any(os.path.exists(x) for x in paths)
-    # a daemon that simply returns without close() still unlinks (weakref.finalize at exit)
-    p = _child("""
-import sys
-from kvpoold.memory.cpu_shm import CpuShmBackend
-arena = CpuShmBackend(sys.argv[1]).create_arena("c9", 1 << 20)
-print(arena.path)
-""", inst)
-    out, err = p.communicate(timeout=60)
-    assert p.returncode == 0, err
-    assert not os.path.exists(out.strip())
-
-
-def test_forked_child_never_unlinks_the_parents_segment(backend):
+def test_forked_child_never_closes_the_parents_arena(backend):
     arena = backend.create_arena("cls0", MiB)
     pid = os.fork()
     if pid == 0:  # child: close (as a GC or an atexit would) and leave
@@ -266,24 +224,20 @@ def test_forked_child_never_unlinks_the_parents_segment(backend):
         finally:
             os._exit(0)
     os.waitpid(pid, 0)
-    assert os.path.exists(arena.path)
+    assert arena.fileno() >= 0 and int(arena.as_tensor("uint8", (1,))[0]) == 0
 
 
 def test_names_and_instances(tmp_path):
     inst = instance_id("/run/kvpoold/kvpoold.sock")
     assert inst == instance_id("/run/kvpoold/../kvpoold/kvpoold.sock") and len(inst) == 12
     assert inst != instance_id(str(tmp_path / "other.sock"))
-    assert segment_name(inst, "c0:meta/llama 8b") == f"kvpool-{os.getuid()}-{inst}-c0_meta_llama_8b"
     with pytest.raises(ValueError, match="instance"):
-        segment_name("a-b", "c0")
-    with pytest.raises(BackendUnavailable):
-        CpuShmBackend("x", shm_dir=str(tmp_path / "missing"))
-    # shm_dir is configurable (the tests use a plain directory here)
+        CpuShmBackend("a-b")
     b = make_backend("cpu", instance="y", shm_dir=str(tmp_path))
-    a = b.create_arena("c0", 4096)
-    assert os.path.exists(tmp_path / a.name)
+    a = b.create_arena("c0:meta/llama 8b", 4096)
+    assert a.name == "kvpool-y-c0_meta_llama_8b" and a.descriptor.kind == "memfd"
+    assert os.listdir(tmp_path) == []  # shm_dir holds no files
     b.close()
-    assert not os.path.exists(tmp_path / a.name)
 
 
 def test_descriptor_dict_roundtrip(backend):
@@ -291,5 +245,5 @@ def test_descriptor_dict_roundtrip(backend):
     d = arena.descriptor.to_dict()
     assert set(d) >= {"kind", "nbytes", "handle"}
     assert ArenaDescriptor.from_dict({**d, "future_field": 1}) == arena.descriptor
-    client = open_arena(d)
+    client = open_arena(d, fd=os.dup(arena.fileno()))
     assert client.as_tensor("uint8", (16,)).numel() == 16

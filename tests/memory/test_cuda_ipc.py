@@ -114,7 +114,8 @@ from kvpool.ipc import open_arena
 from kvpoold.memory import make_backend
 b = make_backend("cpu", instance="lazy", shm_dir=sys.argv[1])
 a = b.create_arena("c0", 1 << 20)
-open_arena(a.descriptor).as_tensor("float16", (8,))
+import os
+open_arena(a.descriptor, fd=os.dup(a.fileno())).as_tensor("float16", (8,))
 b.close()
 assert "cupy" not in sys.modules, "the CPU path imported cupy"
 """

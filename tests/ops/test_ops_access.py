@@ -11,6 +11,7 @@ import pytest
 
 import kvpool
 from kvpool import Connection
+from kvpool.handoff import attach_ticket
 from kvpool.protocol import kvpool_pb2 as pb
 from opskit import LAYOUT
 
@@ -26,10 +27,12 @@ def test_sockets_modes_and_group(daemon_factory):
     assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o640 and st.st_gid == os.getgid()
     st = os.stat(admin_of(d))
     assert stat.S_IMODE(st.st_mode) == 0o600  # the default: only the daemon's user
+    st = os.stat(d.socket + ".handoff")  # the side socket (tickets, arena fds) has the same access
+    assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o640 and st.st_gid == os.getgid()
     with kvpool.connect(d.socket, name="g", layout=LAYOUT) as c:
         c.create_sequence(range(5))
-        shm = c._descriptor["handle"].decode()
-        assert os.stat(shm).st_gid == os.getgid()  # whoever may attach may map the pool
+        assert c._descriptor["kind"] == "memfd"  # no file to give a group: the fd goes to the attached process
+        c.kv_cache()
 
 
 def test_no_admin_socket(daemon_factory):
@@ -133,8 +136,9 @@ def test_quota_is_resource_exhausted_naming_it_and_changes_nothing(daemon_factor
         reserved = [cl.reserved_blocks for cl in c.stats().classes][0]
         assert reserved <= 6 + 6  # reserves are trimmed to the headroom, never an error
     with kvpool.connect(d.socket, name="attach-shows-quota", layout=LAYOUT) as c:
-        r = c._conn.call("Attach", pb.AttachRequest(name="x", layout=pb.Layout(
-            model_id="m", num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16", block_size=4)))
+        r = c._conn.call("Attach", pb.AttachRequest(name="x", pid=os.getpid(), layout=pb.Layout(
+            model_id="m", num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16", block_size=4),
+            attach_ticket=attach_ticket(c._conn.address)))
         assert r.max_blocks_per_session == 6
         c._conn.call("Detach", pb.DetachRequest(session=r.session))
 

@@ -20,6 +20,7 @@ from rich.console import Console
 
 import kvpool
 from kvpool import Connection
+from kvpool.handoff import attach_ticket
 from kvpool.ipc import DeviceMismatch, open_arena
 from kvpool.protocol import kvpool_pb2 as pb
 from kvpoold.config import Config
@@ -27,6 +28,7 @@ from kvpoold.core import Geometry, WrongState
 from kvpoold.ctl import stats_view
 from kvpoold.memory.cpu_shm import CpuShmBackend
 from kvpoold.server.errors import TooManySessions
+from kvpoold.server.handoff import HandoffServer, handoff_path
 from kvpoold.server.pools import disk_dir_for, normalize_bus_id
 from kvpoold.server.service import Service
 from kvpoold.server.servicer import KVPoolServicer, add_to_server
@@ -80,13 +82,17 @@ def test_bytes_written_in_one_pool_are_read_from_its_mapping_only(service):
     b = service.attach("b", "m", GEOMETRY, os.getpid(), BUS[1])
     (sa,) = create(service, a.session, [(tokens(1, 2, 3), "")])
     (sb,) = create(service, b.session, [(tokens(1, 2, 3), "")])
-    ma, mb = open_arena(a.descriptor), open_arena(b.descriptor)
+    def mapping(r):  # as a client does with the memfd the side socket hands it
+        arena = r.pool.arenas[r.session.class_id]
+        return open_arena(r.descriptor, fd=os.dup(arena.fileno()))
+
+    ma, mb = mapping(a), mapping(b)
     try:
         view_a = np.asarray(ma.as_tensor("float32", (a.num_blocks, a.block_bytes // 4)))
         view_b = np.asarray(mb.as_tensor("float32", (b.num_blocks, b.block_bytes // 4)))
         view_a[sa.block_table[0], :] = 7.0
         view_b[sb.block_table[0], :] = 9.0
-        again = np.asarray(open_arena(a.descriptor).as_tensor("float32", (a.num_blocks, a.block_bytes // 4)))
+        again = np.asarray(mapping(a).as_tensor("float32", (a.num_blocks, a.block_bytes // 4)))
         assert again[sa.block_table[0], 0] == 7.0  # another mapping of pool A sees A's bytes
         assert view_b[sb.block_table[0], 0] == 9.0
     finally:
@@ -168,16 +174,24 @@ def test_evict_by_class_reaches_every_pool_with_that_class(service):
         service.evict(5, None)
 
 
+def memfd(fd: int) -> bool:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:kvpool-")
+    except FileNotFoundError:
+        return False
+
+
 def test_shutdown_refuses_attaches_and_close_removes_every_pools_memory(tmp_path):
     service = two_pool_service(tmp_path)
     for bus in BUS:
         service.attach("a", "m", GEOMETRY, os.getpid(), bus)
-    assert len([f for f in os.listdir(tmp_path) if f.startswith("kvpool")]) == 2  # one segment per pool
+    fds = [a.fileno() for p in service.pools for a in p.arenas.values()]
+    assert len(fds) == 2 and all(memfd(fd) for fd in fds)  # one anonymous arena per pool
     service.closing = True
     with pytest.raises(WrongState):
         service.attach("late", "m", GEOMETRY, os.getpid(), BUS[0])
     service.close()
-    assert not [f for f in os.listdir(tmp_path) if f.startswith("kvpool")]
+    assert not any(memfd(fd) for fd in fds)  # closed: the kernel frees the memory with the last mapping
 
 
 def test_reload_reaches_every_pool(service):
@@ -217,9 +231,12 @@ def served(tmp_path):
         add_to_server(KVPoolServicer(service, asyncio.Event(), admin=True), server)
         server.add_insecure_port("unix://" + path)
         await server.start()
+        handoff = HandoffServer(handoff_path(path), 0o600, service.tickets)  # attach tickets
+        await handoff.start(None)
         ready.set()
         await stop.wait()
         await server.stop(None)
+        await handoff.stop()
 
     thread = threading.Thread(target=loop.run_until_complete, args=(main(),), daemon=True)
     thread.start()
@@ -233,7 +250,8 @@ def served(tmp_path):
 
 def attach(conn: Connection, bus: str):
     lay = pb.Layout(**{k: v for k, v in LAYOUT.items()})
-    return conn.call("Attach", pb.AttachRequest(name="g", pid=os.getpid(), layout=lay, device_bus_id=bus))
+    return conn.call("Attach", pb.AttachRequest(name="g", pid=os.getpid(), layout=lay, device_bus_id=bus,
+                                                attach_ticket=attach_ticket(conn.address)))
 
 
 def test_attach_and_stats_over_grpc(served):

@@ -40,24 +40,43 @@ def test_second_daemon_on_the_same_socket_refuses(daemon, daemon_factory):
         conn.ping()  # the first one is unharmed
 
 
-def shm_segments(daemon) -> list[str]:
+def memfds(pid: int) -> list[str]:
+    """The daemon's anonymous arenas: memfds among its open files."""
+    out = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except FileNotFoundError:
+            continue
+        if target.startswith("/memfd:kvpool-"):
+            out.append(target)
+    return out
+
+
+def test_arenas_are_anonymous_and_nothing_outlives_the_daemon(daemon_factory):
     from kvpoold.memory.cpu_shm import instance_id
 
-    prefix = f"kvpool-{os.getuid()}-{instance_id(os.path.abspath(daemon.socket))}-"
-    return [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
+    d = daemon_factory(start=False)
+    inst = instance_id(os.path.abspath(d.socket))
 
+    def named():  # anything in /dev/shm that names this daemon (other tests' files come and go meanwhile)
+        return [n for n in os.listdir("/dev/shm") if inst in n]
 
-def test_shared_memory_removed_on_sigterm_and_after_a_crash(daemon_factory):
-    d = daemon_factory()
+    before = named()
+    assert before == []
+    d.start()
     run_client(d.socket, "write", prompt=[1, 2, 3])
-    assert len(shm_segments(d)) == 1
+    held = memfds(d.proc.pid)
+    assert len(set(held)) == 1  # one class, one memfd (and mmap's own copy of it): no file in any directory
+    run_client(d.socket, "write", prompt=[1, 2, 3])
+    assert memfds(d.proc.pid) == held  # handing it to a client leaves no descriptor behind
+    assert named() == []
     assert d.stop(signal.SIGTERM) == 0
-    assert shm_segments(d) == [] and not os.path.exists(d.socket)
+    assert not os.path.exists(d.socket) and not os.path.exists(d.socket + ".handoff")
 
     d.start()
     run_client(d.socket, "write", prompt=[1, 2, 3])
-    d.stop(signal.SIGKILL)
-    assert len(shm_segments(d)) == 1  # a crash leaves it behind...
+    d.stop(signal.SIGKILL)  # a crash leaves no memory behind to clean up: the kernel frees the memfd
+    assert named() == []
     d.start()
-    assert shm_segments(d) == []  # ...and the next start removes it
-    assert "removed shared memory left by a previous daemon" in d.output()
+    run_client(d.socket, "write", prompt=[1, 2, 3])
