@@ -45,7 +45,8 @@ def _ask(address: str, request: bytes, timeout: float) -> tuple[bytes, list[int]
     except PermissionError as exc:
         for fd in fds:
             os.close(fd)
-        raise PermissionDenied(f"cannot reach kvpoold's side socket {path}: {exc}") from None
+        raise PermissionDenied(f"cannot reach kvpoold's side socket {path}: {exc}; join the socket's group "
+                               "(socket_group) or ask the operator") from None
     except OSError as exc:
         for fd in fds:
             os.close(fd)
