@@ -23,7 +23,7 @@ import numpy as np
 
 from .connection import Connection
 from .errors import FailedPrecondition, InvalidArgument, KvpoolError, NotFound, SessionExpired, Unavailable
-from .handoff import arena_fd, attach_ticket
+from .handoff import arena_fd, attach_ticket, sync_chunks
 from .ipc import DeviceMismatch, client_bus_id, open_arena
 from .layout import Layout
 from .protocol import kvpool_pb2 as pb
@@ -213,7 +213,7 @@ class Client:
         self._stop_heartbeat = threading.Event()
         self._descriptor = {
             "kind": r.arena.kind, "nbytes": r.arena.nbytes, "handle": r.arena.handle,
-            "device": r.arena.device, "device_id": r.arena.device_id,
+            "device": r.arena.device, "device_id": r.arena.device_id, "chunk_bytes": r.arena.chunk_bytes,
         }
         self._device = device
         self._watch = self._conn._stub.Watch(pb.WatchRequest(session=self._token))
@@ -244,7 +244,16 @@ class Client:
             for event in self._watch:
                 if event.kind == "shutdown":
                     self.daemon_shutting_down.set()
+                elif event.kind == "remap":
+                    self._let_go_of_chunks()
         except Exception:  # noqa: BLE001 - the stream ends when either side closes
+            pass
+
+    def _let_go_of_chunks(self) -> None:
+        """Chunks left this class (CUDA VMM): sync, so that the daemon may reuse or free them."""
+        try:
+            self._sync_chunks()
+        except Exception:  # noqa: BLE001 - the next reply that needs a chunk syncs again, and says why
             pass
 
     def _heartbeat(self) -> None:
@@ -295,9 +304,9 @@ class Client:
         return st
 
     def _add(self, t) -> Sequence:
-        st = self._seqs[t.seq_id] = _SeqState(
-            unpack(t.block_table, I32).tolist(), t.num_tokens, t.num_cached_tokens
-        )
+        blocks = unpack(t.block_table, I32)
+        self._ensure_mapped(blocks)
+        st = self._seqs[t.seq_id] = _SeqState(blocks.tolist(), t.num_tokens, t.num_cached_tokens)
         if t.arriving:
             st.arriving = unpack(t.arriving, I32).tolist()
         return Sequence(self, t.seq_id)
@@ -314,8 +323,31 @@ class Client:
             if self._kv is None:
                 fd = arena_fd(self._conn.address, self._token) if self._descriptor["kind"] == "memfd" else None
                 self._arena = open_arena(self._descriptor, device=self._device, fd=fd)
+                if self._descriptor["kind"] == "cuda_vmm":
+                    self._sync_chunks()
                 self._kv = self._arena.as_tensor(self.layout.dtype, (self.num_blocks, *self.layout.block_shape))
             return self._kv
+
+    def _sync_chunks(self) -> None:
+        """Map the chunks the class has now and drop those it gave up (CUDA VMM; ``kvpool.handoff``)."""
+        arena = self._arena
+        if arena is None or not hasattr(arena, "chunk_of"):
+            return
+        with arena.lock:
+            sync_chunks(self._conn.address, self._token, arena)
+
+    def _ensure_mapped(self, blocks) -> None:
+        """Before any of ``blocks`` is used here, every chunk they lie in is mapped (CUDA VMM).
+
+        The daemon maps a chunk into its class before it hands out a block in
+        it; this process maps it when a reply first names such a block.
+        """
+        arena = self._arena
+        if arena is None or not hasattr(arena, "covers") or arena.covers(blocks, self.block_bytes):
+            return
+        self._sync_chunks()
+        if not arena.covers(blocks, self.block_bytes):
+            raise Unavailable("kvpoold handed out blocks in chunks it did not hand this process; attach again")
 
     def kv_cache_cupy(self):
         """The same pool as ``kv_cache()``, as a CuPy array (CUDA backend only).
@@ -487,7 +519,11 @@ class Client:
         d_ids = unpack(r.delta_seq_ids, I64)
         d_first = unpack(r.delta_first, I32)
         d_counts = unpack(r.delta_counts, I32)
-        d_blocks = unpack(r.delta_blocks, I32).tolist()
+        d_blocks = unpack(r.delta_blocks, I32)
+        added = unpack(r.reserve_added, I32)
+        self._ensure_mapped(d_blocks)
+        self._ensure_mapped(added)
+        d_blocks = d_blocks.tolist()
         pos = 0
         for sid, first, n in zip(d_ids.tolist(), d_first.tolist(), d_counts.tolist()):
             st = self._seqs[sid]
@@ -496,7 +532,7 @@ class Client:
         for sid in free_ids:
             self._seqs.pop(sid, None)
             self._swapped.pop(sid, None)
-        self._reserve.extend(reversed(unpack(r.reserve_added, I32).tolist()))  # handed out lowest first
+        self._reserve.extend(reversed(added.tolist()))  # handed out lowest first
         pairs = unpack(r.copies, I32).reshape(-1, 2)
         copies = tuple((int(a), int(b)) for a, b in pairs)
         if copies and run_copies:
@@ -597,7 +633,9 @@ class Client:
             out = []
             for t in r.sequences:
                 st = self._swapped.pop(t.seq_id)
-                st.blocks = unpack(t.block_table, I32).tolist()
+                blocks = unpack(t.block_table, I32)
+                self._ensure_mapped(blocks)
+                st.blocks = blocks.tolist()
                 st.num_cached = t.num_cached_tokens
                 st.arriving = unpack(t.arriving, I32).tolist() if t.arriving else []
                 self._seqs[t.seq_id] = st

@@ -87,6 +87,13 @@ class Connection:
         return {"sessions_dropped": r.sessions_dropped, "blocks_released": r.blocks_released,
                 "cached_evicted": r.cached_evicted}
 
+    def resize(self, pool_bytes: int, device: int | None = None) -> list[dict]:
+        """Admin socket only: move the ceiling of the pool on ``device`` (None: every pool); per pool, how far it got."""
+        r = self.call("Resize", pb.ResizeRequest(pool_bytes=pool_bytes, device=-1 if device is None else device))
+        return [{"device": p.device, "target_bytes": p.target_bytes, "pool_bytes": p.pool_bytes, "met": p.met,
+                 "freed_bytes": p.freed_bytes, "evicted_blocks": p.evicted_blocks,
+                 "max_pool_bytes": p.max_pool_bytes} for p in r.pools]
+
     def config(self) -> dict:
         """The daemon's running configuration; ``live_keys`` are those SIGHUP can change."""
         import json

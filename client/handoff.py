@@ -76,3 +76,107 @@ def arena_fd(address: str, session: bytes, timeout: float = 5.0) -> int:
     for fd in fds:
         os.close(fd)
     raise PermissionDenied(f"kvpoold gave this process no arena: {reply[:200].decode('ascii', 'replace').strip()}")
+
+
+class _Stream:
+    """Bytes and file descriptors from one side-socket connection, read in order."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock, self.buf, self.fds = sock, b"", []
+
+    def _more(self) -> None:
+        part, fds, _flags, _addr = socket.recv_fds(self.sock, 1 << 16, CHUNK_BATCH)
+        self.fds += fds
+        if not part:
+            raise ConnectionError("kvpoold closed the side socket mid-sync")
+        self.buf += part
+
+    def line(self) -> str:
+        while b"\n" not in self.buf:
+            if len(self.buf) > MAX_REPLY:
+                raise ConnectionError("the side socket sent an overlong line")
+            self._more()
+        line, self.buf = self.buf.split(b"\n", 1)
+        return line.decode("ascii", "replace")
+
+    def exactly(self, n: int) -> bytes:
+        while len(self.buf) < n:
+            self._more()
+        out, self.buf = self.buf[:n], self.buf[n:]
+        return out
+
+    def take_fds(self, n: int) -> list[int]:
+        while len(self.fds) < n:
+            self._more()
+        out, self.fds = self.fds[:n], self.fds[n:]
+        return out
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
+
+
+CHUNK_BATCH = 64  # file descriptors per message: far below the kernel's 253 and the in-flight limit
+
+
+def sync_chunks(address: str, session: bytes, arena, timeout: float = 60.0) -> int:
+    """Bring ``arena`` (a ``kvpool.ipc.vmm.VmmMappedArena``) to the chunks its class has now.
+
+    The daemon sends its class's places (index, chunk id); chunks that are
+    not mapped here come as file descriptors, in batches, and are imported and
+    mapped; chunks no longer at their place are unmapped.  ``ack`` tells the
+    daemon this process maps exactly those chunks, so it may reuse or free the
+    others.  A sync that breaks off leaves nothing half-known: everything is
+    unmapped here and the next sync maps it again.  Call with ``arena.lock``.
+
+    Returns the class's generation the arena now matches.
+    """
+    import numpy as np
+
+    path = socket_path(address)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stream = _Stream(s)
+    try:
+        s.settimeout(timeout)
+        s.connect(path)
+        s.sendall(b"chunks " + session.hex().encode() + b"\n")
+        words = stream.line().split()
+        if len(words) != 3 or words[0] != "ok":
+            raise PermissionDenied(f"kvpoold gave this process no chunks: {' '.join(words)[:200]}")
+        generation, n = int(words[1]), int(words[2])
+        places = np.frombuffer(stream.exactly(16 * n), "<i8").reshape(n, 2)
+        have = arena.chunk_of
+        index, chunk = places[:, 0], places[:, 1]
+        stale = np.flatnonzero(have)
+        wanted_here = np.zeros(len(have), np.int64)
+        wanted_here[index] = chunk
+        for i in stale[have[stale] != wanted_here[stale]].tolist():
+            arena.unmap(i)  # left its place (or another chunk is there now)
+        missing = have[index] != chunk
+        want_index, want_chunk = index[missing], chunk[missing]
+        s.sendall(b"want %d\n" % len(want_chunk) + want_chunk.astype("<i8").tobytes())
+        for start in range(0, len(want_chunk), CHUNK_BATCH):
+            words = stream.line().split()
+            count = min(CHUNK_BATCH, len(want_chunk) - start)
+            if words != ["fds", str(count)]:
+                raise ConnectionError(f"unexpected reply on the side socket: {' '.join(words)[:200]}")
+            for i, c, fd in zip(want_index[start:start + count].tolist(), want_chunk[start:start + count].tolist(),
+                                stream.take_fds(count)):
+                arena.map_fd(i, c, fd)
+            s.sendall(b"next\n")
+        s.sendall(b"ack\n")
+        if stream.line() != "done":
+            raise ConnectionError("kvpoold did not confirm the sync")
+        return generation
+    except PermissionDenied:
+        raise
+    except (OSError, ValueError) as exc:
+        arena.unmap_all()
+        raise Unavailable(f"mapping the pool's chunks over {path} failed: {exc}") from None
+    except BaseException:
+        arena.unmap_all()
+        raise
+    finally:
+        stream.close()
+        s.close()

@@ -80,6 +80,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--disk-dir", help="tier 2: directory of the disk tier (default: the systemd state directory "
                                       "/var/lib/kvpoold when it exists)")
     p.add_argument("--disk-bytes", help="tier 2: disk space for blocks, e.g. 500GiB (default 0: no disk tier)")
+    # elastic GPU memory
+    p.add_argument("--cuda-memory", choices=["auto", "vmm", "ipc"],
+                   help="cuda: vmm (CUDA virtual memory: chunks move between layout classes and go back to the "
+                        "GPU when unused), ipc (legacy: one allocation per GPU, one layout class), auto (vmm "
+                        "where the GPU supports it; the default)")
+    p.add_argument("--release-after-seconds",
+                   help="a slab that stays empty this long is given back (to the GPU with vmm, to the OS on the "
+                        "cpu backend); default 30; live on SIGHUP")
     p.add_argument("--check-config", action="store_true", help="print the resolved configuration as JSON and exit")
     p.add_argument("--version", action="version", version=f"kvpoold {__version__}")
     return p
@@ -93,6 +101,7 @@ FLAG_KEYS = (
     "max_sequences_per_session", "max_tokens_per_call", "lease_seconds", "max_string_bytes",  # limits, lease
     "host_bytes", "disk_dir", "disk_bytes",  # tiers
     "tenant_by",
+    "cuda_memory", "release_after_seconds",  # elastic GPU memory
 )
 
 

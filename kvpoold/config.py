@@ -155,6 +155,9 @@ class Config:
     # bytes of a client string (name, model id, revision, dtype); extra keys may have 4x this; 0: no limit
     max_string_bytes: int = 1024
     tenant_by: str = "uid"  # clients of different tenants (uid, gid; none: one tenant) share no memory or cache
+    # -- elastic GPU memory --
+    cuda_memory: str = "auto"  # vmm: chunks move between classes; ipc: one legacy allocation; auto: vmm if it works
+    release_after_seconds: float = 30.0  # a slab empty this long goes back to the GPU (vmm) / the OS (cpu)
 
     def effective_pool_bytes(self) -> int:
         return self.pool_bytes or (1 << 30)
@@ -198,7 +201,7 @@ def _gid(group: str) -> int:
 LIVE_KEYS = frozenset({
     "log_level", "grace_seconds", "max_reserve_blocks", "max_sessions", "max_blocks_per_session",
     "shutdown_timeout", "admin_socket_mode", "max_sequences_per_session", "max_tokens_per_call",
-    "lease_seconds", "max_string_bytes",
+    "lease_seconds", "max_string_bytes", "release_after_seconds",
 })
 
 
@@ -231,6 +234,8 @@ _PARSERS = {
     "lease_seconds": _float,
     "max_string_bytes": _int,
     "tenant_by": str,
+    "cuda_memory": str,
+    "release_after_seconds": _float,
 }
 KEYS = tuple(f.name for f in fields(Config))
 assert set(KEYS) == set(_PARSERS)
@@ -250,7 +255,7 @@ def _validate(cfg: Config, sources: Mapping[str, str]) -> None:
     for key in ("pool_bytes", "chunk_bytes", "host_bytes", "disk_bytes"):
         if getattr(cfg, key) > MAX_BYTES:
             raise bad(key, f"must be at most {MAX_BYTES} bytes")
-    for key in ("grace_seconds", "shutdown_timeout"):
+    for key in ("grace_seconds", "shutdown_timeout", "release_after_seconds"):
         if getattr(cfg, key) > MAX_SECONDS:
             raise bad(key, f"must be at most {MAX_SECONDS:.0f} seconds (a year)")
     for key, path in (("socket", cfg.socket), ("admin_socket", cfg.admin_socket_path())):
@@ -272,6 +277,8 @@ def _validate(cfg: Config, sources: Mapping[str, str]) -> None:
         raise bad("pool_bytes", f"must hold at least one chunk ({cfg.chunk_bytes} bytes)")
     if cfg.tenant_by not in ("uid", "gid", "none"):
         raise bad("tenant_by", "must be uid, gid or none")
+    if cfg.cuda_memory not in ("auto", "vmm", "ipc"):
+        raise bad("cuda_memory", "must be auto, vmm or ipc")
     if cfg.grace_seconds < 0:
         raise bad("grace_seconds", "must be >= 0")
     if not (cfg.lease_seconds == 0 or 0.3 <= cfg.lease_seconds <= 86400):
@@ -300,6 +307,8 @@ def _validate(cfg: Config, sources: Mapping[str, str]) -> None:
         raise bad("max_string_bytes", "must be >= 0 (0: no limit)")
     if cfg.shutdown_timeout < 0:
         raise bad("shutdown_timeout", "must be >= 0 seconds")
+    if cfg.release_after_seconds < 0:
+        raise bad("release_after_seconds", "must be >= 0 seconds (0: release an empty slab at once)")
     if not cfg.metrics_address:
         raise bad("metrics_address", "must be an address to listen on, like 127.0.0.1 or 0.0.0.0")
     if cfg.socket_group:

@@ -30,7 +30,7 @@ from rich.table import Table
 
 from kvpool import Connection, KvpoolError, PermissionDenied, Unavailable
 from kvpool.protocol.stats import PoolStats
-from kvpoold.config import DEFAULT_CONFIG, DEFAULT_SOCKET, ConfigError, admin_socket_for, load_config
+from kvpoold.config import DEFAULT_CONFIG, DEFAULT_SOCKET, ConfigError, admin_socket_for, load_config, parse_bytes
 
 EXIT_ERROR, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_CHECK_FAILED, EXIT_DENIED = 1, 2, 3, 4, 5
 
@@ -73,6 +73,21 @@ class Seconds(click.ParamType):
         if out < self.min or (self.min_open and out == self.min) or out > self.max:
             low = f"more than {self.min:g}" if self.min_open else f"at least {self.min:g}"
             self.fail(f"{value!r} must be {low} and at most {self.max:g} seconds", param, ctx)
+        return out
+
+
+class Size(click.ParamType):
+    """A size in bytes: ``64GiB``, ``512MiB``, ``1.5G`` or a number of bytes, within the wire's uint64."""
+
+    name = "size"
+
+    def convert(self, value, param, ctx):
+        try:
+            out = parse_bytes(value)
+        except ValueError as exc:
+            self.fail(f"{value!r}: {exc}", param, ctx)
+        if not 0 < out <= UINT64_MAX:
+            self.fail(f"{value!r} must be more than 0 and at most {UINT64_MAX} bytes", param, ctx)
         return out
 
 
@@ -348,6 +363,39 @@ def evict(obj: _Ctx, class_id: int | None, max_blocks: int | None, as_json: bool
     """
     n = obj.run(lambda c: c.evict(class_id, max_blocks), admin=True)
     click.echo(json.dumps({"evicted": n}) if as_json else f"evicted {n} cached blocks")
+
+
+@cli.command(epilog=EXIT_CODES)
+@click.option("--pool-bytes", type=Size(), required=True, help="The new ceiling of each pool resized, e.g. 40GiB.")
+@click.option("--device", type=click.IntRange(min=0, max=INT32_MAX), default=None,
+              help="Only the pool of this GPU (the daemon's CUDA ordinal); default: every pool.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_obj
+def resize(obj: _Ctx, pool_bytes: int, device: int | None, as_json: bool) -> None:
+    """Move the pool's ceiling now. Admin socket.
+
+    Growing takes effect at once (up to the GPU's memory with CUDA virtual
+    memory; up to the size at start otherwise).  Shrinking gives memory back
+    at once: unassigned memory first, then empty slabs, then slabs holding
+    only cached blocks (evicted to the lower tiers); never a held block.  A
+    shrink that held blocks stop says how far it got and exits 1.
+
+    \b
+    Examples:
+      sudo kvpoolctl resize --pool-bytes 40GiB
+      sudo kvpoolctl resize --pool-bytes 8GiB --device 1 --json
+    """
+    pools = obj.run(lambda c: c.resize(pool_bytes, device), admin=True)
+    if as_json:
+        _echo_json(pools)
+    else:
+        for p in pools:
+            where = "cpu" if p["device"] < 0 else f"cuda:{p['device']}"
+            how = "" if p["met"] else f" (asked {human_bytes(p['target_bytes'])}: held blocks stop the shrink there)"
+            click.echo(f"{where}: pool {human_bytes(p['pool_bytes'])}{how}; {human_bytes(p['freed_bytes'])} given "
+                       f"back, {p['evicted_blocks']} cached blocks evicted; at most {human_bytes(p['max_pool_bytes'])}")
+    if not all(p["met"] for p in pools):
+        sys.exit(EXIT_ERROR)
 
 
 @cli.command(epilog=EXIT_CODES)

@@ -1,4 +1,4 @@
-"""Mapping the daemon's arenas into a client process: anonymous shared memory (memfd), CUDA IPC.
+"""Mapping the daemon's arenas into a client process: anonymous shared memory (memfd), CUDA VMM, CUDA IPC.
 
 ``open_arena(descriptor)`` maps an arena (``kvpool.protocol.ArenaDescriptor``)
 and gives zero-copy torch views of it.  The daemon side that creates arenas is
@@ -27,5 +27,9 @@ def open_arena(descriptor: ArenaDescriptor | dict, device=None, fd: int | None =
         from .cuda import CudaMappedArena
 
         return CudaMappedArena(descriptor, device=device)
+    if descriptor.kind == "cuda_vmm":
+        from .vmm import VmmMappedArena
+
+        return VmmMappedArena(descriptor, device=device)
     raise ValueError(f"unknown arena kind {descriptor.kind!r}")
 

@@ -26,7 +26,8 @@ class ArenaDescriptor:
     """What a client needs to map an arena into its own address space."""
 
     # "memfd" (CPU: anonymous shared memory; the fd itself comes over the daemon's side socket,
-    # to the attached process only) or "cuda" (CUDA IPC)
+    # to the attached process only), "cuda_vmm" (CUDA virtual memory: chunks come over the side
+    # socket as file descriptors, see kvpool.ipc.vmm) or "cuda" (legacy CUDA IPC of one allocation)
     kind: str
     nbytes: int  # size of the whole virtual range
     handle: bytes  # memfd: a label for messages, nothing to open; cuda: the 64-byte IPC memory handle
@@ -34,6 +35,7 @@ class ArenaDescriptor:
     # PCI bus id of the pool's GPU ("0000:3B:00.0"): ordinals differ between
     # processes with different CUDA_VISIBLE_DEVICES, the bus id does not.
     device_id: str = ""
+    chunk_bytes: int = 0  # cuda_vmm: the size of the chunks mapped into the range
 
     def to_dict(self) -> dict[str, str | int | bytes]:
         return asdict(self)

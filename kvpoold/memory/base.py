@@ -63,10 +63,17 @@ class Backend(ABC):
     name: str
     #: whether several layout classes may each map the whole pool's size (sparse memory)
     supports_many_classes: bool = True
+    #: whether a slab must be whole chunks at a chunk-aligned offset (CUDA VMM maps whole chunks)
+    exact_slabs: bool = False
+    #: how the memory is made, for operators ("shm", "vmm", "ipc")
+    memory: str = ""
 
     @abstractmethod
-    def create_arena(self, tag: str, nbytes: int) -> Arena:
-        """A fresh arena of ``nbytes`` virtual bytes; ``tag`` names it for operators."""
+    def create_arena(self, tag: str, nbytes: int, class_id: int = 0, tenant: str = "") -> Arena:
+        """A fresh arena of ``nbytes`` virtual bytes for class ``class_id`` of ``tenant``; ``tag`` names it."""
+
+    def settle(self) -> None:
+        """After a round of commits and releases: give back what no class uses (VMM); a no-op elsewhere."""
 
     @abstractmethod
     def close(self) -> None:

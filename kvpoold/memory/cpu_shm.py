@@ -157,6 +157,7 @@ class CpuShmBackend(Backend):
     """Makes ``CpuShmArena``s for one daemon instance (the instance only labels them)."""
 
     name = "cpu"
+    memory = "shm"
 
     def __init__(self, instance: str, shm_dir: str = SHM_DIR):
         if not _INSTANCE_RE.match(instance):
@@ -167,7 +168,7 @@ class CpuShmBackend(Backend):
         self.shm_dir = shm_dir  # only where start-up looks for room (check_cpu_room)
         self._arenas: list[CpuShmArena] = []
 
-    def create_arena(self, tag: str, nbytes: int) -> CpuShmArena:
+    def create_arena(self, tag: str, nbytes: int, class_id: int = 0, tenant: str = "") -> CpuShmArena:
         safe = re.sub(r"[^A-Za-z0-9_.-]", "_", tag) or "arena"
         arena = CpuShmArena(f"kvpool-{self.instance}-{safe}", nbytes, self.shm_dir)
         self._arenas.append(arena)

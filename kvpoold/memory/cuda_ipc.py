@@ -6,9 +6,8 @@ bindings; no memory pool, no managed memory) on its device and exports
 CuPy is imported lazily: the CPU path never needs it.
 
 ``release`` is a no-op here: a legacy IPC allocation cannot give part of
-itself back.  The later step is CUDA VMM (reserve a virtual range per class,
-``cuMemCreate``/``cuMemMap`` 2 MiB chunks in and out, export them as POSIX fd
-handles over a Unix socket with SCM_RIGHTS).
+itself back.  This backend is the fallback where CUDA virtual memory with
+POSIX file-descriptor handles is unavailable (``cuda_vmm.py`` is the default).
 
 Ordering between the processes: the daemon's copies of pool blocks (demotions,
 swaps, promotions) complete before the reply that lets a client use those
@@ -114,6 +113,7 @@ class CudaBackend(Backend):
     name = "cuda"
     #: legacy IPC maps one allocation per class, so classes cannot share memory (VMM would)
     supports_many_classes = False
+    memory = "ipc"
 
     def __init__(self, device: int = 0):
         reason = probe_cuda(device)
@@ -123,7 +123,7 @@ class CudaBackend(Backend):
         self.bus_id = bus_id(device)
         self._arenas: list[CudaArena] = []
 
-    def create_arena(self, tag: str, nbytes: int) -> CudaArena:
+    def create_arena(self, tag: str, nbytes: int, class_id: int = 0, tenant: str = "") -> CudaArena:
         arena = CudaArena(tag, nbytes, self.device, self.bus_id)
         self._arenas.append(arena)
         return arena

@@ -127,13 +127,18 @@ def check_cpu_room(config: Config, pool_bytes: int) -> None:
         )
 
 
-def check_gpu_room(config: Config, pool_bytes: int, device: int | None = None) -> None:
-    """Refuse a GPU pool larger than the device's free memory, before any client attaches."""
+def check_gpu_room(config: Config, pool_bytes: int, device: int | None = None, elastic: bool = False) -> None:
+    """Refuse a GPU pool larger than the device's free memory (``elastic``, a ceiling: its total), at start."""
     from kvpoold.memory.cuda_ipc import device_memory
 
     device = config.devices[0] if device is None else device
     free, total = device_memory(device)
-    if pool_bytes > free:
+    if elastic and pool_bytes > total:
+        raise StartupError(
+            f"a pool ceiling of {pool_bytes} bytes is more than GPU {device} has ({total} bytes); "
+            "use a smaller --pool-bytes"
+        )
+    if not elastic and pool_bytes > free:
         raise StartupError(
             f"a pool of {pool_bytes} bytes does not fit on GPU {device} ({free} of {total} bytes free); "
             "use a smaller --pool-bytes or --gpu-memory-fraction (both are per GPU)"
@@ -161,7 +166,7 @@ def open_pools(config: Config, service: Service, instance: str, backend_kwargs: 
             if config.backend == "cpu":
                 check_cpu_room(config, pool_bytes)
             else:
-                check_gpu_room(config, pool_bytes, device)
+                check_gpu_room(config, pool_bytes, device, elastic=backend.memory == "vmm")
         except BaseException:
             backend.close()
             raise
@@ -188,7 +193,8 @@ class _Listener:
                  health, interceptors) -> None:
         self.path, self.mode, self.admin = path, mode, admin
         # kernel credentials, attach tickets, arena fds
-        self.handoff = HandoffServer(handoff_path(path), mode, service.tickets, service.arena_fd)
+        self.handoff = HandoffServer(handoff_path(path), mode, service.tickets, service.arena_fd,
+                                     service.chunk_sync)
         self.server = grpc.aio.server(interceptors=interceptors, options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -252,9 +258,10 @@ async def serve(config: Config, ready=None, reload: Callable[[], Config] | None 
             lock.acquire()
         gid = config.socket_gid()
         instance = _instance(config.socket)
-        kwargs = {}
         if config.backend == "cpu":
             kwargs = {"shm_dir": config.shm_dir}  # arenas are anonymous memfds: no names, nothing left by a crash
+        else:
+            kwargs = {"memory": config.cuda_memory, "chunk_bytes": config.chunk_bytes}
         service = Service(config)
         open_pools(config, service, instance, kwargs)  # one per GPU of --devices; closed below on failure
         pool_bytes = sum(p.pool_bytes for p in service.pools)
@@ -300,6 +307,8 @@ async def serve(config: Config, ready=None, reload: Callable[[], Config] | None 
         elif config.backend == "cuda":
             only = service.pools.pools[0]
             extra += f" devices={only.device}@{only.bus_id}"
+        if config.backend == "cuda":
+            extra += f" memory={service.pools.pools[0].backend.memory}"
         log.info("kvpoold %s ready: socket=%s backend=%s pool=%d bytes%s", service.version, config.socket,
                  config.backend, pool_bytes, extra)
         print(f"kvpoold ready socket={config.socket} backend={config.backend} pool_bytes={pool_bytes}{extra}",
@@ -406,6 +415,10 @@ async def _reap_forever(service: Service) -> None:
             service.reap()
         except Exception:  # noqa: BLE001 - the reaper must survive a bad session
             log.exception("reaper failed")
+        try:
+            service.release_idle()
+        except Exception:  # noqa: BLE001 - serving goes on; the next round tries again
+            log.exception("releasing idle memory failed")
 
 
 def _instance(socket_path: str) -> str:

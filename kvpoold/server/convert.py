@@ -48,7 +48,8 @@ def attach_reply(r: AttachResult, config: Config, version: str) -> pb.AttachRepl
         session=r.session.token,
         session_id=r.session.id,
         class_id=r.session.class_id,
-        arena=pb.Arena(kind=d.kind, nbytes=d.nbytes, handle=d.handle, device=d.device, device_id=d.device_id),
+        arena=pb.Arena(kind=d.kind, nbytes=d.nbytes, handle=d.handle, device=d.device, device_id=d.device_id,
+                       chunk_bytes=d.chunk_bytes),
         num_blocks=r.num_blocks,
         block_bytes=r.block_bytes,
         max_reserve_blocks=config.max_reserve_blocks,
@@ -159,3 +160,15 @@ def reset_reply(counts: tuple[int, int, int]) -> pb.ResetReply:
 def config_reply(config: Config) -> pb.GetConfigReply:
     return pb.GetConfigReply(config_json=json.dumps(config_as_dict(config), allow_nan=False), live_keys=sorted(LIVE_KEYS),
                              admin_socket=config.admin_socket_path())
+
+
+def resize_request(msg: pb.ResizeRequest) -> tuple[int, int | None]:
+    return msg.pool_bytes, None if msg.device < 0 else msg.device
+
+
+def resize_reply(results) -> pb.ResizeReply:
+    return pb.ResizeReply(pools=[
+        pb.PoolResize(device=r.device, target_bytes=r.target_bytes, pool_bytes=r.pool_bytes, met=r.met,
+                      freed_bytes=r.freed_bytes, evicted_blocks=r.evicted_blocks, max_pool_bytes=r.max_pool_bytes)
+        for r in results
+    ])

@@ -9,7 +9,9 @@ client cannot choose what it says there.
 Protocol (one request per connection, both ways bounded):
 
 * the client sends one line of at most ``MAX_REQUEST`` bytes within
-  ``TIMEOUT`` seconds: ``ticket``, or ``arena <session token in hex>``;
+  ``TIMEOUT`` seconds: ``ticket``, ``arena <session token in hex>``, or
+  ``chunks <session token in hex>`` (CUDA VMM: a longer dialog, in
+  ``chunk_sync.py``, that hands the chunks of the session's class);
 * the daemon answers one line and closes: ``ok <64 hex digits>`` (a
   ticket); ``ok <bytes>`` with the arena's memfd attached (``SCM_RIGHTS``),
   only when the connection's credentials are the session's (same pid, uid
@@ -105,9 +107,13 @@ class TicketStore:
 class HandoffServer:
     """The side socket beside one gRPC socket; served on the daemon's event loop."""
 
-    def __init__(self, path: str, mode: int, tickets: TicketStore, arena_fd=None) -> None:
-        """``arena_fd(token, creds) -> (fd, nbytes)`` (``Service.arena_fd``); None: no arenas here."""
+    def __init__(self, path: str, mode: int, tickets: TicketStore, arena_fd=None, chunk_sync=None) -> None:
+        """``arena_fd(token, creds) -> (fd, nbytes)`` (``Service.arena_fd``); None: no arenas here.
+
+        ``chunk_sync(token, creds) -> chunk_sync.ChunkSync`` (``Service.chunk_sync``): CUDA VMM chunks.
+        """
         self.path, self.mode, self.tickets, self.arena_fd = path, mode, tickets, arena_fd
+        self.chunk_sync = chunk_sync
         self._server: asyncio.AbstractServer | None = None
 
     async def start(self, gid: int | None) -> None:
@@ -139,6 +145,9 @@ class HandoffServer:
             elif verb.startswith("arena ") and self.arena_fd is not None:
                 self._send_arena(writer, verb[len("arena "):], creds)
                 return
+            elif verb.startswith("chunks ") and self.chunk_sync is not None:
+                await self._sync_chunks(reader, writer, verb[len("chunks "):], creds)
+                return
             else:
                 writer.write(b"err unknown request\n")
             await asyncio.wait_for(writer.drain(), TIMEOUT)
@@ -163,6 +172,26 @@ class HandoffServer:
             socket.send_fds(sock, [b"ok %d\n" % nbytes], [fd])
         finally:
             sock.close()
+
+    async def _sync_chunks(self, reader, writer, token_hex: str, creds: Credentials) -> None:
+        from . import chunk_sync
+
+        try:
+            sync = self.chunk_sync(bytes.fromhex(token_hex.strip()), creds)
+        except Exception as exc:  # noqa: BLE001 - unknown session, other credentials, no VMM: one answer
+            log.warning("handoff: chunks refused to pid %d uid %d gid %d: %s", creds.pid, creds.uid, creds.gid,
+                        type(exc).__name__)
+            writer.write(b"err refused\n")
+            await asyncio.wait_for(writer.drain(), TIMEOUT)
+            return
+        raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, fileno=os.dup(writer.get_extra_info("socket").fileno()))
+        try:
+            raw.setblocking(False)
+            await chunk_sync.serve(reader, raw, sync)
+        except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, PermissionError) as exc:
+            log.info("handoff: chunk sync of session %d broke off: %s", sync.viewer, type(exc).__name__)
+        finally:
+            raw.close()
 
     async def stop(self) -> None:
         if self._server is not None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from kvpoold.config import Config
 from kvpoold.core import Geometry, InvalidArgument, KVCacheManager
@@ -56,6 +56,26 @@ def normalize_bus_id(bus: str) -> str:
     return bus
 
 
+def max_pool_bytes(backend: Backend, pool_bytes: int) -> int:
+    """How far ``kvpoolctl resize`` may grow the pool: the GPU's memory with VMM, else its size at start."""
+    most = getattr(backend, "max_pool_bytes", None)
+    return max(pool_bytes, most()) if most is not None else pool_bytes
+
+
+@dataclass(frozen=True)
+class PoolResize:
+    """What ``DevicePool.resize`` did to one pool."""
+
+    device: int
+    before_bytes: int
+    target_bytes: int
+    pool_bytes: int
+    met: bool
+    freed_bytes: int
+    evicted_blocks: int
+    max_pool_bytes: int
+
+
 class DevicePool:
     """One device's memory: backend, core, arenas per layout class, tiers.
 
@@ -73,12 +93,14 @@ class DevicePool:
         self.pool_bytes = pool_bytes
         self.manager = KVCacheManager(
             pool_bytes,
-            chunk_bytes=config.chunk_bytes,
+            chunk_bytes=getattr(backend, "chunk_bytes", config.chunk_bytes),
             host_bytes=config.host_bytes,
             disk_bytes=config.disk_bytes,
             policy=config.eviction_policy,
             max_reserve_blocks=config.max_reserve_blocks,
             tier_align=TIER_ALIGN,
+            exact_slabs=backend.exact_slabs,
+            max_pool_bytes=max_pool_bytes(backend, pool_bytes),
         )
         self.tiers = Tiers(config, self.manager, backend.name, device=device if device >= 0 else None,
                            disk_dir=disk_dir)  # host and disk tiers, transfers
@@ -87,6 +109,9 @@ class DevicePool:
         self.quotas = Quotas(self)  # per-session limits (access.py), checked before the core allocates
         self.limits = Limits(self)  # sequences per session, tokens per call
         self.sessions = 0  # bound to this pool now
+        self.on_remap = lambda session_ids: None  # the service tells those clients to sync their chunks
+        if hasattr(backend, "ledger"):
+            backend.notify = lambda viewers: self.on_remap(viewers)
 
     @property
     def name(self) -> str:
@@ -105,12 +130,15 @@ class DevicePool:
         """
 
         def apply_slabs():
-            for kind, cls, offset, nbytes in self.manager.drain_slab_changes():
-                arena = self.arenas[cls]
+            changes = self.manager.drain_slab_changes()
+            # releases first: the memory a class gives up backs what another takes in the same round
+            for kind, cls, offset, nbytes in changes:
+                if kind == "release":
+                    self.arenas[cls].release(offset, nbytes)
+            for kind, cls, offset, nbytes in changes:
                 if kind == "take":
-                    arena.commit(offset, nbytes)
-                else:
-                    arena.release(offset, nbytes)
+                    self.arenas[cls].commit(offset, nbytes)
+            self.backend.settle()
 
         return self.tiers.sync(apply_slabs)
 
@@ -126,16 +154,55 @@ class DevicePool:
         pool = self.manager.classes[cid]
         if cid not in self.arenas:
             # if this fails, the class stays registered but owns nothing; a later attach retries
-            self.arenas[cid] = self.backend.create_arena(f"c{cid}", pool.num_block_ids * pool.block_bytes)
+            self.arenas[cid] = self.backend.create_arena(f"c{cid}", pool.num_block_ids * pool.block_bytes,
+                                                         class_id=cid, tenant=geometry.tenant)
             self.tiers.add_arena(cid, self.arenas[cid], pool)
         return cid, self.arenas[cid].descriptor, pool.num_block_ids, pool.block_bytes
+
+    # -- the ceiling ---------------------------------------------------------------------
+    def check_resize(self, pool_bytes: int) -> None:
+        """``InvalidArgument`` unless ``pool_bytes`` is a ceiling this pool can have."""
+        most = self.manager.max_pool_bytes
+        if not self.manager.chunk_bytes <= pool_bytes <= most:
+            raise InvalidArgument(
+                f"{self.name}: pool_bytes must be between one chunk ({self.manager.chunk_bytes}) and {most} bytes "
+                f"({'the GPU' + chr(39) + 's memory' if self.backend.exact_slabs else 'its size at start'}); "
+                f"got {pool_bytes}")
+
+    def resize(self, pool_bytes: int) -> PoolResize:
+        """Move the ceiling; memory given back is released at once (VMM: to the GPU)."""
+        before = self.pool_bytes
+        r = self.manager.resize(pool_bytes)
+        self.sync_memory()
+        self.pool_bytes = r.pool_bytes
+        return PoolResize(self.device, before, r.target_bytes, r.pool_bytes, r.met,
+                          r.freed_chunks * self.manager.chunk_bytes, r.evicted_blocks, self.manager.max_pool_bytes)
+
+    def release_idle(self, now: float) -> int:
+        """Give back slabs empty for ``release_after_seconds`` (VMM: to the GPU); returns chunks."""
+        n = self.manager.release_idle(now, self.config.release_after_seconds)
+        if n:
+            self.sync_memory()
+        return n
 
     # -- sessions -------------------------------------------------------------------
     def drop_owner(self, owner: int) -> int:
         released = self.manager.drop_owner(owner)
         self.tiers.forget_owner(owner)
         self.sync_memory()
+        ledger = getattr(self.backend, "ledger", None)
+        if ledger is not None:  # its process maps none of our chunks any more (or is gone)
+            ledger.forget(owner)
+            self.backend.settle()
         return released
+
+    def chunk_sync(self, session_id: int, class_id: int):
+        """The chunks of ``class_id`` now, to hand to session ``session_id``'s process (CUDA VMM only)."""
+        from .chunk_sync import ChunkSync
+
+        if not hasattr(self.backend, "ledger"):
+            raise InvalidArgument(f"the {self.backend.name} backend of {self.name} hands out no chunks")
+        return ChunkSync(self.backend, session_id, class_id)
 
     # -- operators ------------------------------------------------------------------
     def stats(self) -> DeviceStats:

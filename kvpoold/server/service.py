@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 from kvpoold import __version__
 from kvpoold.config import Config
-from kvpoold.core import Geometry, WrongState
+from kvpoold.core import Geometry, InvalidArgument, WrongState
 from kvpoold.core.results import PageTable
 from kvpool.protocol import ArenaDescriptor
 from kvpool.protocol.stats import ClientInfo, PoolStats
@@ -24,7 +24,7 @@ from kvpool.protocol.stats import ClientInfo, PoolStats
 from .access import AdminOnly, Draining, check_string
 from .logsafe import printable
 from .handoff import Credentials, NoCredentials, TicketStore
-from .pools import DevicePool, DevicePools
+from .pools import DevicePool, DevicePools, PoolResize
 from .session_pool import PoolSession
 from .sessions import Session, SessionRegistry
 
@@ -69,6 +69,7 @@ class Service:
         self.closing = False
         self.draining = False  # kvpoolctl drain: no new attaches or sequences; running ones go on
         self.tickets = TicketStore()  # issued on the side sockets (handoff.py), redeemed by Attach
+        self._idle_checked = time.monotonic()
 
     @property
     def config(self) -> Config:
@@ -90,10 +91,19 @@ class Service:
             backend.close()
             raise
         try:
-            return self.pools.add(pool)
+            self.pools.add(pool)
         except BaseException:
             pool.close()
             raise
+        pool.on_remap = self._remap
+        return pool
+
+    def _remap(self, session_ids) -> None:
+        """Tell these sessions' clients (Watch: "remap") that chunks they may map left their class."""
+        for sid in session_ids:
+            session = self.sessions.find_id(sid)
+            if session is not None and session.remap is not None:
+                session.remap.set()
 
     def pool_of(self, session: Session) -> DevicePool:
         return self.pools.of(session)
@@ -140,6 +150,16 @@ class Service:
             raise NoCredentials(f"the {self.backend_name} backend hands no file descriptors")
         return arena.fileno(), arena.nbytes
 
+    def chunk_sync(self, token: bytes, creds: Credentials):
+        """The chunks of ``token``'s session's class, for the process that attached it (CUDA VMM).
+
+        As ``arena_fd``: other credentials get ``NoCredentials``.
+        """
+        session = self.sessions.get(token)
+        if session.creds is None or session.creds != creds:
+            raise NoCredentials("the process asking is not the one that attached the session")
+        return self.pools.of(session).chunk_sync(session.id, session.class_id)
+
     def session(self, token: bytes) -> Session:
         """The session of ``token`` (renews its lease); UNAUTHENTICATED when there is none."""
         return self.sessions.get(token)
@@ -182,6 +202,21 @@ class Service:
         for s, reason in expired:
             self.drop(s, reason)
         return len(lapsed) + len(expired)
+
+    def release_idle(self) -> int:
+        """Give back slabs that stayed empty for ``release_after_seconds``, in every pool (chunks).
+
+        Looks at most four times per ``release_after_seconds`` (and at most once a second): finding
+        empty slabs reads every class's free list.
+        """
+        now = time.monotonic()
+        if now - self._idle_checked < min(max(1.0, self.config.release_after_seconds / 4), 60.0):
+            return 0
+        self._idle_checked = now
+        released = sum(pool.release_idle(now) for pool in self.pools)
+        if released:
+            log.info("released %d idle chunks (empty for %gs)", released, self.config.release_after_seconds)
+        return released
 
     # -- operators: every pool ----------------------------------------------------------
     def stats(self) -> PoolStats:
@@ -241,6 +276,25 @@ class Service:
                 break
             evicted += pool.evict(class_id, left)
         return evicted
+
+    def resize(self, pool_bytes: int, device: int | None) -> list[PoolResize]:
+        """Move the ceiling of the pool on ``device`` (None: every pool) to ``pool_bytes``.
+
+        Validates every pool first (``InvalidArgument`` past a pool's limit,
+        or a device not served), then resizes; a shrink that held blocks stop
+        is no error: its result says how far it got.
+        """
+        pools = [p for p in self.pools if device is None or p.device == device]
+        if not pools:
+            raise InvalidArgument(f"no pool on device {device}: this kvpoold serves {self.pools.describe()}")
+        for pool in pools:
+            pool.check_resize(pool_bytes)
+        out = [pool.resize(pool_bytes) for pool in pools]
+        for pool, r in zip(pools, out):
+            log.info("resize %s: %d -> %d bytes asked, now %d%s (%d bytes given back, %d cached blocks evicted)",
+                     pool.name, r.before_bytes, r.target_bytes, r.pool_bytes, "" if r.met else ", held blocks stop it",
+                     r.freed_bytes, r.evicted_blocks)
+        return out
 
     def reset(self) -> tuple[int, int, int]:
         """Operator reset: drop every session and every cached block; returns (sessions, released, evicted).

@@ -94,6 +94,20 @@ async def _settled(result: T | Awaitable[T]) -> T:
     return await result if inspect.isawaitable(result) else result
 
 
+async def _first_of(*events: asyncio.Event) -> asyncio.Event:
+    """The first of ``events`` to be set (the earliest in the list if several are)."""
+    for event in events:
+        if event.is_set():
+            return event
+    waits = {asyncio.ensure_future(e.wait()): e for e in events}
+    try:
+        done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in waits:
+            task.cancel()
+    return next(e for e in events if e.is_set())
+
+
 def _admin(what: str):
     """An admin call: refused (PERMISSION_DENIED) unless it arrived on the admin socket."""
 
@@ -134,7 +148,10 @@ class KVPoolServicer(pb_grpc.KVPoolServicer):
         registry.stream_opened(session)
         try:
             yield pb.Event(kind="attached", message=f"session {session.id}")
-            await self._shutdown.wait()
+            session.remap = remap = session.remap or asyncio.Event()
+            while await _first_of(self._shutdown, remap) is remap:
+                remap.clear()
+                yield pb.Event(kind="remap", message="chunks left this session's class: sync the mapping")
             yield pb.Event(kind="shutdown", message="kvpoold is shutting down")
             await asyncio.Event().wait()  # stay open: the session lives until it detaches or the server stops
         finally:
@@ -207,6 +224,11 @@ class KVPoolServicer(pb_grpc.KVPoolServicer):
     @_unary
     def Clients(self, request):
         return convert.clients_reply(self.service.clients())
+
+    @_unary
+    @_admin("resize")
+    def Resize(self, request):
+        return convert.resize_reply(self.service.resize(*convert.resize_request(request)))
 
     @_unary
     @_admin("evict")

@@ -49,6 +49,7 @@ class Session:
     last_seen: float = 0.0  # monotonic time of the session's last call (its lease runs from here)
     end_reason: str = ""  # why the reaper dropped it (told to a client that calls afterwards)
     creds: object = None  # handoff.Credentials the kernel gave at attach; arena fds go to that process only
+    remap: object = None  # asyncio.Event set when chunks its process may map left its class (Watch says "remap")
 
     @property
     def connected(self) -> bool:
@@ -113,6 +114,9 @@ class SessionRegistry:
         if s is None:
             raise UnknownSession(f"no session {session_id}")
         return s
+
+    def find_id(self, session_id: int) -> Session | None:
+        return self._by_id.get(session_id)
 
     def remove(self, s: Session) -> None:
         if self._by_token.pop(s.token, None) is not None and s.end_reason:

@@ -1,0 +1,233 @@
+"""The elastic GPU pool (CUDA VMM): several models of several geometries on one daemon's GPU memory.
+
+Run on a machine with an NVIDIA GPU:  bash scripts/gpu_tests.sh tests/server/test_gpu_vmm.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import kvpool
+from procs import wait_for
+
+torch = pytest.importorskip("torch")
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+HERE = Path(__file__).resolve().parent
+MiB = 1 << 20
+BIG = dict(model_id="big", num_layers=4, num_kv_heads=4, head_dim=128, dtype="float16")  # 256 KiB blocks
+SMALL = dict(model_id="small", num_layers=2, num_kv_heads=8, head_dim=64, dtype="bfloat16")  # 64 KiB blocks
+
+
+class Proc:
+    """A vmm_proc.py model process, driven one JSON command at a time."""
+
+    def __init__(self, socket: str, layout: dict, seed: int) -> None:
+        self.p = subprocess.Popen([sys.executable, str(HERE / "vmm_proc.py"), socket,
+                                   json.dumps({"layout": layout, "seed": seed})],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.first = self._read()
+
+    def _read(self) -> dict:
+        line = self.p.stdout.readline()
+        if not line:
+            raise AssertionError(f"the process died: {self.p.stderr.read()[-3000:]}")
+        return json.loads(line)
+
+    def __call__(self, op: str, **kw) -> dict:
+        self.p.stdin.write(json.dumps({"op": op, **kw}) + "\n")
+        self.p.stdin.flush()
+        return self._read()
+
+    def quit(self) -> None:
+        if self.p.poll() is None:
+            self.p.stdin.close()  # end of input: the process detaches and exits
+            self.p.wait(timeout=60)
+
+
+def device_stats(socket: str):
+    with kvpool.Connection(socket) as conn:
+        (dev,) = conn.stats().devices
+    return dev
+
+
+def admin(d):
+    return kvpool.Connection(os.path.join(d.dir, "kvpoold-admin.sock"))
+
+
+@pytest.fixture
+def vmm_daemon(daemon_factory):
+    def start(pool: str = "64MiB", *extra: str):
+        return daemon_factory("--backend", "cuda", "--cuda-memory", "vmm", "--chunk-bytes", "2MiB", "--pool-bytes", pool,
+                              *extra)
+
+    return start
+
+
+def test_three_geometries_generate_through_kvpool_hf_on_one_pool(vmm_daemon):
+    d = vmm_daemon("2GiB")
+    specs = [dict(kv_heads=8, head_dim=128, dtype="bfloat16"), dict(kv_heads=2, head_dim=64, dtype="float16"),
+             dict(kv_heads=1, head_dim=256, dtype="float32")]
+    procs = [subprocess.Popen([sys.executable, str(HERE / "vmm_model_proc.py"), d.socket,
+                               json.dumps({**s, "seed": i, "rounds": 2})],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i, s in enumerate(specs)]
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=400)
+        assert p.returncode == 0, err[-4000:]
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    for o in outs:
+        print(o)
+        assert o["ok"], o
+    dev = device_stats(d.socket)
+    assert dev.memory == "vmm" and len(dev.classes) == 3
+    assert all(c.reserved_bytes >= 2 << 30 for c in dev.classes)  # each class can grow to the whole pool
+
+
+def test_a_class_that_frees_gives_its_chunks_to_another_while_both_run(vmm_daemon):
+    d = vmm_daemon("64MiB", "--release-after-seconds", "3600")
+    big, small = Proc(d.socket, BIG, seed=1), Proc(d.socket, SMALL, seed=2)
+    try:
+        assert big("fill", n=25, tokens=128)["held"] == 25  # 200 of the 256 big blocks the pool holds
+        mapped_big = {c.models: c.mapped_bytes for c in device_stats(d.socket).classes}
+        r = small("fill", n=10, tokens=512)  # 20 MiB: more than is left
+        assert "OutOfBlocks" in r.get("error", ""), r
+        assert big("free", count=15)["held"] == 10  # their blocks stay cached
+        assert small("fill", n=10, tokens=512)["held"] == 10  # takes the freed (cached) chunks
+        assert big("verify")["bad"] == [] and small("verify")["bad"] == []
+        assert big("fill", n=1, tokens=16)["held"] == 11  # both keep running
+        assert big("verify")["bad"] == [] and small("verify")["bad"] == []
+        st = device_stats(d.socket)
+        assert st.physical_bytes <= 64 * MiB + st.draining_bytes
+        assert sum(c.mapped_bytes for c in st.classes) <= 64 * MiB
+        assert mapped_big  # the big class held most of the pool before
+    finally:
+        big.quit()
+        small.quit()
+
+
+def test_client_killed_while_mapping_leaves_the_daemon_whole(vmm_daemon):
+    d = vmm_daemon("1GiB", "--grace-seconds", "0.5")
+    filler = Proc(d.socket, BIG, seed=3)
+    try:
+        filler("fill", n=300, tokens=128)  # 2400 blocks: 300 chunks for a newcomer to map
+        for delay in (0.0, 0.02, 0.05):
+            p = subprocess.Popen([sys.executable, str(HERE / "vmm_proc.py"), d.socket,
+                                  json.dumps({"layout": BIG, "seed": 9})],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            wait_for(lambda: len(kvpool.Connection(d.socket).clients()) >= 2, timeout=60)
+            time.sleep(delay)
+            p.send_signal(signal.SIGKILL)
+            p.wait(timeout=30)
+        assert wait_for(lambda: len(kvpool.Connection(d.socket).clients()) == 1, timeout=30)
+        assert wait_for(lambda: device_stats(d.socket).draining_bytes == 0, timeout=30)
+        assert filler("verify")["bad"] == []
+        with kvpool.Connection(d.socket) as conn:
+            ok, detail = conn.check()
+        assert ok, detail
+        late = Proc(d.socket, BIG, seed=4)  # the daemon still hands chunks out
+        assert late("fill", n=2, tokens=64)["held"] == 2 and late("verify")["bad"] == []
+        late.quit()
+    finally:
+        filler.quit()
+
+
+def test_resize_down_and_up_under_load(vmm_daemon):
+    d = vmm_daemon("256MiB", "--release-after-seconds", "3600")
+    a, b = Proc(d.socket, BIG, seed=5), Proc(d.socket, SMALL, seed=6)
+    try:
+        a("fill", n=40, tokens=128)  # 80 MiB held
+        b("fill", n=20, tokens=256)  # 20 MiB held
+        with admin(d) as conn:
+            (r,) = conn.resize(64 * MiB)
+        assert not r["met"] and r["pool_bytes"] >= 100 * MiB  # held blocks stop the shrink
+        st = device_stats(d.socket)
+        assert st.pool_bytes == r["pool_bytes"] and st.physical_bytes <= r["pool_bytes"] + st.draining_bytes
+        assert a("verify")["bad"] == [] and b("verify")["bad"] == []
+        a("free", count=40)
+        b("free", count=20)
+        with admin(d) as conn:
+            (r,) = conn.resize(64 * MiB)  # cached blocks are evicted: now it fits
+        assert r["met"] and r["pool_bytes"] == 64 * MiB
+        assert wait_for(lambda: device_stats(d.socket).physical_bytes <= 64 * MiB, timeout=20)
+        assert "OutOfBlocks" in a("fill", n=40, tokens=128).get("error", "")  # the ceiling holds
+        with admin(d) as conn:
+            (r,) = conn.resize(256 * MiB)
+        assert r["met"]
+        assert a("fill", n=40, tokens=128)["held"] >= 40 and a("verify")["bad"] == []
+        assert b("fill", n=4, tokens=256)["held"] == 4 and b("verify")["bad"] == []
+        with admin(d) as conn, pytest.raises(kvpool.InvalidArgument, match="pool_bytes must be between"):
+            conn.resize(1 << 50)
+    finally:
+        a.quit()
+        b.quit()
+
+
+def test_empty_slabs_go_back_to_the_gpu_after_release_after_seconds(vmm_daemon):
+    d = vmm_daemon("256MiB", "--release-after-seconds", "1")
+    p = Proc(d.socket, BIG, seed=7)
+    p("fill", n=20, tokens=128)
+    assert device_stats(d.socket).physical_bytes >= 40 * MiB
+    p.quit()
+    with admin(d) as conn:
+        conn.evict()
+    assert wait_for(lambda: device_stats(d.socket).physical_bytes == 0, timeout=20)
+    st = device_stats(d.socket)
+    assert st.freed_bytes >= 40 * MiB and all(c.mapped_bytes == 0 for c in st.classes)
+
+
+def test_daemon_exit_leaves_no_device_memory(vmm_daemon):
+    torch.cuda.init()
+    free_before, _ = torch.cuda.mem_get_info()
+    d = vmm_daemon("4GiB")
+    procs = [Proc(d.socket, BIG, seed=10), Proc(d.socket, SMALL, seed=11)]
+    procs[0]("fill", n=200, tokens=256)
+    procs[1]("fill", n=100, tokens=256)
+    free_during, _ = torch.cuda.mem_get_info()
+    assert free_before - free_during >= 400 * MiB  # the chunks were created as needed
+    for p in procs:
+        p.quit()
+    pid = d.proc.pid
+    assert d.stop() == 0
+    assert wait_for(lambda: torch.cuda.mem_get_info()[0] >= free_before - 64 * MiB, timeout=30)
+    smi = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
+                         capture_output=True, text=True)
+    if smi.returncode == 0:
+        assert str(pid) not in smi.stdout.split()
+
+
+def test_legacy_ipc_still_serves_one_class(daemon_factory):
+    d = daemon_factory("--backend", "cuda", "--cuda-memory", "ipc", "--chunk-bytes", "2MiB", "--pool-bytes", "256MiB")
+    a = kvpool.Layout("a", num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16")
+    b = kvpool.Layout("b", num_layers=2, num_kv_heads=1, head_dim=8, dtype="float16")
+    with kvpool.connect(d.socket, name="a", layout=a):
+        with pytest.raises(kvpool.InvalidArgument, match="serves one layout class"):
+            kvpool.connect(d.socket, name="b", layout=b)
+    assert device_stats(d.socket).memory == "ipc"
+
+
+def test_many_geometries_attach_one_after_another(vmm_daemon):
+    """The refusal the legacy pool gave ('serves one layout class per device') is gone."""
+    d = vmm_daemon("256MiB")
+    shapes = [("qwen3", 2, 2, 128, "float32"), ("mistral", 2, 8, 128, "bfloat16"),
+              ("gemma", 2, 4, 256, "bfloat16"), ("llama", 2, 8, 64, "float16")]
+    for name, layers, heads, dim, dtype in shapes:
+        lay = kvpool.Layout(name, num_layers=layers, num_kv_heads=heads, head_dim=dim, dtype=dtype)
+        with kvpool.connect(d.socket, name=name, layout=lay, device=0) as c:
+            seq = c.create_sequence(list(range(40)))
+            kv = c.kv_cache()
+            kv[seq.block_table.tolist()] = 1
+            torch.cuda.synchronize()
+            assert bool((kv[seq.block_table.tolist()] == 1).all())
