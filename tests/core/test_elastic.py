@@ -6,7 +6,7 @@ import os
 import pytest
 
 from kvpoold.core import (
-    Geometry, InvalidArgument, KVCacheManager, LayoutDoesNotFit, OutOfBlocks, ResizeResult, Tier,
+    ChunkBudget, Geometry, InvalidArgument, KVCacheManager, LayoutDoesNotFit, OutOfBlocks, ResizeResult, Tier,
 )
 from kvpoold.core.block_pool import choose_slab_chunks
 
@@ -301,3 +301,11 @@ def test_mapped_and_released_bytes():
     st = m.stats()
     assert st.classes[0].mapped_bytes == 0 and st.classes[0].released_bytes == 8 * 512
     assert st.pool_bytes == 0 and st.max_pool_bytes == 16 * 512
+
+
+def test_a_slab_may_need_the_limit_but_never_more():
+    assert choose_slab_chunks(5 << 20, 2 << 20, 2, limit_chunks=3) == 3
+    with pytest.raises(LayoutDoesNotFit, match="only 6291456"):
+        choose_slab_chunks(7 << 20, 2 << 20, 2, limit_chunks=3)
+    with pytest.raises(ValueError, match="below the pool's size"):
+        ChunkBudget(4, 512, limit=2)
