@@ -43,6 +43,9 @@ class ClassStats:
     swapped_in_blocks: int = 0
     swapped_sequences: int = 0  # now
     lost_blocks: int = 0  # promoted or swapped-in blocks whose bytes did not arrive (bad checksum, I/O error)
+    # memory, in bytes
+    mapped_bytes: int = 0  # the class's slabs now: what the memory backend must back
+    released_bytes: int = 0  # slabs given back so far (to other classes, unassigned memory, a shrink)
 
     @property
     def hit_rate(self) -> float:
@@ -93,6 +96,7 @@ class DeviceStats:
     clients: int  # sessions bound to this pool
     classes: tuple[ClassStats, ...]
     tiers: tuple[TierStats, ...]
+    max_pool_bytes: int = 0  # the most the pool may grow to (0: not reported)
 
     @property
     def name(self) -> str:

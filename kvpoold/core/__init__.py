@@ -25,6 +25,7 @@ from .results import (
     ManagerStats,
     SeqDelta,
     PageTable,
+    ResizeResult,
     TierStats,
 )
 from .tiers import Move, Tier, TierPlacement
@@ -33,6 +34,6 @@ __all__ = [
     "DEFAULT_CHUNK_BYTES", "ChunkBudget", "LayoutClass", "InvalidArgument", "KvpoolError",
     "LayoutDoesNotFit", "NotOwner", "OutOfBlocks", "UnknownSequence", "WrongState", "DTYPE_SIZES",
     "Geometry", "KVCacheManager", "BlockCopy", "ClassStats", "ExtendItem", "ExtendDeltas",
-    "LookupResult", "ManagerStats", "SeqDelta", "PageTable", "TierStats", "Move", "Tier",
+    "LookupResult", "ManagerStats", "SeqDelta", "PageTable", "ResizeResult", "TierStats", "Move", "Tier",
     "TierPlacement",
 ]

@@ -21,6 +21,7 @@ looks at the class's free list, and that happens rarely and in bulk.
 from __future__ import annotations
 
 import heapq
+import math
 from collections import Counter, deque
 from itertools import filterfalse
 from typing import Callable, Iterable
@@ -33,15 +34,38 @@ from .prefix_index import PrefixIndex
 DEFAULT_CHUNK_BYTES = 2 << 20
 
 
-def choose_slab_chunks(block_bytes: int, chunk_bytes: int, total_chunks: int) -> int:
-    """Chunks per slab: the fewest that hold a block with at most 1/32 waste."""
+def choose_slab_chunks(
+    block_bytes: int, chunk_bytes: int, total_chunks: int, limit_chunks: int | None = None, exact: bool = False
+) -> int:
+    """Chunks per slab: the fewest that hold a block with at most 1/32 waste.
+
+    Args:
+        block_bytes: size of one block.
+        chunk_bytes: the pool's allocation granularity.
+        total_chunks: the pool's size now; the search for little waste stays within it.
+        limit_chunks: the most the pool may grow to (default ``total_chunks``); a slab must fit it.
+        exact: a whole number of blocks per slab, no waste at all (the smallest such slab), so that
+            every slab starts on a chunk boundary (CUDA VMM maps slabs chunk by chunk).
+
+    Returns:
+        The slab size in chunks.
+    """
+    limit = total_chunks if limit_chunks is None else limit_chunks
+    if exact:
+        k = block_bytes // math.gcd(block_bytes, chunk_bytes)
+        if k > limit:
+            raise LayoutDoesNotFit(
+                f"a block of {block_bytes} bytes needs slabs of {k} chunks ({k * chunk_bytes} bytes) to fill "
+                f"them exactly, but the pool may hold only {limit * chunk_bytes} bytes"
+            )
+        return k
     k_min = -(-block_bytes // chunk_bytes)
-    if k_min > total_chunks:
+    if k_min > limit:
         raise LayoutDoesNotFit(
-            f"one block needs {block_bytes} bytes but the pool has only {total_chunks * chunk_bytes}"
+            f"one block needs {block_bytes} bytes but the pool has only {limit * chunk_bytes}"
         )
     best, best_waste = k_min, 1.0
-    for k in range(k_min, min(total_chunks, 16 * k_min) + 1):
+    for k in range(k_min, max(k_min, min(total_chunks, 16 * k_min)) + 1):
         waste = (k * chunk_bytes % block_bytes) / (k * chunk_bytes)
         if waste <= 1 / 32:
             return k
@@ -51,22 +75,34 @@ def choose_slab_chunks(block_bytes: int, chunk_bytes: int, total_chunks: int) ->
 
 
 class ChunkBudget:
-    """The pool's memory, in chunks, shared by every class."""
+    """The pool's memory, in chunks, shared by every class.
 
-    def __init__(self, total_chunks: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+    ``total`` can move (``KVCacheManager.resize``) up to ``limit``, for which
+    every class's id space is sized, so block ids never change.  With
+    ``exact_slabs`` every slab holds a whole number of blocks.
+    """
+
+    def __init__(
+        self, total_chunks: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES, *, limit: int | None = None,
+        exact_slabs: bool = False,
+    ) -> None:
         if total_chunks <= 0 or chunk_bytes <= 0:
             raise ValueError("the pool needs at least one chunk of positive size")
+        if limit is not None and limit < total_chunks:
+            raise ValueError(f"the limit ({limit} chunks) is below the pool's size ({total_chunks} chunks)")
         self.total = total_chunks
         self.free = total_chunks
         self.chunk_bytes = chunk_bytes
+        self.limit = total_chunks if limit is None else limit
+        self.exact_slabs = exact_slabs
         self.classes: list[LayoutClass] = []
 
     def reclaimable(self, requester: "LayoutClass", evict: bool) -> int:
         """Chunks the other classes could give back (empty slabs, or unheld ones if ``evict``)."""
         return sum(c.slabs_to_give(evict) * c.slab_chunks for c in self.classes if c is not requester)
 
-    def reclaim(self, requester: "LayoutClass", chunks: int, evict: bool) -> None:
-        """Make at least ``chunks`` chunks free by taking slabs back from other classes."""
+    def reclaim(self, requester: "LayoutClass | None", chunks: int, evict: bool) -> None:
+        """Make at least ``chunks`` chunks free by taking slabs back from other classes (None: from any)."""
         for other in self.classes:
             if self.free >= chunks:
                 return
@@ -92,11 +128,15 @@ class LayoutClass:
         self.block_bytes = geometry.block_bytes
         self.block_size = geometry.block_size
         self.budget = budget
-        self.slab_chunks = choose_slab_chunks(self.block_bytes, budget.chunk_bytes, budget.total)
+        self.slab_chunks = choose_slab_chunks(
+            self.block_bytes, budget.chunk_bytes, budget.total, budget.limit, budget.exact_slabs
+        )
         self.slab_bytes = self.slab_chunks * budget.chunk_bytes
         self.blocks_per_slab = self.slab_bytes // self.block_bytes
-        self.max_slabs = budget.total // self.slab_chunks
-        #: size of the id space: the class could own the whole pool
+        #: bytes of one slab's blocks (``slab_bytes`` less the tail no block fills): slab s is at s * span
+        self.span = self.blocks_per_slab * self.block_bytes
+        self.max_slabs = budget.limit // self.slab_chunks
+        #: size of the id space: the class could own the whole pool, grown to its limit
         self.num_block_ids = self.max_slabs * self.blocks_per_slab
         self.free: list[int] = []
         self.cached = make_policy(policy)
@@ -111,6 +151,7 @@ class LayoutClass:
         #: told (class id, blocks, hashes) of every batch of hashed blocks evicted, oldest first
         self.on_evict = on_evict
         self.evictions = 0
+        self.released_slabs = 0  # ever given back
         budget.classes.append(self)
 
     # -- sizes --------------------------------------------------------------
@@ -318,16 +359,22 @@ class LayoutClass:
             chosen.add(slot)
         if not chosen:
             return
-        doomed = [b for b in self.cached if b // bps in chosen]
+        self.give_back(chosen)
+
+    def give_back(self, slots: set[int]) -> None:
+        """Return these owned slabs, which hold no held block, to the budget (their cached blocks are evicted)."""
+        bps = self.blocks_per_slab
+        doomed = [b for b in self.cached if b // bps in slots]
         self.cached.remove_many(doomed)
         self._forget_hashes(doomed)
-        self.free = [b for b in self.free if b // bps not in chosen]
+        self.free = [b for b in self.free if b // bps not in slots]
         self.free.sort(reverse=True)  # compact: later allocations take low slots first
-        for slot in chosen:
+        for slot in slots:
             self.slots.remove(slot)
             heapq.heappush(self._returned, slot)
             self.released.append(slot)
-        self.budget.free += len(chosen) * self.slab_chunks
+        self.released_slabs += len(slots)
+        self.budget.free += len(slots) * self.slab_chunks
 
     def drain_slab_changes(self) -> tuple[list[int], list[int]]:
         """(slots taken, slots given back) since the last call, for the memory backend."""

@@ -12,7 +12,7 @@ table: the client assigns them to its sequences locally and reports the
 assignment with its next ``extend`` (claims), which is how a decode loop
 calls the daemon far less than once per step.
 
-Each concern lives in its own module (``extend``, ``swap``, ``holds``,
+Each concern lives in its own module (``extend``, ``swap``, ``holds``, ``elastic``,
 ``reserves``, ``stats``, ``invariants``) as a class over the shared fields of
 ``state.ManagerState``; this module assembles them and holds sequences'
 lifecycle (create, fork, free), prefix lookups and the queries for quotas.
@@ -20,12 +20,14 @@ lifecycle (create, fork, free), prefix lookups and the queries for quotas.
 
 from __future__ import annotations
 
+from collections import Counter
 from itertools import repeat
 from typing import Iterable
 
 import numpy as np
 
 from .block_pool import LayoutClass
+from .elastic import Elastic
 from .errors import InvalidArgument, OutOfBlocks
 from .extend import Extending
 from .hashing import chain_hashes, pack_tokens, root_hash
@@ -40,7 +42,9 @@ from .swap import Swapping
 from .tiers import MovePlan
 
 
-class KVCacheManager(Extending, Swapping, TransferHolds, Reserves, Statistics, InvariantChecks, ManagerState):
+class KVCacheManager(
+    Extending, Swapping, TransferHolds, Reserves, Elastic, Statistics, InvariantChecks, ManagerState
+):
     """Block bookkeeping for a whole pool of several layout classes."""
 
     # -- classes ----------------------------------------------------------------
@@ -57,14 +61,22 @@ class KVCacheManager(Extending, Swapping, TransferHolds, Reserves, Statistics, I
         """("take" | "release", class id, byte offset, bytes) of slabs since the last call.
 
         The daemon commits the memory of taken slabs and releases that of
-        returned ones; a slab can appear as released and taken again.
+        returned ones.  A slab's range is its blocks' bytes, ``[slot * span,
+        (slot + 1) * span)``: never the tail a slab's chunks hold past its last
+        block, which is the next slab's first block.  A slab taken and given
+        back (or the reverse) since the last call appears once, as the net
+        change, so a backend never maps a slab twice nor keeps an unowned one.
         """
         out = []
         for pool in self.classes:
             taken, released = pool.drain_slab_changes()
-            span = pool.blocks_per_slab * pool.block_bytes
-            out.extend(("release", pool.class_id, slot * span, pool.slab_bytes) for slot in released)
-            out.extend(("take", pool.class_id, slot * span, pool.slab_bytes) for slot in taken)
+            if not taken and not released:
+                continue
+            net = Counter(taken)
+            net.subtract(released)
+            span = pool.span
+            out.extend(("release", pool.class_id, slot * span, span) for slot, n in net.items() if n < 0)
+            out.extend(("take", pool.class_id, slot * span, span) for slot, n in net.items() if n > 0)
         return out
 
     # -- owners and sequence lookups ----------------------------------------------

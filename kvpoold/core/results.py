@@ -139,3 +139,15 @@ class ManagerStats:
     owners: int
     classes: tuple[ClassStats, ...]
     tiers: tuple[TierStats, ...] = field(default=())
+    max_pool_bytes: int = 0  # the most ``resize`` may grow the pool to
+
+
+@dataclass(frozen=True)
+class ResizeResult:
+    """What ``resize`` did: a shrink that would take held blocks stops short and says so."""
+
+    target_bytes: int  # asked for
+    pool_bytes: int  # the pool's size now
+    freed_chunks: int  # given back by classes: their memory is released (``drain_slab_changes``)
+    evicted_blocks: int  # cached blocks of the slabs given back (demoted to the lower tiers)
+    met: bool  # the pool is now ``target_bytes`` (rounded down to whole chunks)

@@ -64,6 +64,8 @@ class ManagerState:
         policy: str = "lru",
         max_reserve_blocks: int = 1024,
         tier_align: int = 1,
+        max_pool_bytes: int | None = None,
+        exact_slabs: bool = False,
     ) -> None:
         for name, value in (("pool_bytes", pool_bytes), ("chunk_bytes", chunk_bytes)):
             if type(value) is not int or value <= 0:
@@ -72,7 +74,13 @@ class ManagerState:
             raise InvalidArgument(f"pool_bytes ({pool_bytes}) is smaller than one chunk ({chunk_bytes})")
         if type(max_reserve_blocks) is not int or max_reserve_blocks < 0:
             raise InvalidArgument(f"max_reserve_blocks must be >= 0, got {max_reserve_blocks!r}")
-        self.budget = ChunkBudget(pool_bytes // chunk_bytes, chunk_bytes)
+        limit = pool_bytes if max_pool_bytes is None else max_pool_bytes
+        if type(limit) is not int or limit < pool_bytes:
+            raise InvalidArgument(f"max_pool_bytes must be an integer >= pool_bytes ({pool_bytes}), got {limit!r}")
+        if type(exact_slabs) is not bool:
+            raise InvalidArgument(f"exact_slabs must be a bool, got {exact_slabs!r}")
+        self.budget = ChunkBudget(pool_bytes // chunk_bytes, chunk_bytes, limit=limit // chunk_bytes,
+                                  exact_slabs=exact_slabs)
         self.placement = TierPlacement(host_bytes, disk_bytes, policy, tier_align)
         self._track_moves = host_bytes > 0 or disk_bytes > 0
         self.policy = policy

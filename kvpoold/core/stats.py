@@ -42,6 +42,8 @@ class Statistics(ManagerState):
                     swapped_in_blocks=c.swapped_in_blocks,
                     swapped_sequences=swapped[pool.class_id],
                     lost_blocks=c.lost_blocks,
+                    mapped_bytes=len(pool.slots) * pool.slab_bytes,
+                    released_bytes=pool.released_slabs * pool.slab_bytes,
                 )
             )
         tiers = tuple(
@@ -57,5 +59,6 @@ class Statistics(ManagerState):
             owners=len(self._owners),
             classes=tuple(classes),
             tiers=tiers,
+            max_pool_bytes=self.budget.limit * self.budget.chunk_bytes,
         )
 

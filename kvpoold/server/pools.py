@@ -213,7 +213,7 @@ class DevicePool:
             index=self.index, device=self.device, bus_id=self.bus_id, pool_bytes=st.pool_bytes,
             free_bytes=st.free_chunks * st.chunk_bytes, sequences=st.sequences, clients=self.sessions,
             classes=tuple(replace(c, models=tuple(sorted(self.models.get(c.class_id, ())))) for c in st.classes),
-            tiers=st.tiers,
+            tiers=st.tiers, max_pool_bytes=st.max_pool_bytes,
         )
 
     def evict(self, class_id: int | None, max_blocks: int | None) -> int:

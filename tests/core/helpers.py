@@ -31,5 +31,6 @@ def snapshot(m: KVCacheManager):
     ]
     swapped = ({s: tuple(e) for s, e in m._swapped.items()}, t.swapped.tobytes(), t.nswapped, m._next_swap,
                [dict(h) for h in m._holds], len(m._moves))
+    elastic = (m.budget.total, {pool: dict(since) for pool, since in m._empty_since.items()})
     return (seqs, pools, owners, m.budget.free, t.gen.tobytes(), t.live, [vars(c).copy() for c in m._counters],
-            tiers, swapped)
+            tiers, swapped, elastic)

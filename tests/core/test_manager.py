@@ -258,6 +258,7 @@ def test_two_classes_share_memory_without_static_split():
     big = m.register_class(Geometry(2, 1, 8, "float16", 4))  # 256 B: 2 blocks / chunk
     a = m.create(1, small, "a", range(4 * 30))  # 30 blocks: 8 chunks minus ...
     assert m.budget.free == 0
+    assert len(m.drain_slab_changes()) == 8  # the daemon commits them
     with pytest.raises(OutOfBlocks):
         m.create(2, big, "b", range(4))
     m.free(1, [a.seq_id])

@@ -21,12 +21,14 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from kvpoold.core import (
     ExtendItem,
     Geometry,
+    InvalidArgument,
     KVCacheManager,
     KvpoolError,
     OutOfBlocks,
     Tier,
     WrongState,
 )
+from kvpoold.core.elastic import empty_slots
 from kvpoold.core.hashing import chain_hashes, pack_tokens, root_hash
 
 from helpers import snapshot
@@ -51,14 +53,24 @@ class CoreMachine(RuleBasedStateMachine):
         two_classes=st.booleans(),
         host=st.integers(0, 3),
         disk=st.integers(0, 4),
+        head_dim=st.sampled_from([4, 3]),
+        room=st.integers(0, 8),
+        exact=st.booleans(),
     )
-    def setup(self, bs, chunks, two_classes, host, disk):
-        g = Geometry(1, 1, 4, "float16", bs)  # 16*bs bytes per block
-        self.m = KVCacheManager(chunks * 128, chunk_bytes=128, host_bytes=host * 16 * bs, disk_bytes=disk * 16 * bs,
-                                max_reserve_blocks=3)
-        self.cls = [self.m.register_class(g)]
+    def setup(self, bs, chunks, two_classes, host, disk, head_dim, room, exact):
+        # head_dim 4: 16*bs bytes a block, slabs filled exactly; 3: 12*bs bytes, slabs with a tail unless exact
+        # (then 3 chunks each); ``room``: chunks the pool may grow by
+        block_bytes = 4 * head_dim * bs
+        limit = max(chunks + room, 3 if exact else 1)
+        self.m = KVCacheManager(chunks * 128, chunk_bytes=128, host_bytes=host * block_bytes,
+                                disk_bytes=disk * block_bytes, max_reserve_blocks=3, max_pool_bytes=limit * 128,
+                                exact_slabs=exact)
+        self.cls = [self.m.register_class(Geometry(1, 1, head_dim, "float16", bs))]
         if two_classes:
-            self.cls.append(self.m.register_class(Geometry(1, 1, 4, "float16", 2 * bs)))
+            self.cls.append(self.m.register_class(Geometry(1, 1, head_dim, "float16", 2 * bs)))
+        self.exact = exact
+        self.clock = 0.0
+        self.mapped: dict[int, set[int]] = {c: set() for c in self.cls}  # slots the fake backend backs
         self.memory: dict[tuple[int, int], list] = {}
         self.tokens: dict[int, list[int]] = {}  # seq id -> tokens (the model)
         self.owner_of: dict[int, int] = {}
@@ -96,7 +108,8 @@ class CoreMachine(RuleBasedStateMachine):
     def apply_moves(self):
         """Run the planned tier moves on the fake bytes, in the transfer engine's order."""
         writes = []
-        for mv in self.m.drain_moves():
+        moves = self.m.drain_moves()
+        for mv in moves:
             if mv.dst == Tier.DEVICE:
                 writes.append(mv)  # the engine runs device writes after the call's other moves
             elif mv.src == Tier.DEVICE:
@@ -111,9 +124,30 @@ class CoreMachine(RuleBasedStateMachine):
                     event("pushed to disk")
                 else:
                     event("dropped from a lower tier")
+        self.apply_slabs()  # as the daemon does: after the device reads, before the device writes
         for mv in writes:
             self.memory[(mv.key[0], mv.block)] = list(self.store.pop(mv.key))
             event("promoted" if isinstance(mv.key[1], bytes) else "swapped in")
+
+    def apply_slabs(self):
+        """Map and unmap slabs as the memory backend does: a released range loses its bytes."""
+        for kind, cls, offset, nbytes in self.m.drain_slab_changes():
+            pool = self.m.classes[cls]
+            slot, rest = divmod(offset, pool.span)
+            assert rest == 0 and nbytes == pool.span, "a slab's range is not its blocks' bytes"
+            assert offset + nbytes <= pool.num_block_ids * pool.block_bytes, "a slab past the id space"
+            if self.exact:
+                assert offset % self.m.budget.chunk_bytes == 0 and nbytes == pool.slab_bytes, "an inexact slab"
+            if kind == "take":
+                assert slot not in self.mapped[cls], f"slab {slot} mapped twice"
+                self.mapped[cls].add(slot)
+                continue
+            assert slot in self.mapped[cls], f"slab {slot} released but not mapped"
+            self.mapped[cls].remove(slot)
+            first, last = offset // pool.block_bytes, -(-(offset + nbytes) // pool.block_bytes)
+            for b in range(first, last):
+                self.memory.pop((cls, b), None)
+            event("slab released")
 
     # -- rules ---------------------------------------------------------------------
     @rule(owner=st.sampled_from(OWNERS), prompt=prompts, which=st.integers(0, 1), model=st.sampled_from("ab"))
@@ -199,6 +233,7 @@ class CoreMachine(RuleBasedStateMachine):
         seq = data.draw(st.sampled_from(live))
         cls = self.class_of[seq]
         self.m.grant_reserve(owner, cls, 3)
+        self.apply_moves()
         info = self.m.sequence(owner, seq)
         bs = self.bs(cls)
         grow = -(-(info.num_tokens + n) // bs) - len(info.block_table)
@@ -348,11 +383,55 @@ class CoreMachine(RuleBasedStateMachine):
         if self.m.invalidate_block(self.class_of[seq], table[0]):
             event("hash forgotten")
 
+    # -- an elastic pool --------------------------------------------------------------
+    def held(self):
+        return [pool.held_blocks for pool in self.m.classes]
+
+    @rule(chunks=st.integers(0, 22), odd=st.integers(0, 127))
+    def resize(self, chunks, odd):
+        m, budget = self.m, self.m.budget
+        held, before, evictions = self.held(), budget.total, sum(p.evictions for p in m.classes)
+        r = self.guarded(lambda: m.resize(chunks * 128 + odd), (InvalidArgument,))
+        if r is None:
+            assert chunks > budget.limit
+            return
+        assert self.held() == held, "a resize took held blocks"
+        assert r.pool_bytes == budget.total * 128 and r.target_bytes == chunks * 128 + odd
+        assert r.evicted_blocks == sum(p.evictions for p in m.classes) - evictions
+        if chunks >= before:
+            assert r.met and budget.total == chunks and r.freed_chunks == 0
+            event("grown" if chunks > before else "same size")
+            return
+        assert chunks <= budget.total <= before and r.met == (budget.total == chunks)
+        if not r.met:  # stopped short: every chunk left is a slab with a held block
+            event("shrink stopped short")
+            assert budget.free == 0
+            bps = [p.blocks_per_slab for p in m.classes]
+            for pool, n in zip(m.classes, bps):
+                unheld = set(pool.free) | set(pool.cached)
+                assert all(any(b not in unheld for b in range(s * n, (s + 1) * n)) for s in pool.slots)
+        else:
+            event("shrunk, evicting" if r.evicted_blocks else "shrunk")
+
+    @rule(dt=st.sampled_from([0, 0.5, 1, 3]), after=st.sampled_from([0, 1, 2.5]))
+    def release_idle(self, dt, after):
+        self.clock += dt
+        held, free = self.held(), self.m.budget.free
+        chunks = self.m.release_idle(self.clock, after)
+        self.apply_moves()
+        assert self.held() == held
+        assert self.m.budget.free == free + chunks
+        if after == 0:
+            assert not any(empty_slots(pool) for pool in self.m.classes), "an empty slab left"
+        if chunks:
+            event("idle slabs released")
+
     # -- invariants ------------------------------------------------------------------
     @invariant()
     def consistent(self):
         assert not self.m._moves, "moves left unrun"
         self.m.check_invariants()
+        assert all(self.mapped[p.class_id] == p.slots for p in self.m.classes), "mapped slabs differ from owned"
         assert {self.m.seqs.seq_id(i) for i in self.m.seqs.live_slots().tolist()} == set(self.tokens)
         for seq, toks in self.tokens.items():
             cls, bs = self.class_of[seq], self.bs(self.class_of[seq])
@@ -384,6 +463,9 @@ class CoreMachine(RuleBasedStateMachine):
         self.m.check_invariants()
         assert st_.sequences == 0
         assert all(c.used_blocks == 0 for c in st_.classes)  # only free or cached remain
+        r = self.m.resize(0)  # nothing held: the whole pool can go
+        assert r.met and not any(p.slots for p in self.m.classes)
+        self.m.check_invariants()
 
 
 TestCoreMachine = CoreMachine.TestCase
