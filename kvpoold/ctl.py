@@ -193,6 +193,14 @@ def stats_view(st: PoolStats):
     return stats_table(st)
 
 
+def _memory_caption(d) -> str:
+    """vmm: what the GPU holds for the pool now (created chunks), still draining, and given back."""
+    if d.memory != "vmm":
+        return ""
+    return (f"\n{d.name}: elastic (vmm), {human_bytes(d.physical_bytes)} held of at most {human_bytes(d.pool_bytes)}"
+            f" · {human_bytes(d.draining_bytes)} draining · {human_bytes(d.freed_bytes)} given back to the GPU")
+
+
 def stats_table(st: PoolStats) -> Table:
     """One column per layout class (device tier) and per lower tier; one row per figure.
 
@@ -209,7 +217,7 @@ def stats_table(st: PoolStats) -> Table:
         title=f"kvpoold {st.version} · {st.backend} backend · pool {human_bytes(st.pool_bytes)}{where} · "
               f"up {st.uptime_seconds:.0f}s" + (" · DRAINING" if st.draining else ""),
         caption=f"{st.clients} clients · {st.sequences} sequences · {st.rpcs} calls · "
-                f"{human_bytes(st.free_bytes)} not assigned to a layout",
+                f"{human_bytes(st.free_bytes)} not assigned to a layout" + "".join(_memory_caption(d) for d in devices),
     )
     table.add_column("", style="bold")
     if several:
@@ -229,6 +237,8 @@ def stats_table(st: PoolStats) -> Table:
     row("layout", lambda c: c.geometry)
     row("models", lambda c: ", ".join(c.models))
     row("block size", lambda c: human_bytes(c.block_bytes))
+    row("memory mapped / released", lambda c: f"{human_bytes(c.mapped_bytes)} / {human_bytes(c.released_bytes)}")
+    row("virtual range", lambda c: human_bytes(c.reserved_bytes))
     row("total blocks", lambda c: f"{c.total_blocks} ({human_bytes(c.total_blocks * c.block_bytes)})",
         lambda t: human_bytes(t.capacity_bytes))
     row("used", lambda c: f"{c.used_blocks} ({human_bytes(c.used_blocks * c.block_bytes)})",

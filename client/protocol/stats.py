@@ -46,6 +46,7 @@ class ClassStats:
     # memory, in bytes
     mapped_bytes: int = 0  # the class's slabs now: what the memory backend must back
     released_bytes: int = 0  # slabs given back so far (to other classes, unassigned memory, a shrink)
+    reserved_bytes: int = 0  # the class's virtual range (its whole id space); no memory behind it by itself
 
     @property
     def hit_rate(self) -> float:
@@ -97,6 +98,10 @@ class DeviceStats:
     classes: tuple[ClassStats, ...]
     tiers: tuple[TierStats, ...]
     max_pool_bytes: int = 0  # the most the pool may grow to (0: not reported)
+    memory: str = ""  # how the memory is made: "shm" (cpu), "vmm" (elastic CUDA), "ipc" (legacy CUDA)
+    physical_bytes: int = 0  # memory held now (vmm: chunks created and not yet given back to the GPU)
+    draining_bytes: int = 0  # vmm: chunks that left their class, held until every client let go of them
+    freed_bytes: int = 0  # vmm: given back to the GPU so far
 
     @property
     def name(self) -> str:

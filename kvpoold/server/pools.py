@@ -212,9 +212,22 @@ class DevicePool:
         return DeviceStats(
             index=self.index, device=self.device, bus_id=self.bus_id, pool_bytes=st.pool_bytes,
             free_bytes=st.free_chunks * st.chunk_bytes, sequences=st.sequences, clients=self.sessions,
-            classes=tuple(replace(c, models=tuple(sorted(self.models.get(c.class_id, ())))) for c in st.classes),
-            tiers=st.tiers, max_pool_bytes=st.max_pool_bytes,
+            classes=tuple(replace(c, models=tuple(sorted(self.models.get(c.class_id, ()))),
+                                  reserved_bytes=self._reserved_bytes(c.class_id)) for c in st.classes),
+            tiers=st.tiers, max_pool_bytes=st.max_pool_bytes, **self._memory_figures(st),
         )
+
+    def _reserved_bytes(self, class_id: int) -> int:
+        arena = self.arenas.get(class_id)
+        return arena.nbytes if arena is not None else 0
+
+    def _memory_figures(self, st) -> dict:
+        b = self.backend
+        if hasattr(b, "ledger"):  # vmm: what the GPU holds for us, chunk by chunk
+            return {"memory": b.memory, "physical_bytes": b.physical_bytes, "draining_bytes": b.draining_bytes,
+                    "freed_bytes": b.freed_bytes}
+        held = sum(c.mapped_bytes for c in st.classes) if b.supports_many_classes else st.pool_bytes
+        return {"memory": b.memory, "physical_bytes": held}
 
     def evict(self, class_id: int | None, max_blocks: int | None) -> int:
         try:
