@@ -47,6 +47,15 @@ class Elastic(ManagerState):
         #: per class, slot -> when a ``release_idle`` call first saw it empty (and every call since)
         self._empty_since: dict[LayoutClass, dict[int, float]] = {}
 
+    @property
+    def chunk_bytes(self) -> int:
+        return self.budget.chunk_bytes
+
+    @property
+    def max_pool_bytes(self) -> int:
+        """The most ``resize`` may grow the pool to."""
+        return self.budget.limit * self.budget.chunk_bytes
+
     def resize(self, pool_bytes: int) -> ResizeResult:
         """Grow or shrink the pool to ``pool_bytes`` (whole chunks), never past its limit.
 

@@ -97,6 +97,14 @@ def pool_families(service) -> list:
           [((label,), d.pool_bytes) for label, d in devices])
     gauge("kvpool_pool_unassigned_bytes", "pool bytes not owned by any layout class", ("device",),
           [((label,), d.free_bytes) for label, d in devices])
+    gauge("kvpool_pool_max_bytes", "the most the pool may grow to (kvpoolctl resize)", ("device",),
+          [((label,), d.max_pool_bytes) for label, d in devices])
+    gauge("kvpool_pool_physical_bytes", "memory the pool holds now (vmm: chunks created, not given back)",
+          ("device",), [((label,), d.physical_bytes) for label, d in devices])
+    gauge("kvpool_pool_draining_bytes", "vmm: chunks that left their class, held until every client let go",
+          ("device",), [((label,), d.draining_bytes) for label, d in devices])
+    counter("kvpool_pool_freed_bytes", "vmm: memory given back to the GPU", ("device",),
+            [((label,), d.freed_bytes) for label, d in devices])
     # (device label, class id label, ClassStats) and (device label, TierStats) over every pool
     classes = [(label, str(c.class_id), c) for label, d in devices for c in d.classes]
     gauge("kvpool_class_blocks", "device blocks of a layout class by state", ("device", "class_id", "state"), [
@@ -152,7 +160,7 @@ _KNOWN = {
               "reserved_blocks", "cached_blocks", "free_blocks", "cow_copies", "evictions", "prefix_queries",
               "prefix_hits", "prefix_query_tokens", "prefix_hit_tokens"},
 }
-_LEVELS = {"pinned_bytes", "swapped_sequences"}  # gauges; every other extra figure is a running total
+_LEVELS = {"pinned_bytes", "swapped_sequences", "mapped_bytes", "reserved_bytes"}  # gauges; every other extra figure is a running total
 
 
 def _extra_series(kind: str, label: str, rows, keys, gauge, counter) -> None:
