@@ -35,6 +35,9 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 
+GONE = (-1, -1)  # the place a draining chunk left belonged to a class that is gone
+
+
 @dataclass(frozen=True)
 class Placed:
     """The chunk that now backs a place, and where it came from."""
@@ -74,6 +77,9 @@ class ChunkLedger:
         self.places.pop(cid, None)
         self.tenant_of_class.pop(cid, None)
         self.generation.pop(cid, None)
+        for chunk, (c, _index) in self.draining.items():
+            if c == cid:  # the id may be given to a new class: its places are not these
+                self.draining[chunk] = GONE
         return [v for v, c in self.class_of_viewer.items() if c == cid]
 
     # -- the daemon's own mapping -------------------------------------------------------

@@ -139,3 +139,16 @@ def test_a_class_with_chunks_cannot_be_dropped():
     ledger.unplace(0, 0)
     ledger.drop_class(0)
     assert ledger.live_chunks() == 1 and ledger.take_idle() and ledger.live_chunks() == 0
+
+
+def test_a_dropped_class_id_reused_never_gets_a_chunk_still_draining():
+    ledger = ChunkLedger()
+    ledger.add_class(0, "a")
+    old = ledger.place(0, 0).chunk
+    ledger.open_view(7, 0)
+    ledger.sent(7, [old])
+    ledger.unplace(0, 0)
+    ledger.drop_class(0)
+    ledger.add_class(0, "b")  # the id is given to another tenant's class
+    assert ledger.place(0, 0).chunk != old
+    ledger.check()
