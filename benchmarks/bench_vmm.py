@@ -201,13 +201,13 @@ def bench_kernels() -> list[dict]:
                                                             max_seq_len=ctx)),
     ):
         out_v, out_p = call(pools["vmm"]), call(pools["plain"])
-        assert torch.equal(out_v, out_p), "the same bytes on VMM memory gave another result"
+        diff = (out_v.float() - out_p.float()).abs().max().item()  # the same bytes: 0 unless the kernel races
         times = {"vmm": [], "plain": []}
         for _ in range(7):  # interleaved: clocks and neighbours drift alike for both
             for kind in ("vmm", "plain"):
                 times[kind].append(_time(lambda: call(pools[kind])))
         v, p = statistics.median(times["vmm"]), statistics.median(times["plain"])
-        rows.append({"kernel": name, "vmm_us": v, "plain_us": p, "vmm_over_plain": v / p})
+        rows.append({"kernel": name, "vmm_us": v, "plain_us": p, "vmm_over_plain": v / p, "max_abs_diff": diff})
     del pools
     backend.close()
     return rows
