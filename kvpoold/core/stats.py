@@ -42,6 +42,7 @@ class Statistics(ManagerState):
                     swapped_in_blocks=c.swapped_in_blocks,
                     swapped_sequences=swapped[pool.class_id],
                     lost_blocks=c.lost_blocks,
+                    remote_hit_blocks=c.remote_hit_blocks,
                 )
             )
         tiers = tuple(
