@@ -22,8 +22,8 @@ def redis_server():
         pytest.skip("needs redis-server (scripts/setup.sh installs it)")
     servers: list[RedisServer] = []
 
-    def make() -> RedisServer:
-        s = RedisServer().start()
+    def make(*args: str) -> RedisServer:
+        s = RedisServer(*args).start()
         servers.append(s)
         return s
 

@@ -12,7 +12,9 @@ import time
 class RedisServer:
     """A redis-server of its own (no persistence) on a Unix socket in a temporary directory."""
 
-    def __init__(self) -> None:
+    def __init__(self, *args: str) -> None:
+        """``args``: more redis-server options (``--requirepass``...)."""
+        self.args = args
         self.dir = tempfile.mkdtemp(prefix="kvpool-redis-")
         self.socket = os.path.join(self.dir, "redis.sock")
         self.url = f"unix://{self.socket}"
@@ -21,7 +23,7 @@ class RedisServer:
     def start(self) -> "RedisServer":
         self.proc = subprocess.Popen(
             ["redis-server", "--port", "0", "--unixsocket", self.socket, "--unixsocketperm", "700",
-             "--save", "", "--appendonly", "no", "--dir", self.dir],
+             "--save", "", "--appendonly", "no", "--dir", self.dir, *self.args],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
@@ -35,7 +37,8 @@ class RedisServer:
     def client(self):
         import redis
 
-        return redis.Redis(unix_socket_path=self.socket, socket_timeout=5)
+        password = self.args[self.args.index("--requirepass") + 1] if "--requirepass" in self.args else None
+        return redis.Redis(unix_socket_path=self.socket, socket_timeout=5, password=password)
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
