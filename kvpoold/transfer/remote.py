@@ -160,6 +160,15 @@ class RemoteStore:
         self._fetches = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="kvpool-remote-fetch")
         self._writer = threading.Thread(target=self._write_forever, name="kvpool-remote-write", daemon=True)
         self._writer.start()
+        self._fetches.submit(self._probe)  # operators see "connected" (or why not) at start
+
+    def _probe(self) -> None:
+        try:
+            self.client.ping()
+        except Exception as exc:  # noqa: BLE001 - counted and logged; serving goes on locally
+            self._failed(exc, "connect")
+        else:
+            self._succeeded()
 
     # -- the connection --------------------------------------------------------------------------------
     @property
