@@ -210,3 +210,19 @@ def test_events_report_blocks_stored_moved_and_removed_to_readers_and_a_stream(r
                             capture_output=True, text=True)
     assert denied.returncode == 5  # the normal socket refuses: events carry every tenant's block hashes
     assert wait_for(lambda: r.client().xlen("kvpool-events") >= len(events))
+
+
+def test_evict_writes_only_blocks_leaving_the_last_local_tier_and_they_come_back(redis_server, node):
+    r = redis_server()
+    a = node(r, "--remote-write", "evict", pool_blocks=16)  # no host or disk tier: the device is the last
+    toks = prompt(100, blocks=3)
+    with kvpool.connect(a.socket, name="a", layout=LAYOUT) as ca:
+        write_prompt(ca, toks)
+        time.sleep(0.3)
+        assert remote_stats(ca).blocks_written == 0  # still on the device: nothing sent
+        for i in range(101, 106):  # 15 more blocks through a pool of 16: the first prompt's leave it
+            write_prompt(ca, prompt(i, blocks=3))
+        assert wait_for(lambda: remote_stats(ca).blocks_written >= 3)
+        s = ca.create_sequence(toks)
+        assert s.num_cached_tokens == 3 * BS and ca.stats().classes[0].remote_hit_blocks == 3
+        check_sequence(ca, s, toks, blocks=3)
