@@ -51,3 +51,61 @@ class RedisServer:
 
     def resume(self) -> None:
         self.proc.send_signal(signal.SIGCONT)
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now (and its cluster bus port, +10000, neither)."""
+    import socket
+
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port + 10000 > 65535:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+        return port
+
+
+class RedisCluster:
+    """Three redis-server masters on localhost TCP ports, joined into one Redis Cluster."""
+
+    def __init__(self) -> None:
+        self.dir = tempfile.mkdtemp(prefix="kvpool-redis-cluster-")
+        self.ports = [free_port() for _ in range(3)]
+        self.url = f"redis://127.0.0.1:{self.ports[0]}/0"
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self) -> "RedisCluster":
+        for port in self.ports:
+            d = os.path.join(self.dir, str(port))
+            os.makedirs(d)
+            self.procs.append(subprocess.Popen(
+                ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
+                 "--cluster-config-file", "nodes.conf", "--save", "", "--appendonly", "no", "--dir", d],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        nodes = [f"127.0.0.1:{p}" for p in self.ports]
+        deadline = time.monotonic() + 20
+        while True:
+            out = subprocess.run(["redis-cli", "--cluster", "create", *nodes, "--cluster-replicas", "0",
+                                  "--cluster-yes"], capture_output=True, text=True)
+            if out.returncode == 0:
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the cluster did not form: {out.stdout[-500:]} {out.stderr[-500:]}")
+            time.sleep(0.2)
+        while subprocess.run(["redis-cli", "-p", str(self.ports[0]), "cluster", "info"], capture_output=True,
+                             text=True).stdout.find("cluster_state:ok") < 0:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the cluster is not ok")
+            time.sleep(0.1)
+        return self
+
+    def stop(self) -> None:
+        for p in self.procs:
+            p.kill()
+            p.wait()

@@ -7,9 +7,9 @@ import time
 import pytest
 
 import kvpool
-from tierlib import BS, LAYOUT, check_sequence, prompt, write_sequence
-
 from procs import wait_for
+from redislib import free_port
+from tierlib import BS, LAYOUT, check_sequence, prompt, write_sequence
 
 
 def remote_stats(c):
@@ -83,14 +83,6 @@ def test_a_password_from_a_file_reaches_a_server_that_requires_one(redis_server,
         assert wait_for(lambda: remote_stats(ca).blocks_written >= 2)
         assert remote_stats(ca).failures == 0
     assert "s3cret" not in a.output()
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_redis_killed_mid_run_keeps_serving_then_recovers(redis_server, node):
@@ -226,3 +218,28 @@ def test_evict_writes_only_blocks_leaving_the_last_local_tier_and_they_come_back
         s = ca.create_sequence(toks)
         assert s.num_cached_tokens == 3 * BS and ca.stats().classes[0].remote_hit_blocks == 3
         check_sequence(ca, s, toks, blocks=3)
+
+
+def test_a_redis_cluster_given_by_one_node_stores_and_serves_blocks():
+    import shutil
+
+    import numpy as np
+
+    from kvpoold.transfer.remote import Namespace, RemoteSettings, RemoteStore
+    from redislib import RedisCluster
+
+    if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
+        pytest.skip("needs redis-server and redis-cli (scripts/setup.sh installs them)")
+    cluster = RedisCluster().start()
+    store = RemoteStore(RemoteSettings(cluster.url, cluster=True))
+    try:
+        ns = Namespace("kvpool", "a layout", 4096)
+        digests = [bytes([i]) * 16 for i in range(40)]  # keys on every node
+        store.put_many(ns, digests, [np.full(4096, i, np.uint8) for i in range(40)])
+        assert store.flush(10) and store.blocks_written == 40
+        got = store.fetch(ns, [digests, digests[:3] + [b"?" * 16] + digests[3:]])
+        assert len(got.payloads) == 40 and bytes(got.payloads[digests[7]]) == bytes([7]) * 4096
+        assert store.failures == 0 and store.state == "connected"
+    finally:
+        store.close()
+        cluster.stop()
