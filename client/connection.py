@@ -93,6 +93,31 @@ class Connection:
         return [{"device": p.device, "target_bytes": p.target_bytes, "pool_bytes": p.pool_bytes, "met": p.met,
                  "freed_bytes": p.freed_bytes, "evicted_blocks": p.evicted_blocks,
                  "max_pool_bytes": p.max_pool_bytes} for p in r.pools]
+    def events(self, follow: bool = False, recent: int = 1024, timeout: float | None = None):
+        """Admin socket only: KV events as dicts (kind, tier, from_tier, model_ids, layout, block_hashes as
+        hex, dropped, time, device): the recent ones, then (``follow``) new ones as they happen.
+
+        Args:
+            follow: keep the stream open (iterate until the caller stops; ``timeout`` ends it).
+            recent: how many recent events come first.
+            timeout: seconds the whole stream may stay open (None: no limit with ``follow``).
+        Returns:
+            An iterator of dicts.
+        """
+        stream = self._stub.Events(pb.EventsRequest(follow=follow, recent=recent),
+                                   timeout=timeout if timeout is not None or follow else self.timeout)
+        try:
+            for ev in stream:
+                yield {"seq": ev.seq, "kind": ev.kind, "tier": ev.tier, "from_tier": ev.from_tier,
+                       "model_ids": list(ev.model_ids), "layout": ev.layout,
+                       "block_hashes": [h.hex() for h in ev.block_hashes], "dropped": ev.dropped,
+                       "time": ev.time, "device": ev.device}
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and follow:
+                return
+            raise from_rpc_error(exc, self.address) from None
+        finally:
+            stream.cancel()
 
     def config(self) -> dict:
         """The daemon's running configuration; ``live_keys`` are those SIGHUP can change."""

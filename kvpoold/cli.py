@@ -88,6 +88,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--release-after-seconds",
                    help="a slab that stays empty this long is given back (to the GPU with vmm, to the OS on the "
                         "cpu backend); default 30; live on SIGHUP")
+    # remote tier and KV events
+    p.add_argument("--remote-url", help="tier 3: a Redis or Valkey server shared by several daemons, "
+                                        "redis://[user:password@]host:6379/0, rediss://..., unix:///path "
+                                        "(default: none)")
+    p.add_argument("--remote-password-file", help="tier 3: read the server's password from this file")
+    p.add_argument("--remote-cluster", action="store_const", const=True,
+                   help="tier 3: --remote-url names one node of a Redis Cluster")
+    p.add_argument("--remote-prefix", help="tier 3: prefix of every key (default kvpool)")
+    p.add_argument("--remote-ttl", help="tier 3: seconds a stored block lives (default 86400; 0: no expiry)")
+    p.add_argument("--remote-timeout", help="tier 3: a lookup with no answer within this many seconds is a "
+                                            "miss (default 0.05)")
+    p.add_argument("--remote-write", choices=("through", "evict"),
+                   help="tier 3: write every block its writer confirmed (through, the default), or only "
+                        "blocks leaving the last local tier (evict)")
+    p.add_argument("--events-stream", help="also publish KV events to this Redis stream on --remote-url")
     p.add_argument("--check-config", action="store_true", help="print the resolved configuration as JSON and exit")
     p.add_argument("--version", action="version", version=f"kvpoold {__version__}")
     return p
@@ -102,6 +117,8 @@ FLAG_KEYS = (
     "host_bytes", "disk_dir", "disk_bytes",  # tiers
     "tenant_by",
     "cuda_memory", "release_after_seconds",  # elastic GPU memory
+    "remote_url", "remote_password_file", "remote_cluster", "remote_prefix", "remote_ttl", "remote_timeout",
+    "remote_write", "events_stream",  # remote tier, KV events
 )
 
 

@@ -8,10 +8,12 @@ from, so the daemon can print one clear line and exit.
 from __future__ import annotations
 
 import grp
+import importlib.util
 import math
 import os
 import re
 import tomllib
+import urllib.parse
 from dataclasses import dataclass, fields, replace
 from typing import Any, Mapping
 
@@ -37,6 +39,7 @@ MAX_SECONDS = 365 * 86400.0  # asyncio timers overflow far above; a year is "nev
 # carry still fits, so max_tokens_per_call answers before gRPC's own limit does.
 MAX_MESSAGE_BYTES = 256 << 20
 MAX_TOKENS_PER_CALL = MAX_MESSAGE_BYTES // 8
+REMOTE_SCHEMES = ("redis", "rediss", "unix")
 # sockaddr_un.sun_path is 108 bytes on Linux, one of them the terminating NUL.
 SUN_PATH_MAX = 107
 
@@ -158,6 +161,15 @@ class Config:
     # -- elastic GPU memory --
     cuda_memory: str = "auto"  # vmm: chunks move between classes; ipc: one legacy allocation; auto: vmm if it works
     release_after_seconds: float = 30.0  # a slab empty this long goes back to the GPU (vmm) / the OS (cpu)
+    # -- remote tier (3): Redis or Valkey shared by the daemons of several machines --
+    remote_url: str = ""  # redis://host:6379/0, rediss://..., unix:///path; "": no remote tier
+    remote_password_file: str = ""  # the password, read from this file (instead of the URL)
+    remote_cluster: bool = False  # remote_url names one node of a Redis Cluster
+    remote_prefix: str = "kvpool"  # every key starts with this (several deployments on one server)
+    remote_ttl: float = 86400.0  # seconds a stored block lives; 0: no expiry (the server's maxmemory policy)
+    remote_timeout: float = 0.05  # a remote lookup past this counts as a miss, seconds
+    remote_write: str = "through"  # through: every written block; evict: blocks leaving the last local tier
+    events_stream: str = ""  # also publish KV events to this Redis stream (XADD, capped); "": not
 
     def effective_pool_bytes(self) -> int:
         return self.pool_bytes or (1 << 30)
@@ -236,6 +248,14 @@ _PARSERS = {
     "tenant_by": str,
     "cuda_memory": str,
     "release_after_seconds": _float,
+    "remote_url": str,
+    "remote_password_file": str,
+    "remote_cluster": _bool,
+    "remote_prefix": str,
+    "remote_ttl": _float,
+    "remote_timeout": _float,
+    "remote_write": str,
+    "events_stream": str,
 }
 KEYS = tuple(f.name for f in fields(Config))
 assert set(KEYS) == set(_PARSERS)
@@ -319,6 +339,74 @@ def _validate(cfg: Config, sources: Mapping[str, str]) -> None:
     admin = cfg.admin_socket_path()
     if admin and os.path.abspath(admin) == os.path.abspath(cfg.socket):
         raise bad("admin_socket", "must differ from socket")
+    _validate_remote(cfg, bad)
+
+
+def _validate_remote(cfg: Config, bad) -> None:
+    if cfg.remote_url:
+        why = check_url(cfg.remote_url)
+        if why:
+            raise ConfigError(f"remote_url = {_redacted(cfg.remote_url)!r}: {why}")
+        if importlib.util.find_spec("redis") is None:
+            raise ConfigError("remote_url needs the redis package: pip install 'kvpool[remote]'")
+    elif cfg.events_stream:
+        raise bad("events_stream", "needs remote_url (the stream lives on the remote tier's server)")
+    if cfg.remote_password_file and not os.access(cfg.remote_password_file, os.R_OK):
+        raise bad("remote_password_file", "cannot be read")
+    if not cfg.remote_prefix or any(c.isspace() for c in cfg.remote_prefix):
+        raise bad("remote_prefix", "must be a non-empty string without spaces")
+    if not 0 <= cfg.remote_ttl <= MAX_SECONDS:
+        raise bad("remote_ttl", "must be between 0 (no expiry) and a year, in seconds")
+    if not 0 < cfg.remote_timeout <= 60:
+        raise bad("remote_timeout", "must be in (0, 60] seconds")
+    if cfg.remote_write not in ("through", "evict"):
+        raise bad("remote_write", "must be through or evict")
+
+
+def _redacted(url: str) -> str:
+    try:
+        return redact(url)
+    except ValueError:
+        return "<unparsable URL>"
+
+
+def redact(url: str) -> str:
+    """``url`` without its password (for logs and stats)."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.hostname or ""
+    if parts.username:
+        netloc = f"{parts.username}:***@{netloc}"
+    else:
+        netloc = f":***@{netloc}"
+    if parts.port:
+        netloc += f":{parts.port}"
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+
+
+def check_url(url: str) -> str:
+    """Why ``url`` is no Redis URL ("" if it is one): ``redis://``, ``rediss://`` or ``unix://``."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        return str(exc)
+    if parts.scheme not in REMOTE_SCHEMES:
+        return f"the scheme must be one of {', '.join(s + '://' for s in REMOTE_SCHEMES)}"
+    if parts.scheme == "unix":
+        if not parts.path:
+            return "unix:// needs a socket path (unix:///run/redis.sock)"
+        return ""
+    if not parts.hostname:
+        return "needs a host (redis://host:6379/0)"
+    if port is not None and not 0 < port < 65536:
+        return "the port must be in 1..65535"
+    db = parts.path.strip("/")
+    if db and not db.isdigit():
+        return f"the database must be a number, got {db!r}"
+    return ""
+
 
 
 def load_config(
@@ -379,6 +467,7 @@ def config_as_dict(cfg: Config) -> dict[str, Any]:
     for f in fields(cfg):
         v = getattr(cfg, f.name)
         out[f.name] = list(v) if isinstance(v, tuple) else (oct(v)[2:] if f.name.endswith("socket_mode") else v)
+    out["remote_url"] = _redacted(cfg.remote_url)  # the config is shown to every client (GetConfig)
     return out
 
 

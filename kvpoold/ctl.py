@@ -53,6 +53,7 @@ def human_bytes(n: float) -> str:
 # larger value would pass click and then fail serialization with a traceback.
 UINT64_MAX = 2**64 - 1
 INT32_MAX = 2**31 - 1
+UINT32_MAX = 2**32 - 1
 
 
 class Seconds(click.ParamType):
@@ -184,13 +185,31 @@ def devices_table(st: PoolStats) -> Table:
     return table
 
 
+def remote_table(r) -> Table:
+    """The remote tier (tier 3): its state, hits and misses, traffic and faults."""
+    table = Table(title=f"remote tier · {r.url} · {r.state.upper()}",
+                  caption=f"last error: {r.last_error}" if r.last_error else None)
+    for col in ("lookups", "hit / miss (blocks)", "mean latency", "read", "written (blocks)", "write queue",
+                "timeouts / failures / skipped", "corrupt", "dropped writes"):
+        table.add_column(col, justify="right")
+    table.add_row(str(r.lookups), f"{r.hit_blocks} / {r.miss_blocks}", f"{r.fetch_ms:.2f} ms",
+                  human_bytes(r.bytes_read), f"{human_bytes(r.bytes_written)} ({r.blocks_written})",
+                  str(r.write_queue_blocks), f"{r.timeouts} / {r.failures} / {r.skipped_lookups}",
+                  str(r.corrupt_blocks), str(r.write_dropped))
+    return table
+
+
 def stats_view(st: PoolStats):
-    """``stats_table``; with several pools, the per-pool rows above it."""
+    """``stats_table``; with several pools, the per-pool rows above it; the remote tier below it."""
+    parts = [stats_table(st)]
     if len(st.devices) > 1:
+        parts.insert(0, devices_table(st))
+    parts += [remote_table(r) for r in st.remote]
+    if len(parts) > 1:
         from rich.console import Group
 
-        return Group(devices_table(st), stats_table(st))
-    return stats_table(st)
+        return Group(*parts)
+    return parts[0]
 
 
 def _memory_caption(d) -> str:
@@ -300,6 +319,41 @@ def stats(obj: _Ctx, as_json: bool, watch: float | None) -> None:
             while True:
                 live.update(stats_view(obj.run(lambda c: c.stats())), refresh=True)
                 time.sleep(watch)
+    except KeyboardInterrupt:
+        pass
+
+
+@cli.command(epilog=EXIT_CODES)
+@click.option("--follow", "-f", is_flag=True, help="Keep printing new events as they happen (until Ctrl-C).")
+@click.option("--recent", type=click.IntRange(min=0, max=UINT32_MAX), default=100, show_default=True,
+              help="Print this many recent events first.")
+@click.option("--for", "seconds", type=Seconds(min=0, min_open=True), default=None, metavar="SECONDS",
+              help="With --follow: stop after SECONDS.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@click.pass_obj
+def events(obj: _Ctx, follow: bool, recent: int, seconds: float | None, as_json: bool) -> None:
+    """KV events: blocks stored in, removed from and moved between tiers (for routers). Admin socket.
+
+    \b
+    Examples:
+      sudo kvpoolctl events --recent 20
+      sudo kvpoolctl events --follow --json | my-router
+    """
+
+    def show(conn) -> None:
+        for ev in conn.events(follow=follow, recent=recent, timeout=seconds):
+            if as_json:
+                click.echo(json.dumps(ev))
+            elif ev["kind"] == "gap":
+                click.echo(f"-- {ev['dropped']} events missed (this reader fell behind) --")
+            else:
+                where = f"{ev['from_tier']} -> {ev['tier']}" if ev["from_tier"] else ev["tier"]
+                hashes = ev["block_hashes"]
+                click.echo(f"{ev['seq']:>8} {ev['kind']:<8} {where:<15} {','.join(ev['model_ids']) or '-'} "
+                           f"{len(hashes)} blocks {hashes[0][:12]}{'...' if len(hashes) > 1 else ''}")
+
+    try:
+        obj.run(show, admin=True)
     except KeyboardInterrupt:
         pass
 

@@ -10,3 +10,11 @@ if ! command -v nvidia-smi >/dev/null 2>&1; then
     $PY -m pip install -q torch==2.13.0
 fi
 $PY -m pip install -q -e '.[test]'
+# The remote tier's tests start their own redis-server processes (never a system service).
+if ! command -v redis-server >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+    SUDO=""
+    [ "$(id -u)" -eq 0 ] || SUDO="sudo -n"
+    $SUDO apt-get install -y -q redis-server >/dev/null 2>&1 \
+        || { $SUDO apt-get update -q >/dev/null 2>&1 && $SUDO apt-get install -y -q redis-server >/dev/null 2>&1; } \
+        || echo "setup.sh: could not install redis-server: the remote tier's tests will skip" >&2
+fi

@@ -47,6 +47,7 @@ class ClassStats:
     mapped_bytes: int = 0  # the class's slabs now: what the memory backend must back
     released_bytes: int = 0  # slabs given back so far (to other classes, unassigned memory, a shrink)
     reserved_bytes: int = 0  # the class's virtual range (its whole id space); no memory behind it by itself
+    remote_hit_blocks: int = 0  # of promoted: prefix hits the remote tier answered
 
     @property
     def hit_rate(self) -> float:
@@ -109,6 +110,35 @@ class DeviceStats:
 
 
 @dataclass(frozen=True)
+class RemoteStats:
+    """The remote tier (tier 3: Redis or Valkey shared by several daemons), as this daemon sees it."""
+
+    url: str  # the password redacted
+    state: str  # connecting | connected | backoff (not asked until the retry time) | retrying
+    lookups: int = 0
+    hit_blocks: int = 0
+    miss_blocks: int = 0
+    skipped_lookups: int = 0  # not asked: in backoff
+    timeouts: int = 0  # lookups past --remote-timeout
+    failures: int = 0  # failed round trips
+    corrupt_blocks: int = 0  # failed their checksum or layout check: dropped, never served
+    blocks_written: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+    write_dropped: int = 0  # dropped from a full write queue
+    write_queue_blocks: int = 0
+    fetch_seconds: float = 0.0
+    write_seconds: float = 0.0
+    last_error: str = ""
+
+    @property
+    def fetch_ms(self) -> float:
+        """Mean latency of a lookup that got an answer, in milliseconds."""
+        answered = self.lookups - self.timeouts - self.skipped_lookups
+        return 1000 * self.fetch_seconds / answered if answered > 0 else 0.0
+
+
+@dataclass(frozen=True)
 class PoolStats:
     """The daemon's figures (``kvpoolctl stats``): totals over its device pools, and each pool."""
 
@@ -125,6 +155,7 @@ class PoolStats:
     tiers: tuple[TierStats, ...]
     draining: bool = False  # no new attaches or sequences (kvpoolctl drain)
     devices: tuple[DeviceStats, ...] = ()
+    remote: tuple[RemoteStats, ...] = ()  # one entry with a remote tier
 
     def to_dict(self) -> dict:
         """``asdict`` plus the derived rates (``kvpoolctl stats --json``)."""
@@ -155,7 +186,7 @@ class ClientInfo:
 
 #: the wire message of each schema class (its name in ``protos/kvpool.proto``)
 MESSAGE_NAMES = {ClassStats: "ClassStats", TierStats: "TierStats", DeviceStats: "DeviceStats",
-                 PoolStats: "StatsReply", ClientInfo: "ClientInfo"}
+                 PoolStats: "StatsReply", ClientInfo: "ClientInfo", RemoteStats: "RemoteStats"}
 
 _item_types: dict[type, dict[str, type | None]] = {}
 
@@ -201,5 +232,5 @@ def from_message(cls, msg):
     return cls(**kw)
 
 
-__all__ = ["ClassStats", "TierStats", "DeviceStats", "PoolStats", "ClientInfo", "MESSAGE_NAMES",
+__all__ = ["ClassStats", "TierStats", "DeviceStats", "PoolStats", "RemoteStats", "ClientInfo", "MESSAGE_NAMES",
            "to_message", "from_message"]

@@ -39,7 +39,7 @@ from .reserves import Reserves
 from .state import ManagerState
 from .stats import Statistics
 from .swap import Swapping
-from .tiers import MovePlan
+from .tiers import MovePlan, Tier
 
 
 class KVCacheManager(
@@ -96,9 +96,16 @@ class KVCacheManager(
 
     # -- sequences --------------------------------------------------------------
     def create(
-        self, owner: int, class_id: int, model_id: str, tokens, extra_key: str = ""
+        self, owner: int, class_id: int, model_id: str, tokens, extra_key: str = "", remote=None
     ) -> PageTable:
-        """A new sequence holding ``tokens``; reuses the longest cached prefix."""
+        """A new sequence holding ``tokens``; reuses the longest cached prefix.
+
+        Args:
+            remote: block hashes whose bytes the remote tier fetched for this call (``remote_candidates``);
+                they extend the prefix past the local tiers and are promoted from there.
+        Returns:
+            The sequence's page table.
+        """
         pool = self.class_pool(class_id)
         packed = pack_tokens(tokens)
         root = root_hash(model_id, extra_key)
@@ -106,7 +113,7 @@ class KVCacheManager(
         bs = pool.block_size
         hashes = chain_hashes(root, packed, bs)
         # the longest cached prefix over every tier: a device block, or -1 for a lower-tier hit
-        matched, lower, lower_keys, holder = self._match(pool, owner, hashes)
+        matched, lower, lower_keys, holder, from_remote = self._match(pool, owner, hashes, remote)
         if not lower:
             on_device = matched
         else:  # none on the device when every hit is on a lower tier (a promotion): no pass
@@ -120,11 +127,21 @@ class KVCacheManager(
         pool.acquire_many(on_device)
         placement = self.placement
         # pinned: no victim of the demotions that the allocation may cause
-        runs = placement.pin_many(lower_keys, holder)
+        local_keys = lower_keys if from_remote is None else [k for k, r in zip(lower_keys, from_remote) if not r]
+        runs = placement.pin_many(local_keys, holder)
         fresh = pool.allocate(need)
+        c = self._counters[class_id]
         if lower:
             promoted = fresh[:len(lower)]
-            placement.take_many(self._moves, lower_keys, promoted, pinned=True, runs=runs)
+            if from_remote is None:
+                placement.take_many(self._moves, lower_keys, promoted, pinned=True, runs=runs)
+            else:
+                placement.take_many(self._moves, local_keys, [b for b, r in zip(promoted, from_remote) if not r],
+                                    pinned=True, runs=runs)
+                remote_keys = [k for k, r in zip(lower_keys, from_remote) if r]
+                self._moves.add_many(remote_keys, Tier.REMOTE, Tier.DEVICE,
+                                     [b for b, r in zip(promoted, from_remote) if r], pool.block_bytes)
+                c.remote_hit_blocks += len(remote_keys)
             pool.prefix.register_many(promoted, lower)
             if len(lower) == len(matched):
                 matched = promoted
@@ -135,7 +152,6 @@ class KVCacheManager(
             fresh = fresh[len(lower):]
         unconfirmed = pool.prefix.register_many(fresh[:len(hashes) - len(matched)], hashes[len(matched):],
                                                 writer=owner)
-        c = self._counters[class_id]
         c.count_prefix_query(len(packed), len(matched) * bs)
         c.promoted_blocks += len(lower)
         state = self._owner(owner)
@@ -149,19 +165,21 @@ class KVCacheManager(
         state.seqs.add(seq_id)
         return self._info(slot)
 
-    def _match(self, pool: LayoutClass, owner: int, hashes: list[bytes]):
+    def _match(self, pool: LayoutClass, owner: int, hashes: list[bytes], remote=None):
         """The longest prefix of ``hashes`` cached on some tier that ``owner`` may use.
 
         Returns its device blocks (-1 where a lower tier holds the block), the hashes of those
-        lower-tier blocks and their tier keys, in order, and the one lower tier that holds all of
-        them (None: several, or none).  One C-level lookup per tier for the whole prompt.
+        lower-tier blocks and their tier keys, in order, the one local lower tier that holds all of
+        the local ones (None: several, or none), and which of them come from the remote tier (None:
+        none does).  ``remote`` holds the hashes the remote tier has bytes for.  One C-level lookup
+        per tier for the whole prompt.
         """
         n = len(hashes)
         on_dev = pool.prefix.lookup_many(hashes)
         hit = pool.prefix.hit_mask(hashes)
         holders = []  # (lower tier, its hits)
+        keys = None
         if self._track_moves:
-            keys = None
             for index in self.placement.lower:
                 if len(index):
                     if keys is None:
@@ -169,32 +187,60 @@ class KVCacheManager(
                     mine = index.has_many(keys)
                     holders.append((index, mine))
                     hit |= mine
+        remote_hit = None
+        if remote:
+            remote_hit = np.fromiter(map(remote.__contains__, hashes), np.bool_, n) & ~hit
+            hit |= remote_hit
+            if keys is None:
+                keys = list(zip(repeat(pool.class_id), hashes))
         miss = np.flatnonzero(~hit)
         length = int(miss[0]) if len(miss) else n
         matched = pool.prefix.visible_prefix(on_dev[:length], owner)
         on_lower = matched.count(None)
         if on_lower == 0:
-            return matched, [], [], None
+            return matched, [], [], None, None
         if on_lower == len(matched):  # all from the lower tiers (a promotion): slices, no pass
             lower, lower_keys = hashes[:on_lower], keys[:on_lower]
+            lower_at = np.arange(on_lower)
             matched = [-1] * on_lower
         else:
             lower = [h for h, b in zip(hashes, matched) if b is None]
             lower_keys = [k for k, b in zip(keys, matched) if b is None]
+            lower_at = np.flatnonzero(np.fromiter((b is None for b in matched), np.bool_, len(matched)))
             matched = [-1 if b is None else b for b in matched]
         holder = None
         if len(holders) == 1:
-            holder = holders[0][0]  # the only lower tier with entries: it holds every lower hit
-        return matched, lower, lower_keys, holder
+            holder = holders[0][0]  # the only local lower tier with entries: it holds every local lower hit
+        from_remote = None
+        if remote_hit is not None and remote_hit[lower_at].any():
+            from_remote = remote_hit[lower_at].tolist()
+        return matched, lower, lower_keys, holder, from_remote
+
+    def remote_candidates(self, class_id: int, model_id: str, tokens, extra_key: str = "",
+                          owner: int | None = None) -> list[bytes]:
+        """The hashes of the full blocks of ``tokens`` past its longest prefix cached on the local tiers.
+
+        What a create or lookup asks the remote tier for; allocates and counts nothing.
+
+        Returns:
+            The block hashes, in chain order (empty when every full block is cached here).
+        """
+        pool = self.class_pool(class_id)
+        hashes = chain_hashes(root_hash(model_id, extra_key), pack_tokens(tokens), pool.block_size)
+        matched = self._match(pool, owner, hashes)[0]
+        return hashes[len(matched):]
 
     def lookup(
-        self, class_id: int, model_id: str, tokens, extra_key: str = "", owner: int | None = None
+        self, class_id: int, model_id: str, tokens, extra_key: str = "", owner: int | None = None, remote=None
     ) -> LookupResult:
-        """Longest cached prefix of ``tokens`` over every tier that ``owner`` may use; allocates nothing."""
+        """Longest cached prefix of ``tokens`` over every tier that ``owner`` may use; allocates nothing.
+
+        ``remote``: the block hashes the remote tier holds (the chain past the local tiers).
+        """
         pool = self.class_pool(class_id)
         packed = pack_tokens(tokens)
         hashes = chain_hashes(root_hash(model_id, extra_key), packed, pool.block_size)
-        per_tier = [0, 0, 0]
+        per_tier = [0, 0, 0, 0]
         for h in hashes:
             b = pool.prefix.lookup(h)
             if b is not None:
@@ -204,11 +250,15 @@ class KVCacheManager(
                 continue
             tier = self.placement.locate((class_id, h))
             if tier is None:
-                break
+                if remote and h in remote:
+                    tier = Tier.REMOTE
+                else:
+                    break
             per_tier[tier] += 1
         bs = pool.block_size
         self._counters[class_id].count_prefix_query(len(packed), sum(per_tier) * bs)
-        return LookupResult(sum(per_tier) * bs, per_tier[0] * bs, per_tier[1] * bs, per_tier[2] * bs)
+        return LookupResult(sum(per_tier) * bs, per_tier[0] * bs, per_tier[1] * bs, per_tier[2] * bs,
+                            per_tier[3] * bs)
 
     def fork(self, owner: int, seq_id: int) -> PageTable:
         """A new sequence sharing every block of ``seq_id`` (copy-on-write later)."""

@@ -20,12 +20,14 @@ import numpy as np
 
 
 class PrefixIndex:
-    __slots__ = ("_by_hash", "_hash_of", "_unwritten")
+    __slots__ = ("_by_hash", "_hash_of", "_unwritten", "on_confirm")
 
     def __init__(self) -> None:
         self._by_hash: dict[bytes, int] = {}
         self._hash_of: dict[int, bytes] = {}
         self._unwritten: dict[int, int] = {}  # block -> the owner that has to write it
+        #: called with (blocks, their hashes) whose writer confirmed their KV (the remote tier copies them)
+        self.on_confirm = None
 
     def __len__(self) -> int:
         return len(self._by_hash)
@@ -127,10 +129,12 @@ class PrefixIndex:
             blocks = list(blocks)
         if list(map(unwritten.get, blocks)).count(writer) == len(blocks):
             deque(map(unwritten.pop, blocks, repeat(None)), 0)  # the common case (all the writer's), in C
-            return
-        for b in blocks:
-            if unwritten.get(b) == writer:
-                del unwritten[b]
+            done = blocks
+        else:
+            done = list(dict.fromkeys(b for b in blocks if unwritten.get(b) == writer))
+            deque(map(unwritten.__delitem__, done), 0)
+        if self.on_confirm is not None and done:
+            self.on_confirm(done, list(map(self._hash_of.__getitem__, done)))
 
     def forget_unwritten(self, blocks: Iterable[int], writer: int) -> None:
         """``writer`` is gone without confirming: its blocks' KV may be garbage, so drop their hashes."""

@@ -126,6 +126,7 @@ class LookupResult:
     device_tokens: int
     host_tokens: int = 0
     disk_tokens: int = 0
+    remote_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ live in its own module.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from itertools import repeat
 
 import numpy as np
@@ -18,7 +19,10 @@ from .errors import InvalidArgument, WrongState
 from .layout import Geometry
 from .results import PageTable
 from .seq_table import SLOT_MASK, SeqTable
-from .tiers import Key, MovePlan, TierPlacement
+from .tiers import Key, MovePlan, Tier, TierPlacement
+
+#: how blocks reach the remote tier (``remote_write``); "": there is none
+REMOTE_WRITES = frozenset({"", "through", "evict"})
 
 
 @dataclass
@@ -35,6 +39,7 @@ class Counters:
     swapped_out_blocks: int = 0
     swapped_in_blocks: int = 0
     lost_blocks: int = 0
+    remote_hit_blocks: int = 0  # prefix hits the remote tier answered (promoted from there)
 
     def count_prefix_query(self, query_tokens: int, hit_tokens: int) -> None:
         self.prefix_queries += 1
@@ -66,12 +71,16 @@ class ManagerState:
         tier_align: int = 1,
         max_pool_bytes: int | None = None,
         exact_slabs: bool = False,
+        remote_write: str = "",
+        journal: bool = False,
     ) -> None:
         for name, value in (("pool_bytes", pool_bytes), ("chunk_bytes", chunk_bytes)):
             if type(value) is not int or value <= 0:
                 raise InvalidArgument(f"{name} must be a positive integer, got {value!r}")
         if pool_bytes < chunk_bytes:
             raise InvalidArgument(f"pool_bytes ({pool_bytes}) is smaller than one chunk ({chunk_bytes})")
+        if remote_write not in REMOTE_WRITES:
+            raise InvalidArgument(f"remote_write must be one of {sorted(REMOTE_WRITES)}, got {remote_write!r}")
         if type(max_reserve_blocks) is not int or max_reserve_blocks < 0:
             raise InvalidArgument(f"max_reserve_blocks must be >= 0, got {max_reserve_blocks!r}")
         limit = pool_bytes if max_pool_bytes is None else max_pool_bytes
@@ -81,8 +90,15 @@ class ManagerState:
             raise InvalidArgument(f"exact_slabs must be a bool, got {exact_slabs!r}")
         self.budget = ChunkBudget(pool_bytes // chunk_bytes, chunk_bytes, limit=limit // chunk_bytes,
                                   exact_slabs=exact_slabs)
-        self.placement = TierPlacement(host_bytes, disk_bytes, policy, tier_align)
-        self._track_moves = host_bytes > 0 or disk_bytes > 0
+        #: "" (no remote tier), "through" (every confirmed block is copied there) or "evict" (blocks
+        #: leaving the last local tier go there)
+        self.remote_write = remote_write
+        #: (kind, tier, class id, hashes) of what the plan does not say: device blocks stored (confirmed)
+        #: and removed (evicted); drained with ``drain_journal`` (KV events).  None: not kept.
+        self._journal: list | None = [] if journal else None
+        self.placement = TierPlacement(host_bytes, disk_bytes, policy, tier_align,
+                                       spill_remote=remote_write == "evict")
+        self._track_moves = host_bytes > 0 or disk_bytes > 0 or remote_write == "evict"
         self.policy = policy
         self.max_reserve_blocks = max_reserve_blocks
         self.classes: list[LayoutClass] = []
@@ -112,10 +128,29 @@ class ManagerState:
             self._class_ids[geometry] = cid
             self._block_size = np.append(self._block_size, geometry.block_size)
             self.seqs.ensure_tail_width(geometry.block_size)
+            if self.remote_write == "through" or self._journal is not None:
+                pool.prefix.on_confirm = partial(self._confirmed, cid)
         return cid
+
+    def _confirmed(self, class_id: int, blocks: list[int], digests: list[bytes]) -> None:
+        """Blocks whose writer confirmed their KV: journaled, and copied to the remote tier (``through``)."""
+        if self._journal is not None:
+            self._journal.append(("stored", Tier.DEVICE, class_id, digests))
+        if self.remote_write == "through":
+            keys = list(zip(repeat(class_id), digests))
+            self._moves.add_many(keys, Tier.DEVICE, Tier.REMOTE, blocks, self.classes[class_id].block_bytes)
+
+    def drain_journal(self) -> list:
+        """(kind, tier, class id, hashes) since the last call: device blocks "stored" and "removed"."""
+        if not self._journal:
+            return []
+        out, self._journal = self._journal, []
+        return out
 
     def _on_evict(self, class_id: int, blocks: list[int], digests: list[bytes]) -> None:
         """A batch of cached blocks was evicted, oldest first: demote them (one plan for the batch)."""
+        if self._journal is not None:
+            self._journal.append(("removed", Tier.DEVICE, class_id, digests))
         if self._track_moves:
             keys = list(zip(repeat(class_id), digests))
             placed = self.placement.demote_many(self._moves, keys, self.classes[class_id].block_bytes, blocks)

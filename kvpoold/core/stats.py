@@ -44,6 +44,7 @@ class Statistics(ManagerState):
                     lost_blocks=c.lost_blocks,
                     mapped_bytes=len(pool.slots) * pool.slab_bytes,
                     released_bytes=pool.released_slabs * pool.slab_bytes,
+                    remote_hit_blocks=c.remote_hit_blocks,
                 )
             )
         tiers = tuple(

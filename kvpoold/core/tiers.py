@@ -62,6 +62,10 @@ class Tier(IntEnum):
     DEVICE = 0
     HOST = 1
     DISK = 2
+    #: shared by the daemons of several machines (``kvpoold.transfer.remote``); not indexed here, since
+    #: other daemons fill it: its rows are copies (device -> remote after a writer confirmed a block,
+    #: a block leaving the last local tier; remote -> device on a prefix hit it answered)
+    REMOTE = 3
 
 
 @dataclass(frozen=True)
@@ -353,7 +357,10 @@ class TierIndex:
 class TierPlacement:
     """Placement of blocks over the lower tiers (pure bookkeeping)."""
 
-    def __init__(self, host_bytes: int = 0, disk_bytes: int = 0, policy: str = "lru", align: int = 1) -> None:
+    def __init__(self, host_bytes: int = 0, disk_bytes: int = 0, policy: str = "lru", align: int = 1,
+                 spill_remote: bool = False) -> None:
+        #: blocks with nowhere lower to go leave the device or host tier for the remote tier, not nowhere
+        self.spill_remote = spill_remote
         self.lower = [
             TierIndex(Tier.HOST, host_bytes, policy, align),
             TierIndex(Tier.DISK, disk_bytes, policy, align),
@@ -451,7 +458,8 @@ class TierPlacement:
                 rest = keys[start:] if start else keys
                 if src != Tier.DEVICE:
                     self.index(src).dropped += len(rest)
-                plan.add_many(rest, src, DROP, blocks if one else blocks[start:], nbytes)
+                dst = Tier.REMOTE if self.spill_remote and src in (Tier.DEVICE, Tier.HOST) else DROP
+                plan.add_many(rest, src, dst, blocks if one else blocks[start:], nbytes)
                 return placed
             index = lower[level]
             c = index.charge(nbytes)

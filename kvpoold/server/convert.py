@@ -123,7 +123,7 @@ def tracked_tables(tracked) -> list[pb.SequenceTable]:
 
 def lookup_reply(r: LookupResult) -> pb.LookupReply:
     return pb.LookupReply(num_cached_tokens=r.num_cached_tokens, device_tokens=r.device_tokens,
-                          host_tokens=r.host_tokens, disk_tokens=r.disk_tokens)
+                          host_tokens=r.host_tokens, disk_tokens=r.disk_tokens, remote_tokens=r.remote_tokens)
 
 
 def swap_out_reply(host_disk: tuple[int, int]) -> pb.SwapOutReply:
@@ -172,3 +172,8 @@ def resize_reply(results) -> pb.ResizeReply:
                       freed_bytes=r.freed_bytes, evicted_blocks=r.evicted_blocks, max_pool_bytes=r.max_pool_bytes)
         for r in results
     ])
+def kv_event(ev) -> pb.KvEvent:
+    """An ``events.KvEvent`` on the wire."""
+    return pb.KvEvent(seq=ev.seq, kind=ev.kind, tier=ev.tier, from_tier=ev.from_tier, model_ids=ev.model_ids,
+                      layout=ev.layout, block_hashes=ev.block_hashes, dropped=ev.dropped, time=ev.time,
+                      device=ev.device)

@@ -35,6 +35,13 @@ kvpool_sessions{state}                             gauge     connected / disconn
 kvpool_pool_sessions{device}                       gauge     sessions bound to the pool
 kvpool_sequences{device}                           gauge
 kvpool_draining                                    gauge     1 while drained
+kvpool_remote_up{url,state}                        gauge     1 when the remote tier answers (state: connected,
+                                                             connecting, backoff, retrying)
+kvpool_remote_<figure>_total                       counter   the remote tier's stats: hit_blocks, miss_blocks,
+                                                             bytes_read, bytes_written, timeouts, failures, ...
+kvpool_remote_write_queue_blocks                   gauge     blocks waiting to be written to it
+kvpool_events_published_total                      counter   KV events
+kvpool_events_dropped_total                        counter   KV events a slow reader missed
 kvpool_rpc_duration_seconds{method}                histogram unary calls
 kvpool_rpcs_total{method,code}                     counter   by status code
 =================================================  ========  ==============================
@@ -151,6 +158,21 @@ def pool_families(service) -> list:
     gauge("kvpool_sequences", "live sequences", ("device",), [((label,), d.sequences) for label, d in devices])
     gauge("kvpool_draining", "1 while the daemon is drained (no new attaches or sequences)",
           rows=[((), int(st.draining))])
+    for r in st.remote:
+        gauge("kvpool_remote_up", "1 when the remote tier answers", ("url", "state"),
+              [((r.url, r.state), int(r.state == "connected"))])
+        for f in fields(r):
+            value = getattr(r, f.name)
+            if isinstance(value, str):
+                continue
+            if f.name == "write_queue_blocks":
+                gauge("kvpool_remote_write_queue_blocks", "blocks waiting to be written to the remote tier",
+                      rows=[((), value)])
+            else:
+                counter(f"kvpool_remote_{f.name}", f"remote tier figure {f.name}", rows=[((), value)])
+    events = service.events.stats()
+    counter("kvpool_events_published", "KV events published", rows=[((), events["published"])])
+    counter("kvpool_events_dropped", "KV events a slow reader missed", rows=[((), events["dropped"])])
     return out
 
 

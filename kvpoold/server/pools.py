@@ -34,6 +34,7 @@ from kvpool.protocol.stats import DeviceStats
 from kvpoold.memory import Arena, Backend
 
 from .access import Limits, Quotas
+from .events import EventBus
 from .session_pool import PoolSession
 from .tiers import TIER_ALIGN, Tiers, resolve_disk_dir
 
@@ -84,7 +85,10 @@ class DevicePool:
     """
 
     def __init__(self, config: Config, backend: Backend, pool_bytes: int, *, index: int = 0,
-                 device: int = -1, bus_id: str | None = None, disk_dir: str | None = None) -> None:
+                 device: int = -1, bus_id: str | None = None, disk_dir: str | None = None, remote=None,
+                 events: EventBus | None = None) -> None:
+        """``remote``: the daemon's ``RemoteStore`` (tier 3, shared by its pools), or None; ``events``:
+        the daemon's KV events, which this pool reports its blocks' changes to."""
         self.config = config
         self.backend = backend
         self.index = index  # position in --devices
@@ -101,9 +105,14 @@ class DevicePool:
             tier_align=TIER_ALIGN,
             exact_slabs=backend.exact_slabs,
             max_pool_bytes=max_pool_bytes(backend, pool_bytes),
+            remote_write=config.remote_write if remote is not None else "",
+            journal=events is not None,
         )
         self.tiers = Tiers(config, self.manager, backend.name, device=device if device >= 0 else None,
-                           disk_dir=disk_dir)  # host and disk tiers, transfers
+                           disk_dir=disk_dir, remote=remote)  # host, disk and remote tiers, transfers
+        self.events = events
+        if events is not None:
+            self.tiers.on_moves = self._report
         self.arenas: dict[int, Arena] = {}
         self.models: dict[int, set[str]] = {}
         self.quotas = Quotas(self)  # per-session limits (access.py), checked before the core allocates
@@ -140,7 +149,21 @@ class DevicePool:
                     self.arenas[cls].commit(offset, nbytes)
             self.backend.settle()
 
-        return self.tiers.sync(apply_slabs)
+        try:
+            return self.tiers.sync(apply_slabs)
+        finally:
+            if self.events is not None:
+                journal = self.manager.drain_journal()
+                if journal:
+                    self.events.report(journal, None, self._describe, self.index)
+
+    def _report(self, plan) -> None:
+        """The moves the core planned, as KV events (the journal follows in ``sync_memory``)."""
+        self.events.report(self.manager.drain_journal(), plan, self._describe, self.index)
+
+    def _describe(self, class_id: int) -> tuple[set[str], str]:
+        """(model ids, layout) of a class, for events."""
+        return self.models.get(class_id, ()), self.manager.classes[class_id].geometry.describe()
 
     def open_class(self, geometry: Geometry) -> tuple[int, ArenaDescriptor, int, int]:
         """The layout class of ``geometry`` with its arena: (class id, descriptor, blocks, block bytes)."""

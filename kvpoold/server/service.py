@@ -13,15 +13,18 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, replace
+from functools import partial
 
 from kvpoold import __version__
 from kvpoold.config import Config
 from kvpoold.core import Geometry, InvalidArgument, WrongState
 from kvpoold.core.results import PageTable
 from kvpool.protocol import ArenaDescriptor
-from kvpool.protocol.stats import ClientInfo, PoolStats
+from kvpool.protocol.stats import ClientInfo, PoolStats, RemoteStats
+from kvpoold.transfer.remote import RemoteSettings, RemoteStore
 
 from .access import AdminOnly, Draining, check_string
+from .events import EventBus
 from .logsafe import printable
 from .handoff import Credentials, NoCredentials, TicketStore
 from .pools import DevicePool, DevicePools, PoolResize
@@ -70,6 +73,12 @@ class Service:
         self.draining = False  # kvpoolctl drain: no new attaches or sequences; running ones go on
         self.tickets = TicketStore()  # issued on the side sockets (handoff.py), redeemed by Attach
         self._idle_checked = time.monotonic()
+        #: tier 3, shared by every pool (one connection, one writer); None without --remote-url
+        self.remote = RemoteStore(RemoteSettings.from_config(config)) if config.remote_url else None
+        stream = None
+        if self.remote is not None and config.events_stream:
+            stream = partial(self.remote.add_event, config.events_stream)
+        self.events = EventBus(stream=stream)  # KV events of every pool (the Events RPC)
 
     @property
     def config(self) -> Config:
@@ -86,7 +95,8 @@ class Service:
     def add_pool(self, backend, pool_bytes: int, **kwargs) -> DevicePool:
         """A device's pool (``pools.DevicePool``'s arguments); on failure nothing of it stays."""
         try:
-            pool = DevicePool(self._config, backend, pool_bytes, index=len(self.pools), **kwargs)
+            pool = DevicePool(self._config, backend, pool_bytes, index=len(self.pools), remote=self.remote,
+                              events=self.events, **kwargs)
         except BaseException:
             backend.close()
             raise
@@ -236,6 +246,7 @@ class Service:
             tiers=tuple(t for d in devices for t in d.tiers),
             draining=self.draining,
             devices=devices,
+            remote=(RemoteStats(**self.remote.stats()),) if self.remote is not None else (),
         )
 
     def clients(self) -> list[ClientInfo]:
@@ -330,8 +341,13 @@ class Service:
         return True, f"{len(ids)} sessions, {self.live_sequences} sequences{where}: all invariants hold"
 
     def close(self) -> None:
-        """Flush every pool's tiers, then release its arenas and backend (device memory)."""
-        self.pools.close()
+        """Flush every pool's tiers, then release its arenas and backend (device memory); then write what
+        the remote tier still has queued (briefly: an unreachable server does not hold shutdown up)."""
+        try:
+            self.pools.close()
+        finally:
+            if self.remote is not None:
+                self.remote.close()
 
     @property
     def version(self) -> str:

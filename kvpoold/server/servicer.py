@@ -185,9 +185,10 @@ class KVPoolServicer(pb_grpc.KVPoolServicer):
         return pb.ForkReply(sequences=convert.page_tables(tables))
 
     @_unary
-    def Lookup(self, request):
+    async def Lookup(self, request):
         calls = self.service.session_pool(request.session)
-        return convert.lookup_reply(calls.lookup(convert.tokens(request.prompt.tokens), request.prompt.extra_key))
+        found = await _settled(calls.lookup(convert.tokens(request.prompt.tokens), request.prompt.extra_key))
+        return convert.lookup_reply(found)
 
     @_unary
     def Sequences(self, request):
@@ -211,6 +212,28 @@ class KVPoolServicer(pb_grpc.KVPoolServicer):
         calls = self.service.session_pool(request.session)
         tracked = await _settled(calls.wait(list(request.seq_ids)))
         return pb.WaitReply(sequences=convert.tracked_tables(tracked))
+
+    # -- KV events ----------------------------------------------------------------------------
+    async def Events(self, request, context):
+        try:
+            if isinstance(request, Malformed):
+                raise InvalidArgument(request.error)
+            self.service.need_admin(self.admin, "events")
+        except Exception as exc:  # noqa: BLE001
+            code, message = status_for(exc)
+            await context.abort(code, message)
+        bus = self.service.events
+        sub = bus.subscribe() if request.follow else None  # before the recent ones: nothing falls between
+        try:
+            recent = list(bus.recent)[-request.recent:] if request.recent else []
+            for ev in recent:
+                yield convert.kv_event(ev)
+            while sub is not None:
+                for ev in await sub.next_batch():
+                    yield convert.kv_event(ev)
+        finally:
+            if sub is not None:
+                sub.close()
 
     # -- operators ---------------------------------------------------------------------------
     @_unary

@@ -16,6 +16,7 @@ by ``sync_memory`` and handed to ``Tiers.track`` directly.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Awaitable, Callable, TypeVar
 
@@ -72,7 +73,12 @@ class PoolSession:
     # -- sequences ---------------------------------------------------------------------
     def create(self, prompts: list[tuple[np.ndarray, str]], no_wait: bool) -> list[Tracked] | Awaitable[list[Tracked]]:
         """Several sequences (all or none): their tables, once the bytes of cached prefixes arrived
-        (``no_wait``: at once, with the positions still arriving)."""
+        (``no_wait``: at once, with the positions still arriving).
+
+        A prompt whose prefix goes past the local tiers first asks the remote tier for the rest of its
+        chain (on a worker thread, within ``--remote-timeout``); the blocks it answers are promoted
+        like a lower tier's.
+        """
         self._refuse_if_draining("new sequences")
         pool, session = self.pool, self.session
         pool.limits.check_tokens(sum(len(t) for t, _ in prompts))
@@ -80,11 +86,32 @@ class PoolSession:
             pool.limits.check_extra_key(extra_key)
         pool.limits.check_sequences(session, len(prompts))
         pool.quotas.check_create(session, [len(t) for t, _ in prompts])
+        chains = pool.tiers.remote_chains(session.class_id, session.model_key, prompts, session.id)
+        if chains is None:
+            return self._create(prompts, no_wait, None)
+
+        async def after_fetch() -> list[Tracked]:
+            payloads = await pool.tiers.fetch_remote(session.class_id, chains)
+            self.service.session(self.session.token)  # still there (its lease may have run out meanwhile)
+            self._refuse_if_draining("new sequences")
+            pool.quotas.check_create(session, [len(t) for t, _ in prompts])  # other calls ran meanwhile
+            result = self._create(prompts, no_wait, payloads)
+            return await result if inspect.isawaitable(result) else result
+
+        return after_fetch()
+
+    def _create(self, prompts: list[tuple[np.ndarray, str]], no_wait: bool,
+                remote: dict | None) -> list[Tracked] | Awaitable[list[Tracked]]:
+        pool, session = self.pool, self.session
         out: list[PageTable] = []
         started: list = []  # the tier copies this call started
+        link = pool.tiers.remote
+        if remote:
+            link.staged = remote  # the engine copies these payloads into the blocks promoted from tier 3
         try:
             for tokens, extra_key in prompts:
-                out.append(pool.manager.create(session.id, session.class_id, session.model_key, tokens, extra_key))
+                out.append(pool.manager.create(session.id, session.class_id, session.model_key, tokens, extra_key,
+                                               remote=remote))
                 # promotions start now and hold their blocks (a later failure frees safely)
                 started += pool.sync_memory()
         except BaseException:
@@ -93,6 +120,8 @@ class PoolSession:
             raise
         finally:
             started += pool.sync_memory()
+            if remote:
+                link.staged = {}
         return self._tracked(out, started, no_wait, swap_in=False)
 
     def step(self, call: StepCall) -> StepResult:
@@ -125,11 +154,20 @@ class PoolSession:
         pool.quotas.check_fork(session, seq_ids)
         return [pool.manager.fork(session.id, i) for i in seq_ids]
 
-    def lookup(self, tokens: np.ndarray, extra_key: str) -> LookupResult:
+    def lookup(self, tokens: np.ndarray, extra_key: str) -> LookupResult | Awaitable[LookupResult]:
+        """The longest cached prefix; past the local tiers the remote tier is asked which blocks it holds."""
         self.pool.limits.check_tokens(len(tokens))
         self.pool.limits.check_extra_key(extra_key)
-        s = self.session
-        return self.pool.manager.lookup(s.class_id, s.model_key, tokens, extra_key, owner=s.id)
+        s, tiers = self.session, self.pool.tiers
+        chains = tiers.remote_chains(s.class_id, s.model_key, [(tokens, extra_key)], s.id)
+        if chains is None:
+            return self.pool.manager.lookup(s.class_id, s.model_key, tokens, extra_key, owner=s.id)
+
+        async def after_exists() -> LookupResult:
+            held = await tiers.fetch_remote(s.class_id, chains, read=False)
+            return self.pool.manager.lookup(s.class_id, s.model_key, tokens, extra_key, owner=s.id, remote=held)
+
+        return after_exists()
 
     def sequences(self) -> list[PageTable]:
         return self.pool.manager.sequences(self.session.id)

@@ -36,6 +36,7 @@ from kvpoold.core import Geometry, KvpoolError, Tier
 from kvpoold.core.results import ManagerStats, PageTable
 from kvpoold.core.tiers import TIER_ALIGN
 from kvpoold.transfer import Arrivals, DiskTierError, TransferEngine
+from kvpoold.transfer.remote import RemoteLink, RemoteStore
 
 log = logging.getLogger("kvpoold")
 
@@ -104,10 +105,11 @@ class _Found:
 
 class Tiers:
     def __init__(self, config, manager, backend_name: str, *, device: int | None = None,
-                 disk_dir: str | None = None) -> None:
+                 disk_dir: str | None = None, remote: RemoteStore | None = None) -> None:
         """One pool's tiers: ``device`` is its GPU (default the first of ``--devices``), ``disk_dir``
         its disk tier's directory (default ``resolve_disk_dir(config.disk_dir)``; a daemon serving
-        several GPUs gives each pool its own subdirectory, ``pools.disk_dir_for``)."""
+        several GPUs gives each pool its own subdirectory, ``pools.disk_dir_for``), ``remote`` the
+        daemon's remote tier (None: none)."""
         self.manager = manager
         self.engine: TransferEngine | None = None
         #: per class: block -> the serial of the batch its bytes are arriving in (-1: none)
@@ -117,7 +119,9 @@ class Tiers:
         self.pending: dict[tuple[int, int], Tracked] = {}  # (owner, seq id) -> what it waits for
         self._scheduled = False
         self._loop: asyncio.AbstractEventLoop | None = None
-        if not manager.placement.enabled:
+        self.on_moves = None  # sees every plan before the engine runs it (KV events)
+        self.remote = RemoteLink(remote) if remote is not None else None
+        if not manager.placement.enabled and self.remote is None:
             return
         if disk_dir is None:
             disk_dir = resolve_disk_dir(config.disk_dir)
@@ -126,7 +130,8 @@ class Tiers:
             raise DiskTierError(f"--disk-bytes needs a directory: give --disk-dir (or create the systemd state "
                                 f"directory {STATE_DIRECTORY})")
         cuda = (config.devices[0] if device is None else device) if backend_name == "cuda" else None
-        self.engine = TransferEngine(config.host_bytes, disk_dir or None, config.disk_bytes, cuda_device=cuda)
+        self.engine = TransferEngine(config.host_bytes, disk_dir or None, config.disk_bytes, cuda_device=cuda,
+                                     remote=self.remote)
         self.engine.on_lost = self._lost
         if self.engine.disk is not None:
             self._load_disk()
@@ -178,6 +183,38 @@ class Tiers:
         disk = self.engine.disk
         if disk is not None and class_id not in disk.gid_of:
             disk.bind(class_id, disk.layout_id(self._geometry_dict(pool.geometry)))
+        if self.remote is not None:
+            self.remote.bind(class_id, self._geometry_dict(pool.geometry))
+
+    # -- the remote tier -------------------------------------------------------------------------------------
+    def remote_chains(self, class_id: int, model_id: str, prompts, owner: int) -> list[list[bytes]] | None:
+        """Per prompt, the block hashes past its prefix cached on the local tiers: what to ask the remote
+        tier for; None when there is nothing to ask (no remote tier, every block local, or a backoff)."""
+        if self.remote is None or class_id not in self.remote.namespaces:
+            return None
+        chains = [self.manager.remote_candidates(class_id, model_id, tokens, extra_key, owner)
+                  for tokens, extra_key in prompts]
+        if not any(chains) or not self.remote.store.available():
+            return None
+        return chains
+
+    async def fetch_remote(self, class_id: int, chains: list[list[bytes]], read: bool = True) -> dict:
+        """The remote tier's longest prefix of each chain: hash -> payload (``read`` False: -> None).
+
+        Runs on a worker thread; past ``--remote-timeout`` the blocks count as missing (empty answer)
+        and the tier backs off.  Never raises for the store's faults.
+        """
+        store = self.remote.store
+        asked = sum(map(len, chains))
+        fut = store.submit_fetch(self.remote.namespaces[class_id], chains, read)
+        try:
+            got = await asyncio.wait_for(asyncio.wrap_future(fut), store.settings.timeout)
+        except asyncio.TimeoutError:
+            store.slow()
+            store.count_lookup(asked, 0)
+            return {}
+        store.count_lookup(asked, len(got.payloads))
+        return got.payloads
 
     # -- after each core call -----------------------------------------------------------------------------
     def sync(self, apply_slabs) -> list:
@@ -195,6 +232,8 @@ class Tiers:
                 pass  # no running loop: tests and tools poll
         self.engine.poll()
         moves = self.manager.drain_moves()
+        if self.on_moves is not None:
+            self.on_moves(moves)
         if not moves:
             apply_slabs()
             return []

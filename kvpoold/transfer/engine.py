@@ -80,7 +80,7 @@ DEFAULT_STAGING_GPU = 256 << 20
 PIPELINE_BLOCKS = 1024
 GC_PAUSE_MOVES = 256  # batches this large run with the cyclic GC paused (see _gc_paused)
 
-_DEVICE, _HOST, _DISK = int(Tier.DEVICE), int(Tier.HOST), int(Tier.DISK)
+_DEVICE, _HOST, _DISK, _REMOTE = int(Tier.DEVICE), int(Tier.HOST), int(Tier.DISK), int(Tier.REMOTE)
 
 
 @contextlib.contextmanager
@@ -228,8 +228,8 @@ class _DiskBatch:
 class TransferEngine:
     def __init__(self, host_bytes: int = 0, disk_dir: str | None = None, disk_bytes: int = 0, *,
                  cuda_device: int | None = None, staging_bytes: int | None = None, io_threads: int = 4,
-                 direct: bool = True, copier=None, pipeline_blocks: int = PIPELINE_BLOCKS) -> None:
-        """``copier`` replaces the default one (``CudaCopier`` with ``cuda_device``, else ``CpuCopier``);
+                 direct: bool = True, copier=None, pipeline_blocks: int = PIPELINE_BLOCKS, remote=None) -> None:
+        """``remote``: the pool's ``RemoteLink`` (tier 3), or None; ``copier`` replaces the default one (``CudaCopier`` with ``cuda_device``, else ``CpuCopier``);
         ``pipeline_blocks`` is the size, in blocks, of the pieces a host <-> device batch is copied in."""
         if pipeline_blocks <= 0:
             raise ValueError("pipeline_blocks must be > 0")
@@ -252,6 +252,7 @@ class TransferEngine:
         self._watch_q: queue.SimpleQueue | None = None
         self._watcher: threading.Thread | None = None
         self.classes: dict[int, _Class] = {}
+        self.remote = remote
 
     # -- plumbing ---------------------------------------------------------------------------------
     def add_class(self, class_id: int, block_bytes: int, pool=None) -> None:
@@ -370,7 +371,8 @@ class TransferEngine:
         keys, src, dst, block, nbytes = plan.columns()
         to_dev = dst == _DEVICE
         from_dev = src == _DEVICE
-        outs = np.flatnonzero(from_dev & (dst != DROP))
+        outs = np.flatnonzero(from_dev & (dst != DROP) & (dst != _REMOTE))
+        to_remote = np.flatnonzero(from_dev & (dst == _REMOTE))
         lower = np.flatnonzero(~from_dev & ~to_dev)
         done_outs = 0  # outs[:done_outs] are copied already
         if len(lower):
@@ -394,7 +396,11 @@ class TransferEngine:
                 s, d = sl[i], dl[i]
                 if s == _HOST:
                     off = pop(key, -1)
-                    if d == DROP:
+                    if d == _REMOTE:
+                        if off >= 0:  # copied now: the slot is free for the device reads below
+                            self._host_to_remote(key, self.host.buf[off:off + nl[i]])
+                            freed.append(off)
+                    elif d == DROP:
                         if off >= 0:
                             freed.append(off)
                     elif off < 0 or batch is None:
@@ -412,6 +418,8 @@ class TransferEngine:
                 batch.written(-1, True, None)  # submitted: the last write's completion ends the batch
         if done_outs < len(outs):
             self._flush_out(keys, dst, block, outs[done_outs:])
+        if len(to_remote):
+            self._device_to_remote(keys, block, to_remote)
         if self.disk is not None:
             self.disk.flush()
         if between is not None:
@@ -420,6 +428,29 @@ class TransferEngine:
         if self.disk is not None:
             self.disk.flush()
         return arrivals
+
+    def _device_to_remote(self, keys: list, block: np.ndarray, idx: np.ndarray) -> None:
+        """Copy device blocks into fresh buffers (done before ``submit`` returns, like every device read)
+        and hand them to the remote tier's writer."""
+        if self.remote is None:
+            return
+        for cid, sel in self._by_class(keys, idx).items():
+            cls = self.classes.get(cid)
+            ns = self.remote.namespaces.get(cid)
+            if cls is None or cls.target is None or ns is None:
+                continue
+            bb, k = cls.block_bytes, len(sel)
+            buf = np.empty(k * bb, np.uint8)
+            ev = self.copier.to_host(cls.target, block[sel], buf, np.arange(k, dtype=np.int64) * bb)
+            if ev is not None:
+                ev.synchronize()
+            self.remote.store.put_many(ns, [keys[i][1] for i in sel.tolist()], buf.reshape(k, bb))
+
+    def _host_to_remote(self, key, view: np.ndarray) -> None:
+        """A block leaving the host tier with nowhere lower to go: a copy to the remote tier's writer."""
+        ns = self.remote.namespaces.get(key[0]) if self.remote is not None else None
+        if ns is not None:
+            self.remote.store.put_many(ns, [key[1]], [np.array(view)])
 
     def _lost(self, key) -> None:
         try:
@@ -515,9 +546,12 @@ class TransferEngine:
             s = src[idx]
             from_host = np.flatnonzero(s == _HOST)
             from_disk = np.flatnonzero(s == _DISK)
-            other = np.flatnonzero((s != _HOST) & (s != _DISK))
+            from_remote = np.flatnonzero(s == _REMOTE)
+            other = np.flatnonzero((s != _HOST) & (s != _DISK) & (s != _REMOTE))
             if len(other):
                 arr.settle(other, Arrivals.LOST)
+            if len(from_remote):
+                self._remote_in(cls, arr, _pick(keys, idx[from_remote]), from_remote)
             if len(from_disk):
                 if self.disk is None:
                     arr.settle(from_disk, Arrivals.LOST)
@@ -537,6 +571,30 @@ class TransferEngine:
                     self._host_in(cls, arr, part, self.host.buf, offs, free=True)
         return out
 
+    def _remote_in(self, cls: _Class, arr: Arrivals, keys: list, index: np.ndarray) -> None:
+        """Payloads the remote tier fetched for this call (``RemoteLink.staged``) into the batch's blocks
+        ``index``; a block whose payload is not there is lost (its owner recomputes it)."""
+        staged = self.remote.staged if self.remote is not None else {}
+        payloads = [staged.get(k[1]) for k in keys]
+        have = np.fromiter((p is not None for p in payloads), np.bool_, len(payloads))
+        if not have.all():
+            arr.settle(index[~have], Arrivals.LOST)
+        index = index[have]
+        if not len(index):
+            return
+        got = [p for p in payloads if p is not None]
+        if cls.rows is not None:  # the pool is in host memory: one copy, straight into the blocks
+            rows = cls.rows
+            for b, p in zip(arr.blocks[index].tolist(), got):
+                rows[b] = np.frombuffer(p, np.uint8)
+            arr.settle(index, Arrivals.OK)
+            return
+        bb = cls.block_bytes
+        buf = np.empty(len(index) * bb, np.uint8)
+        for j, p in enumerate(got):
+            buf[j * bb:(j + 1) * bb] = np.frombuffer(p, np.uint8)
+        self._host_in(cls, arr, index, buf, np.arange(len(index), dtype=np.int64) * bb, free=False)
+
     def _host_in(self, cls: _Class, arr: Arrivals, index: np.ndarray, buf: np.ndarray, offs: np.ndarray,
                  free: bool) -> None:
         """Copy host bytes at ``offs`` into the batch's blocks ``index``; the slots are freed after."""
@@ -550,7 +608,7 @@ class TransferEngine:
             raise
         host = self.host
 
-        def done():
+        def done(keep=buf):  # ``buf`` lives until the copy is done (a temporary one has no other owner)
             if free:
                 host.free_many(offs)
             arr.settle(index, Arrivals.OK)

@@ -56,15 +56,16 @@ class CoreMachine(RuleBasedStateMachine):
         head_dim=st.sampled_from([4, 3]),
         room=st.integers(0, 8),
         exact=st.booleans(),
+        remote=st.sampled_from(["", "through", "evict"]),
     )
-    def setup(self, bs, chunks, two_classes, host, disk, head_dim, room, exact):
+    def setup(self, bs, chunks, two_classes, host, disk, head_dim, room, exact, remote):
         # head_dim 4: 16*bs bytes a block, slabs filled exactly; 3: 12*bs bytes, slabs with a tail unless exact
         # (then 3 chunks each); ``room``: chunks the pool may grow by
         block_bytes = 4 * head_dim * bs
         limit = max(chunks + room, 3 if exact else 1)
         self.m = KVCacheManager(chunks * 128, chunk_bytes=128, host_bytes=host * block_bytes,
                                 disk_bytes=disk * block_bytes, max_reserve_blocks=3, max_pool_bytes=limit * 128,
-                                exact_slabs=exact)
+                                exact_slabs=exact, remote_write=remote)
         self.cls = [self.m.register_class(Geometry(1, 1, head_dim, "float16", bs))]
         if two_classes:
             self.cls.append(self.m.register_class(Geometry(1, 1, head_dim, "float16", 2 * bs)))
@@ -78,6 +79,7 @@ class CoreMachine(RuleBasedStateMachine):
         self.model_of: dict[int, str] = {}
         self.known: set[tuple[int, str, tuple]] = set()  # full-block prefixes ever written
         self.store: dict[tuple, list] = {}  # lower-tier key -> tokens (the fake host/disk bytes)
+        self.remote: dict[tuple, list] = {}  # remote-tier key -> tokens (what other daemons could read too)
         self.expected: dict[bytes, list] = {}  # block hash -> the tokens of that block
         self.swapped: set[int] = set()
         self.holds: list[tuple[int, list[int]]] = []
@@ -112,6 +114,13 @@ class CoreMachine(RuleBasedStateMachine):
         for mv in moves:
             if mv.dst == Tier.DEVICE:
                 writes.append(mv)  # the engine runs device writes after the call's other moves
+            elif mv.dst == Tier.REMOTE:  # a copy: the source keeps a device block, drops a host slot
+                cls = mv.key[0]
+                if mv.src == Tier.DEVICE:
+                    self.remote[mv.key] = list(self.memory.get((cls, mv.block), [None] * self.bs(cls)))
+                else:
+                    self.remote[mv.key] = self.store.pop(mv.key)
+                event(f"to the remote tier from {mv.src.name.lower()}")
             elif mv.src == Tier.DEVICE:
                 if mv.dst is not None:
                     cls = mv.key[0]
@@ -126,6 +135,10 @@ class CoreMachine(RuleBasedStateMachine):
                     event("dropped from a lower tier")
         self.apply_slabs()  # as the daemon does: after the device reads, before the device writes
         for mv in writes:
+            if mv.src == Tier.REMOTE:
+                self.memory[(mv.key[0], mv.block)] = list(self.remote[mv.key])
+                event("promoted from the remote tier")
+                continue
             self.memory[(mv.key[0], mv.block)] = list(self.store.pop(mv.key))
             event("promoted" if isinstance(mv.key[1], bytes) else "swapped in")
 
@@ -150,10 +163,13 @@ class CoreMachine(RuleBasedStateMachine):
             event("slab released")
 
     # -- rules ---------------------------------------------------------------------
-    @rule(owner=st.sampled_from(OWNERS), prompt=prompts, which=st.integers(0, 1), model=st.sampled_from("ab"))
-    def create(self, owner, prompt, which, model):
+    @rule(owner=st.sampled_from(OWNERS), prompt=prompts, which=st.integers(0, 1), model=st.sampled_from("ab"),
+          ask_remote=st.booleans())
+    def create(self, owner, prompt, which, model, ask_remote=False):
         cls = self.cls[which % len(self.cls)]
-        info = self.guarded(lambda: self.m.create(owner, cls, model, prompt))
+        # what the remote tier would answer for this class (the daemon fetches it before the call)
+        remote = {k[1]: None for k in self.remote if k[0] == cls} if ask_remote and self.remote else None
+        info = self.guarded(lambda: self.m.create(owner, cls, model, prompt, remote=remote))
         if info is None:
             return
         bs = self.bs(cls)
@@ -171,11 +187,12 @@ class CoreMachine(RuleBasedStateMachine):
         self._learn(info.seq_id, model)
 
     @precondition(lambda self: self.known)
-    @rule(data=st.data(), owner=st.sampled_from(OWNERS), more=tokens)
-    def create_known(self, data, owner, more):
+    @rule(data=st.data(), owner=st.sampled_from(OWNERS), more=tokens, ask_remote=st.booleans())
+    def create_known(self, data, owner, more, ask_remote):
         """A prompt that was written before: prefix hits on every tier, promotions."""
         cls, model, prefix = data.draw(st.sampled_from(sorted(self.known)))
-        self.create(owner=owner, prompt=list(prefix) + more, which=self.cls.index(cls), model=model)
+        self.create(owner=owner, prompt=list(prefix) + more, which=self.cls.index(cls), model=model,
+                    ask_remote=ask_remote)
 
     def _learn(self, seq_id, model):
         toks, cls = self.tokens[seq_id], self.class_of[seq_id]
@@ -448,6 +465,8 @@ class CoreMachine(RuleBasedStateMachine):
         for key, data in self.store.items():
             if isinstance(key[1], bytes):
                 assert data == self.expected[key[1]], f"lower-tier block {key} holds {data}"
+        for key, data in self.remote.items():
+            assert data == self.expected[key[1]], f"remote block {key} holds {data}"
         for pool in self.m.classes:
             for digest, b in pool.prefix.digest_items():
                 assert self.memory[(pool.class_id, b)] == self.expected[digest], f"device block {b} is wrong"

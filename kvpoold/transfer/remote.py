@@ -1,0 +1,463 @@
+"""Tier 3: a remote block store on Redis or Valkey, shared by the daemons of several machines.
+
+Blocks are content-addressed: a block's key is
+``<prefix>:<layout tag>:<block hash>``.  The hash chain already names the
+model id, revision and extra key; the layout tag names the block's geometry
+and its tenant, so layouts never collide and tenants never see each other's
+blocks.  A value is a header (magic, version, xxh3-64 checksum of the
+payload, payload bytes, the layout it was written with) and the block's
+bytes; a value whose header, layout or checksum does not match is dropped,
+counted as corrupt, deleted and treated as missing.
+
+Nothing here runs on the daemon's event loop except the cheap calls that
+queue work (``put``) and hand a fetch to the worker pool (``submit_fetch``):
+
+* writes go through one writer thread that drains a bounded queue in
+  pipelined batches (``batch_blocks`` per round trip); when the queue is full
+  the oldest blocks are dropped and counted, so a slow or absent Redis never
+  holds the daemon back;
+* a fetch (one pipelined ``EXISTS`` for the chain, then one pipelined ``GET``
+  of the prefix that exists) runs on a worker thread; the caller awaits it
+  with a deadline and counts the blocks as missing past it.
+
+Faults put the store in *backoff*: fetches are skipped (a local miss, counted)
+until the retry time, writes wait in the queue; the backoff doubles up to
+``MAX_BACKOFF`` and resets on the first success.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import logging
+import struct
+import threading
+import time
+from dataclasses import dataclass
+
+import xxhash
+
+from kvpoold.config import redact
+
+log = logging.getLogger("kvpoold")
+
+MAGIC = b"KVPR"
+VERSION = 1
+_HEADER = struct.Struct("<4sBxxxQQH")  # magic, version, xxh3-64 of the payload, payload bytes, layout length
+EVENT_QUEUE = 10000  # KV events waiting for the stream; beyond, the oldest are dropped
+STREAM_MAXLEN = 100000  # the stream is capped (approximately) at this many entries
+MIN_BACKOFF = 0.2
+MAX_BACKOFF = 5.0
+
+
+@dataclass(frozen=True)
+class RemoteSettings:
+    url: str
+    password: str | None = None  # overrides the URL's (``--remote-password-file``)
+    cluster: bool = False
+    prefix: str = "kvpool"
+    ttl: float = 3600.0  # seconds; 0: keys never expire
+    timeout: float = 0.05  # a fetch's deadline (the caller's), seconds
+    batch_blocks: int = 256  # blocks per pipelined write round trip
+    queue_bytes: int = 256 << 20  # bytes waiting to be written; beyond, the oldest are dropped
+    socket_timeout: float = 2.0  # a stalled server frees the worker threads after this
+
+    @classmethod
+    def from_config(cls, config) -> "RemoteSettings":
+        password = None
+        if config.remote_password_file:
+            with open(config.remote_password_file) as f:
+                password = f.read().strip()
+        return cls(config.remote_url, password, config.remote_cluster, config.remote_prefix, config.remote_ttl,
+                   config.remote_timeout)
+
+
+class Namespace:
+    """The keys of one layout (geometry and tenant) in the store, and its values' layout bytes."""
+
+    __slots__ = ("prefix", "layout", "block_bytes")
+
+    def __init__(self, key_prefix: str, layout: str, block_bytes: int) -> None:
+        self.layout = layout.encode()
+        self.block_bytes = block_bytes
+        tag = xxhash.xxh3_64_hexdigest(self.layout)
+        self.prefix = f"{key_prefix}:{tag}:".encode()
+
+    def key(self, digest: bytes) -> bytes:
+        return self.prefix + digest.hex().encode()
+
+
+def layout_string(geometry: dict) -> str:
+    """A canonical text of a geometry dict (the block format version first)."""
+    return "kvpool-block/1 " + " ".join(f"{k}={geometry[k]}" for k in sorted(geometry))
+
+
+def encode(ns: Namespace, payload) -> bytes:
+    """A stored value: header, layout, payload."""
+    view = memoryview(payload).cast("B")
+    return b"".join((_HEADER.pack(MAGIC, VERSION, xxhash.xxh3_64_intdigest(view), len(view), len(ns.layout)),
+                     ns.layout, view))
+
+
+def decode(ns: Namespace, value: bytes) -> memoryview | None:
+    """The payload of a stored value, or None when it is not a whole, intact block of ``ns``'s layout."""
+    if value is None or len(value) < _HEADER.size:
+        return None
+    magic, version, csum, nbytes, nlayout = _HEADER.unpack_from(value)
+    start = _HEADER.size + nlayout
+    if magic != MAGIC or version != VERSION or nbytes != ns.block_bytes or len(value) != start + nbytes:
+        return None
+    if value[_HEADER.size:start] != ns.layout:
+        return None
+    payload = memoryview(value)[start:]
+    if xxhash.xxh3_64_intdigest(payload) != csum:
+        return None
+    return payload
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """A fetch's answer: the payload of each hash found (a prefix of the chain asked for)."""
+
+    payloads: dict
+    asked: int
+    corrupt: int = 0
+
+
+class RemoteStore:
+    """The connection, the writer thread, the fetch workers and the counters of the remote tier."""
+
+    def __init__(self, settings: RemoteSettings, client=None) -> None:
+        """``client``: a redis-py client to use (tests); default one made from ``settings``."""
+        self.settings = settings
+        self._client = client
+        self._lock = threading.Lock()  # the counters, the backoff and the write queue
+        self._queue: collections.deque = collections.deque()  # (key, value)
+        self._queued_bytes = 0
+        self._in_flight = 0  # blocks of the batch being written
+        self._events: collections.deque = collections.deque()  # (stream, fields) for XADD
+        self._wake = threading.Condition(self._lock)
+        self._closing = False
+        self._backoff = 0.0
+        self.retry_at = 0.0  # monotonic: no fetch before this (backoff)
+        self.state = "connecting"
+        self.last_error = ""
+        # counters
+        self.lookups = 0
+        self.hit_blocks = 0
+        self.miss_blocks = 0
+        self.skipped_lookups = 0  # not asked: backoff
+        self.timeouts = 0
+        self.failures = 0
+        self.corrupt_blocks = 0
+        self.blocks_written = 0
+        self.bytes_written = 0
+        self.bytes_read = 0
+        self.write_dropped = 0
+        self.events_dropped = 0
+        self.fetch_seconds = 0.0
+        self.write_seconds = 0.0
+        self._fetches = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="kvpool-remote-fetch")
+        self._writer = threading.Thread(target=self._write_forever, name="kvpool-remote-write", daemon=True)
+        self._writer.start()
+        self._fetches.submit(self._probe)  # operators see "connected" (or why not) at start
+
+    def _probe(self) -> None:
+        try:
+            self.client.ping()
+        except Exception as exc:  # noqa: BLE001 - counted and logged; serving goes on locally
+            self._failed(exc, "connect")
+        else:
+            self._succeeded()
+
+    # -- the connection --------------------------------------------------------------------------------
+    @property
+    def client(self):
+        if self._client is None:
+            s = self.settings
+            kw = dict(socket_timeout=s.socket_timeout, socket_connect_timeout=min(1.0, s.socket_timeout))
+            if s.password is not None:
+                kw["password"] = s.password
+            if s.cluster:
+                from redis.cluster import RedisCluster
+
+                self._client = RedisCluster.from_url(s.url, **kw)
+            else:
+                import redis
+
+                self._client = redis.Redis.from_url(s.url, **kw)
+        return self._client
+
+    def _failed(self, exc: BaseException, what: str) -> None:
+        with self._lock:
+            self.failures += 1
+            self._backoff = min(MAX_BACKOFF, self._backoff * 2 or MIN_BACKOFF)
+            self.retry_at = time.monotonic() + self._backoff
+            was, self.state = self.state, "backoff"
+            self.last_error = f"{what}: {type(exc).__name__}: {exc}"[:300]
+        if was != "backoff":
+            log.warning("remote tier %s: %s; serving from the local tiers, retrying in %.1f s",
+                        redact(self.settings.url), self.last_error, self._backoff)
+
+    def _succeeded(self) -> None:
+        if self.state != "connected":
+            with self._lock:
+                was, self.state, self._backoff = self.state, "connected", 0.0
+            if was == "backoff":
+                log.info("remote tier %s: reachable again", redact(self.settings.url))
+
+    def slow(self) -> None:
+        """A fetch ran past its deadline: back off (the server is stalled or far)."""
+        with self._lock:
+            self.timeouts += 1
+        self._failed(TimeoutError(f"no answer within {self.settings.timeout * 1000:.0f} ms"), "fetch")
+
+    def available(self) -> bool:
+        """Whether a fetch may be tried now (not in backoff)."""
+        if time.monotonic() >= self.retry_at:
+            return True
+        with self._lock:
+            self.skipped_lookups += 1
+        return False
+
+    # -- fetches (worker threads) -------------------------------------------------------------------------
+    def submit_fetch(self, ns: Namespace, chains: list[list[bytes]], read: bool = True
+                     ) -> concurrent.futures.Future:
+        """Start ``fetch`` on a worker thread; returns its future."""
+        return self._fetches.submit(self.fetch, ns, chains, read)
+
+    def fetch(self, ns: Namespace, chains: list[list[bytes]], read: bool = True) -> Fetched:
+        """The longest prefix of each chain the store holds: one pipelined EXISTS, one pipelined GET.
+
+        Args:
+            ns: the layout's namespace.
+            chains: block hashes in chain order, one list per prompt.
+            read: False: only find out which exist (the payloads are None).
+        Returns:
+            ``Fetched``: hash -> verified payload (or None) of every block of the prefixes found; a chain
+            stops at its first missing or bad block.
+        """
+        t0 = time.perf_counter()
+        asked = sum(map(len, chains))
+        try:
+            keyed = [[(d, ns.key(d)) for d in chain] for chain in chains]
+            prefixes = []
+            for chain, flags in zip(keyed, self._each("exists", keyed)):
+                n = next((i for i, p in enumerate(flags) if not p), len(chain))
+                prefixes.append(chain[:n])
+            payloads: dict = {}
+            corrupt = 0
+            if not read:
+                payloads = {d: None for prefix in prefixes for d, _ in prefix}
+            elif any(prefixes):
+                bad = []
+                nread = 0
+                for prefix, got in zip(prefixes, self._each("get", prefixes)):
+                    for (d, k), v in zip(prefix, got):
+                        payload = decode(ns, v) if v is not None else None
+                        if payload is None:
+                            if v is not None:
+                                bad.append(k)
+                            break  # the chain stops at its first missing or bad block
+                        nread += len(v)
+                        payloads[d] = payload
+                if bad:
+                    corrupt = len(bad)
+                    pipe = self.client.pipeline(transaction=False)
+                    for k in bad:  # nobody else trips on them; a writer puts good ones back
+                        pipe.delete(k)  # one key per command: the keys of a cluster live on several nodes
+                    pipe.execute()
+                    log.warning("remote tier: %d blocks failed their checksum or layout check: dropped", corrupt)
+                with self._lock:
+                    self.bytes_read += nread
+        except Exception as exc:  # noqa: BLE001 - any fault of the store is a miss, never an error
+            self._failed(exc, "fetch")
+            return Fetched({}, asked)
+        self._succeeded()
+        with self._lock:
+            self.fetch_seconds += time.perf_counter() - t0
+            self.corrupt_blocks += corrupt
+        return Fetched(payloads, asked, corrupt)
+
+    def _each(self, command: str, chains: list[list[tuple[bytes, bytes]]]) -> list[list]:
+        """One pipelined round trip of ``command key`` for every (hash, key) of every chain; answers per chain."""
+        pipe = self.client.pipeline(transaction=False)
+        for chain in chains:
+            for _, k in chain:
+                getattr(pipe, command)(k)
+        answers = iter(pipe.execute())
+        return [[next(answers) for _ in chain] for chain in chains]
+
+    def count_lookup(self, asked: int, found: int) -> None:
+        with self._lock:
+            self.lookups += 1
+            self.hit_blocks += found
+            self.miss_blocks += asked - found
+
+    # -- writes (the writer thread) ----------------------------------------------------------------------
+    def put_many(self, ns: Namespace, digests: list[bytes], rows) -> None:
+        """Queue blocks for writing: ``rows[i]`` holds the bytes of ``digests[i]`` and is the store's now.
+
+        Never blocks (the writer thread encodes and sends them): beyond ``queue_bytes`` the oldest queued
+        blocks are dropped (counted).
+        """
+        with self._lock:
+            for d, row in zip(digests, rows):
+                self._queue.append((ns.key(d), ns, row))
+                self._queued_bytes += row.nbytes
+            while self._queued_bytes > self.settings.queue_bytes and self._queue:
+                self._queued_bytes -= self._queue.popleft()[2].nbytes
+                self.write_dropped += 1
+            self._wake.notify()
+
+    def add_event(self, stream: str, event) -> None:
+        """Queue a KV event (``events.KvEvent``) for ``XADD`` to ``stream``; never blocks."""
+        fields = {"seq": event.seq, "kind": event.kind, "tier": event.tier, "from_tier": event.from_tier,
+                  "model_ids": ",".join(event.model_ids), "layout": event.layout,
+                  "block_hashes": ",".join(h.hex() for h in event.block_hashes), "time": event.time,
+                  "device": event.device}
+        with self._lock:
+            self._events.append((stream, fields))
+            if len(self._events) > EVENT_QUEUE:
+                self._events.popleft()
+                self.events_dropped += 1
+            self._wake.notify()
+
+    def _next_batch(self) -> tuple[list, list] | None:
+        """(blocks, events) to send in the next round trip; None when closing."""
+        with self._lock:
+            while not self._queue and not self._events and not self._closing:
+                self._wake.wait()
+            if self._closing:
+                return None
+            n = min(len(self._queue), self.settings.batch_blocks)
+            batch = [self._queue.popleft() for _ in range(n)]
+            events = list(self._events)
+            self._events.clear()
+            self._queued_bytes -= sum(row.nbytes for _, _, row in batch)
+            self._in_flight = len(batch) + len(events)
+            return batch, events
+
+    def _requeue(self, batch: list) -> None:
+        with self._lock:
+            for item in reversed(batch):
+                self._queue.appendleft(item)
+                self._queued_bytes += item[2].nbytes
+            while self._queued_bytes > self.settings.queue_bytes and self._queue:
+                self._queued_bytes -= self._queue.popleft()[2].nbytes
+                self.write_dropped += 1
+
+    def write_batch(self, batch: list, events: list = ()) -> int:
+        """One pipelined round trip of ``SET key value [EX ttl]`` for (key, namespace, bytes) items, and
+        ``XADD`` for (stream, fields) events.
+
+        Returns:
+            The bytes sent (raises the client's errors).
+        """
+        ttl = self.settings.ttl
+        pipe = self.client.pipeline(transaction=False)
+        sent = 0
+        for k, ns, row in batch:
+            v = encode(ns, row)
+            sent += len(v)
+            if ttl > 0:
+                pipe.set(k, v, ex=max(1, int(ttl)))
+            else:
+                pipe.set(k, v)
+        for stream, fields in events:
+            pipe.xadd(stream, fields, maxlen=STREAM_MAXLEN, approximate=True)
+        pipe.execute()
+        return sent
+
+    def _write_forever(self) -> None:
+        while True:
+            wait = self.retry_at - time.monotonic()
+            if wait > 0 and not self._closing:
+                time.sleep(min(wait, 0.5))
+                continue
+            got = self._next_batch()
+            if got is None:
+                return
+            batch, events = got
+            t0 = time.perf_counter()
+            try:
+                sent = self.write_batch(batch, events)
+            except Exception as exc:  # noqa: BLE001 - blocks kept queued, retried after the backoff
+                if self._closing:
+                    return
+                self._requeue(batch)
+                with self._lock:
+                    self.events_dropped += len(events)
+                self._in_flight = 0
+                self._failed(exc, "write")
+                continue
+            self._succeeded()
+            with self._lock:
+                self.write_seconds += time.perf_counter() - t0
+                self.blocks_written += len(batch)
+                self.bytes_written += sent
+                self._in_flight = 0
+
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Wait until the write queue is empty (tests, shutdown); False if it is not within ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._queue and not self._events and not self._in_flight:
+                    return True
+            time.sleep(0.01)
+        return False
+
+    @property
+    def queued_blocks(self) -> int:
+        return len(self._queue)
+
+    # -- operators ---------------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """The remote tier's figures (``RemoteStats``' fields)."""
+        with self._lock:
+            state = self.state
+            if state == "backoff" and time.monotonic() >= self.retry_at:
+                state = "retrying"
+            return dict(
+                url=redact(self.settings.url), state=state, lookups=self.lookups, hit_blocks=self.hit_blocks,
+                miss_blocks=self.miss_blocks, skipped_lookups=self.skipped_lookups, timeouts=self.timeouts,
+                failures=self.failures, corrupt_blocks=self.corrupt_blocks, blocks_written=self.blocks_written,
+                bytes_written=self.bytes_written, bytes_read=self.bytes_read, write_dropped=self.write_dropped,
+                write_queue_blocks=len(self._queue), fetch_seconds=self.fetch_seconds,
+                write_seconds=self.write_seconds, last_error=self.last_error,
+            )
+
+    def close(self, flush_timeout: float = 2.0) -> None:
+        """Write what is queued (for at most ``flush_timeout``), then stop the threads."""
+        if self.state == "connected":
+            self.flush(flush_timeout)
+        with self._lock:
+            self._closing = True
+            self._queue.clear()
+            self._queued_bytes = 0
+            self._wake.notify_all()
+        self._fetches.shutdown(wait=False, cancel_futures=True)
+        self._writer.join(timeout=1.0)
+        client, self._client = self._client, None
+        if client is not None:
+            try:
+                client.close()
+            except Exception:  # noqa: BLE001 - shutting down
+                pass
+
+
+class RemoteLink:
+    """One device pool's view of the store: its layout classes' namespaces, and the payloads a fetch
+    brought for the call running now (``staged``; the transfer engine copies them into device blocks)."""
+
+    def __init__(self, store: RemoteStore) -> None:
+        self.store = store
+        self.namespaces: dict[int, Namespace] = {}
+        self.staged: dict = {}  # block hash -> payload
+
+    def bind(self, class_id: int, geometry: dict) -> Namespace:
+        """Class ``class_id`` has this geometry (its tenant included): its namespace in the store."""
+        ns = Namespace(self.store.settings.prefix, layout_string(geometry), geometry["block_bytes"])
+        self.namespaces[class_id] = ns
+        return ns
