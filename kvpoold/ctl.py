@@ -212,6 +212,8 @@ def stats_table(st: PoolStats) -> Table:
                       *(per_tier and [per_tier(t) for _, t in lower] or blank))
 
     row("layout", lambda c: c.geometry)
+    if any(c.tenant for _, c in classes):
+        row("tenant", lambda c: c.tenant)
     row("models", lambda c: ", ".join(c.models))
     row("block size", lambda c: human_bytes(c.block_bytes))
     row("total blocks", lambda c: f"{c.total_blocks} ({human_bytes(c.total_blocks * c.block_bytes)})",

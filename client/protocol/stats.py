@@ -43,6 +43,7 @@ class ClassStats:
     swapped_in_blocks: int = 0
     swapped_sequences: int = 0  # now
     lost_blocks: int = 0  # promoted or swapped-in blocks whose bytes did not arrive (bad checksum, I/O error)
+    tenant: str = ""  # who may use the class ("uid 1000", "gid 100"; "" when tenants are not told apart)
 
     @property
     def hit_rate(self) -> float:

@@ -19,6 +19,8 @@ class Statistics(ManagerState):
                 reserved[cls] += len(r)
         classes = []
         for pool, c in zip(self.classes, self._counters):
+            if pool.geometry is None:  # a dropped class (``classes.VacantClass``)
+                continue
             classes.append(
                 ClassStats(
                     class_id=pool.class_id,
@@ -42,6 +44,7 @@ class Statistics(ManagerState):
                     swapped_in_blocks=c.swapped_in_blocks,
                     swapped_sequences=swapped[pool.class_id],
                     lost_blocks=c.lost_blocks,
+                    tenant=pool.geometry.tenant,
                 )
             )
         tiers = tuple(
