@@ -26,6 +26,7 @@ from typing import Iterable
 import numpy as np
 
 from .block_pool import LayoutClass
+from .classes import ClassLifecycle
 from .errors import InvalidArgument, OutOfBlocks
 from .extend import Extending
 from .hashing import chain_hashes, pack_tokens, root_hash
@@ -40,7 +41,8 @@ from .swap import Swapping
 from .tiers import MovePlan
 
 
-class KVCacheManager(Extending, Swapping, TransferHolds, Reserves, Statistics, InvariantChecks, ManagerState):
+class KVCacheManager(Extending, Swapping, TransferHolds, Reserves, Statistics, InvariantChecks, ClassLifecycle,
+                     ManagerState):
     """Block bookkeeping for a whole pool of several layout classes."""
 
     # -- classes ----------------------------------------------------------------

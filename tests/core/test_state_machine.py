@@ -15,11 +15,13 @@ copy-on-write, eviction, demotion, promotion and swapping never mix data up.
 from __future__ import annotations
 
 import hypothesis.strategies as st
+import pytest
 from hypothesis import HealthCheck, event, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvpoold.core import (
     ExtendItem,
+    InvalidArgument,
     Geometry,
     KVCacheManager,
     KvpoolError,
@@ -54,6 +56,7 @@ class CoreMachine(RuleBasedStateMachine):
     )
     def setup(self, bs, chunks, two_classes, host, disk):
         g = Geometry(1, 1, 4, "float16", bs)  # 16*bs bytes per block
+        self.base_bs = bs
         self.m = KVCacheManager(chunks * 128, chunk_bytes=128, host_bytes=host * 16 * bs, disk_bytes=disk * 16 * bs,
                                 max_reserve_blocks=3)
         self.cls = [self.m.register_class(g)]
@@ -348,6 +351,46 @@ class CoreMachine(RuleBasedStateMachine):
         if self.m.invalidate_block(self.class_of[seq], table[0]):
             event("hash forgotten")
 
+    # -- classes: drop, evict whole, re-register ----------------------------------------
+    @rule(which=st.integers(0, 1), evict_first=st.booleans())
+    def drop_class(self, which, evict_first):
+        """Drop a class once nothing of it is left (evicting its whole cache first if idle); its id is reused."""
+        cls = self.cls[which % len(self.cls)]
+        if evict_first and self.m.holds_nothing_in(cls):
+            self.m.evict_class(cls)
+            self.apply_moves()
+            event("class evicted whole")
+        if not self.m.can_drop_class(cls):
+            self.guarded(lambda: self.m.drop_class(cls), (WrongState,))
+            return
+        pool = self.m.classes[cls]
+        slots = set(pool.slots)
+        free_before = self.m.budget.free
+        self.m.drop_class(cls)
+        assert self.m.budget.free == free_before + len(slots) * pool.slab_chunks
+        released = {(c, off) for kind, c, off, _ in self.m.drain_slab_changes() if kind == "release"}
+        span = pool.blocks_per_slab * pool.block_bytes
+        assert {(cls, s * span) for s in slots} <= released, "a dropped class's slabs were not released"
+        assert all(c.class_id != cls for c in self.m.stats().classes), "stats list a dropped class"
+        with pytest.raises(InvalidArgument):
+            self.m.class_pool(cls)
+        # released memory reads zeros: the fake bytes of the class are gone, and so are its prefixes
+        self.memory = {k: v for k, v in self.memory.items() if k[0] != cls}
+        self.known = {k for k in self.known if k[0] != cls}
+        event("class dropped")
+        self.register_again(which, cls)
+
+    def register_again(self, which, dropped):
+        self.generation = getattr(self, "generation", 0) + 1  # a geometry never seen before
+        geometry = Geometry(1, 1, 4, "float16", self.base_bs * (1 + which), tenant=f"t{self.generation}")
+        lowest = min(c for c, p in enumerate(self.m.classes) if p.geometry is None)
+        cid = self.m.register_class(geometry)
+        assert cid == lowest, f"a new class took id {cid}, not the lowest vacant one {lowest}"
+        assert self.m.register_class(geometry) == cid
+        self.cls[self.cls.index(dropped)] = cid
+        if len(set(self.cls)) < len(self.cls):  # both slots named the dropped class
+            self.cls = [cid]
+
     # -- invariants ------------------------------------------------------------------
     @invariant()
     def consistent(self):
@@ -369,6 +412,7 @@ class CoreMachine(RuleBasedStateMachine):
         for key, data in self.store.items():
             if isinstance(key[1], bytes):
                 assert data == self.expected[key[1]], f"lower-tier block {key} holds {data}"
+        assert len(self.m.classes) <= 2, "dropped ids were not reused"
         for pool in self.m.classes:
             for digest, b in pool.prefix.digest_items():
                 assert self.memory[(pool.class_id, b)] == self.expected[digest], f"device block {b} is wrong"
