@@ -155,6 +155,10 @@ class Config:
     # bytes of a client string (name, model id, revision, dtype); extra keys may have 4x this; 0: no limit
     max_string_bytes: int = 1024
     tenant_by: str = "uid"  # clients of different tenants (uid, gid; none: one tenant) share no memory or cache
+    # layout classes (distinct tenant + geometry) one device pool keeps at once, in all and per tenant; 0: no cap.
+    # Idle ones (no session, only cached blocks) are reclaimed, least recently used first, to make room.
+    max_classes: int = 64
+    max_classes_per_tenant: int = 16
 
     def effective_pool_bytes(self) -> int:
         return self.pool_bytes or (1 << 30)
@@ -198,7 +202,7 @@ def _gid(group: str) -> int:
 LIVE_KEYS = frozenset({
     "log_level", "grace_seconds", "max_reserve_blocks", "max_sessions", "max_blocks_per_session",
     "shutdown_timeout", "admin_socket_mode", "max_sequences_per_session", "max_tokens_per_call",
-    "lease_seconds", "max_string_bytes",
+    "lease_seconds", "max_string_bytes", "max_classes", "max_classes_per_tenant",
 })
 
 
@@ -231,6 +235,8 @@ _PARSERS = {
     "lease_seconds": _float,
     "max_string_bytes": _int,
     "tenant_by": str,
+    "max_classes": _int,
+    "max_classes_per_tenant": _int,
 }
 KEYS = tuple(f.name for f in fields(Config))
 assert set(KEYS) == set(_PARSERS)
@@ -241,7 +247,7 @@ def _validate(cfg: Config, sources: Mapping[str, str]) -> None:
         return ConfigError(f"{key} = {getattr(cfg, key)!r} ({sources.get(key, 'default')}): {why}")
 
     for key in ("max_reserve_blocks", "max_sessions", "max_blocks_per_session", "max_sequences_per_session",
-                "max_tokens_per_call", "max_string_bytes"):
+                "max_tokens_per_call", "max_string_bytes", "max_classes", "max_classes_per_tenant"):
         if getattr(cfg, key) > MAX_COUNT:
             raise bad(key, f"must be at most {MAX_COUNT} (the wire and block ids are 32-bit)")
     if cfg.max_tokens_per_call > MAX_TOKENS_PER_CALL:
@@ -298,6 +304,9 @@ def _validate(cfg: Config, sources: Mapping[str, str]) -> None:
         raise bad("max_tokens_per_call", "must be >= 0 (0: no limit)")
     if cfg.max_string_bytes < 0:
         raise bad("max_string_bytes", "must be >= 0 (0: no limit)")
+    for key in ("max_classes", "max_classes_per_tenant"):
+        if getattr(cfg, key) < 0:
+            raise bad(key, "must be >= 0 (0: no cap)")
     if cfg.shutdown_timeout < 0:
         raise bad("shutdown_timeout", "must be >= 0 seconds")
     if not cfg.metrics_address:
