@@ -63,10 +63,23 @@ class Backend(ABC):
     name: str
     #: whether several layout classes may each map the whole pool's size (sparse memory)
     supports_many_classes: bool = True
+    #: the open arenas, which ``close`` closes (each backend fills it in ``create_arena``)
+    _arenas: list
 
     @abstractmethod
     def create_arena(self, tag: str, nbytes: int) -> Arena:
         """A fresh arena of ``nbytes`` virtual bytes; ``tag`` names it for operators."""
+
+    def close_arena(self, arena: Arena) -> None:
+        """Close one arena of this backend now (its layout class was dropped), and forget it.
+
+        Args:
+            arena: an arena ``create_arena`` made.
+        """
+        arenas = self._arenas
+        arena.close()
+        if arena in arenas:
+            arenas.remove(arena)
 
     @abstractmethod
     def close(self) -> None:
