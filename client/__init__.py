@@ -22,6 +22,7 @@ _WHERE = {
     "KvpoolError": "errors", "InvalidArgument": "errors", "NotFound": "errors", "OutOfBlocks": "errors",
     "PermissionDenied": "errors", "FailedPrecondition": "errors", "SessionExpired": "errors",
     "Unavailable": "errors", "DaemonError": "errors", "TooManySessions": "errors",
+    "TooManyClasses": "errors",
     "ClassStats": "stats", "ClientInfo": "stats", "PoolStats": "stats", "SequenceInfo": "stats",
     "TierStats": "stats",
 }

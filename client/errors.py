@@ -55,6 +55,20 @@ class TooManySessions(KvpoolError):
 TOO_MANY_SESSIONS_PREFIX = "too many sessions:"
 
 
+class TooManyClasses(KvpoolError):
+    """A new layout (geometry) would exceed the daemon's ``max_classes`` or ``max_classes_per_tenant`` and
+    no idle class could be reclaimed; detach a model of another geometry or ask for a higher cap.
+
+    Not an ``OutOfBlocks``: the pool may have plenty of room.
+    """
+
+    code = "RESOURCE_EXHAUSTED"
+
+
+# The daemon's TooManyClasses message starts with this (kvpoold.core.errors)
+TOO_MANY_CLASSES_PREFIX = "too many layout classes:"
+
+
 class FailedPrecondition(KvpoolError, RuntimeError):
     code = "FAILED_PRECONDITION"
 
@@ -94,6 +108,8 @@ def from_rpc_error(exc: grpc.RpcError, address: str) -> KvpoolError:
         details = f"kvpoold is not reachable at {address} ({details})"
     elif name == "RESOURCE_EXHAUSTED" and (details or "").startswith(TOO_MANY_SESSIONS_PREFIX):
         kind = TooManySessions
+    elif name == "RESOURCE_EXHAUSTED" and (details or "").startswith(TOO_MANY_CLASSES_PREFIX):
+        kind = TooManyClasses
     err = kind(details or name)
     err.code = name
     return err

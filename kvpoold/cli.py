@@ -26,7 +26,8 @@ EPILOG = """examples:
 precedence: defaults < TOML file < KVPOOL_<KEY> environment variables < flags.
 signals: SIGHUP reloads the settings that can change live (log_level, grace_seconds, lease_seconds,
   max_reserve_blocks, max_sessions, max_blocks_per_session, shutdown_timeout,
-  admin_socket_mode, max_sequences_per_session, max_tokens_per_call, max_string_bytes) and logs the others as needing a restart; SIGTERM/SIGINT stop
+  admin_socket_mode, max_sequences_per_session, max_tokens_per_call, max_string_bytes, max_classes,
+  max_classes_per_tenant) and logs the others as needing a restart; SIGTERM/SIGINT stop
   gracefully (clients are told and get shutdown_timeout seconds to detach).
 
 exit codes: 0 stopped cleanly, 2 bad configuration or cannot start"""
@@ -71,6 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-string-bytes",
                    help="limit: bytes of a client's name, model id, revision, dtype; extra keys 4x (default 1024; "
                         "0: none)")
+    p.add_argument("--max-classes",
+                   help="cap: layout classes (distinct geometries) a device pool keeps at once; idle ones are "
+                        "reclaimed, least recently used first, to make room (default 64; 0: none)")
+    p.add_argument("--max-classes-per-tenant",
+                   help="cap: layout classes one tenant keeps at once on a device pool (default 16; 0: none)")
     p.add_argument("--shutdown-timeout", help="on SIGTERM, seconds to wait for clients to detach (default 30)")
     p.add_argument("--metrics-port", help="serve Prometheus metrics on this TCP port (default 0: off)")
     p.add_argument("--metrics-address", help="address of the metrics endpoint (default 127.0.0.1)")
@@ -114,6 +120,7 @@ FLAG_KEYS = (
     "socket_group", "admin_socket", "admin_socket_mode", "max_blocks_per_session", "shutdown_timeout",
     "metrics_port", "metrics_address",
     "max_sequences_per_session", "max_tokens_per_call", "lease_seconds", "max_string_bytes",  # limits, lease
+    "max_classes", "max_classes_per_tenant",  # caps on layout classes
     "host_bytes", "disk_dir", "disk_bytes",  # tiers
     "tenant_by",
     "cuda_memory", "release_after_seconds",  # elastic GPU memory

@@ -170,6 +170,10 @@ class Config:
     remote_timeout: float = 0.05  # a remote lookup past this counts as a miss, seconds
     remote_write: str = "through"  # through: every written block; evict: blocks leaving the last local tier
     events_stream: str = ""  # also publish KV events to this Redis stream (XADD, capped); "": not
+    # layout classes (distinct tenant + geometry) one device pool keeps at once, in all and per tenant; 0: no cap.
+    # Idle ones (no session, only cached blocks) are reclaimed, least recently used first, to make room.
+    max_classes: int = 64
+    max_classes_per_tenant: int = 16
 
     def effective_pool_bytes(self) -> int:
         return self.pool_bytes or (1 << 30)
@@ -213,7 +217,7 @@ def _gid(group: str) -> int:
 LIVE_KEYS = frozenset({
     "log_level", "grace_seconds", "max_reserve_blocks", "max_sessions", "max_blocks_per_session",
     "shutdown_timeout", "admin_socket_mode", "max_sequences_per_session", "max_tokens_per_call",
-    "lease_seconds", "max_string_bytes", "release_after_seconds",
+    "lease_seconds", "max_string_bytes", "release_after_seconds", "max_classes", "max_classes_per_tenant",
 })
 
 
@@ -256,6 +260,8 @@ _PARSERS = {
     "remote_timeout": _float,
     "remote_write": str,
     "events_stream": str,
+    "max_classes": _int,
+    "max_classes_per_tenant": _int,
 }
 KEYS = tuple(f.name for f in fields(Config))
 assert set(KEYS) == set(_PARSERS)
@@ -266,7 +272,7 @@ def _validate(cfg: Config, sources: Mapping[str, str]) -> None:
         return ConfigError(f"{key} = {getattr(cfg, key)!r} ({sources.get(key, 'default')}): {why}")
 
     for key in ("max_reserve_blocks", "max_sessions", "max_blocks_per_session", "max_sequences_per_session",
-                "max_tokens_per_call", "max_string_bytes"):
+                "max_tokens_per_call", "max_string_bytes", "max_classes", "max_classes_per_tenant"):
         if getattr(cfg, key) > MAX_COUNT:
             raise bad(key, f"must be at most {MAX_COUNT} (the wire and block ids are 32-bit)")
     if cfg.max_tokens_per_call > MAX_TOKENS_PER_CALL:
@@ -325,6 +331,9 @@ def _validate(cfg: Config, sources: Mapping[str, str]) -> None:
         raise bad("max_tokens_per_call", "must be >= 0 (0: no limit)")
     if cfg.max_string_bytes < 0:
         raise bad("max_string_bytes", "must be >= 0 (0: no limit)")
+    for key in ("max_classes", "max_classes_per_tenant"):
+        if getattr(cfg, key) < 0:
+            raise bad(key, "must be >= 0 (0: no cap)")
     if cfg.shutdown_timeout < 0:
         raise bad("shutdown_timeout", "must be >= 0 seconds")
     if cfg.release_after_seconds < 0:

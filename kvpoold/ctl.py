@@ -254,6 +254,8 @@ def stats_table(st: PoolStats) -> Table:
                       *(per_tier and [per_tier(t) for _, t in lower] or blank))
 
     row("layout", lambda c: c.geometry)
+    if any(c.tenant for _, c in classes):
+        row("tenant", lambda c: c.tenant)
     row("models", lambda c: ", ".join(c.models))
     row("block size", lambda c: human_bytes(c.block_bytes))
     row("memory mapped / released", lambda c: f"{human_bytes(c.mapped_bytes)} / {human_bytes(c.released_bytes)}")

@@ -48,6 +48,7 @@ class ClassStats:
     released_bytes: int = 0  # slabs given back so far (to other classes, unassigned memory, a shrink)
     reserved_bytes: int = 0  # the class's virtual range (its whole id space); no memory behind it by itself
     remote_hit_blocks: int = 0  # of promoted: prefix hits the remote tier answered
+    tenant: str = ""  # who may use the class ("uid 1000", "gid 100"; "" when tenants are not told apart)
 
     @property
     def hit_rate(self) -> float:

@@ -11,6 +11,7 @@ from .errors import (
     LayoutDoesNotFit,
     NotOwner,
     OutOfBlocks,
+    TooManyClasses,
     UnknownSequence,
     WrongState,
 )
@@ -32,7 +33,7 @@ from .tiers import Move, Tier, TierPlacement
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES", "ChunkBudget", "LayoutClass", "InvalidArgument", "KvpoolError",
-    "LayoutDoesNotFit", "NotOwner", "OutOfBlocks", "UnknownSequence", "WrongState", "DTYPE_SIZES",
+    "LayoutDoesNotFit", "NotOwner", "OutOfBlocks", "TooManyClasses", "UnknownSequence", "WrongState", "DTYPE_SIZES",
     "Geometry", "KVCacheManager", "BlockCopy", "ClassStats", "ExtendItem", "ExtendDeltas",
     "LookupResult", "ManagerStats", "SeqDelta", "PageTable", "ResizeResult", "TierStats", "Move", "Tier",
     "TierPlacement",

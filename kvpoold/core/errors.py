@@ -58,3 +58,17 @@ class OutOfBlocks(KvpoolError, MemoryError):
         self.needed = needed
         self.available = available
         super().__init__(f"out of {what}: needed {needed}, available {available}")
+
+
+#: a ``TooManyClasses`` message starts with this: the client tells it from a full pool by it
+TOO_MANY_CLASSES_PREFIX = "too many layout classes:"
+
+
+class TooManyClasses(KvpoolError):
+    """A new layout class would exceed ``max_classes`` or ``max_classes_per_tenant`` even after idle
+    classes were reclaimed; nothing was changed."""
+
+    code = "RESOURCE_EXHAUSTED"
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(f"{TOO_MANY_CLASSES_PREFIX} {detail}")

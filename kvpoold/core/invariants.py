@@ -81,3 +81,4 @@ class InvariantChecks(ManagerState):
             used_chunks += len(pool.slots) * pool.slab_chunks
         assert used_chunks + self.budget.free == self.budget.total, "chunks lost or double counted"
         self.placement.check()
+        self.check_class_registry()

@@ -28,6 +28,7 @@ import numpy as np
 
 from .block_pool import LayoutClass
 from .elastic import Elastic
+from .classes import ClassLifecycle
 from .errors import InvalidArgument, OutOfBlocks
 from .extend import Extending
 from .hashing import chain_hashes, pack_tokens, root_hash
@@ -43,7 +44,7 @@ from .tiers import MovePlan, Tier
 
 
 class KVCacheManager(
-    Extending, Swapping, TransferHolds, Reserves, Elastic, Statistics, InvariantChecks, ManagerState
+    Extending, Swapping, TransferHolds, Reserves, Elastic, Statistics, InvariantChecks, ClassLifecycle, ManagerState
 ):
     """Block bookkeeping for a whole pool of several layout classes."""
 

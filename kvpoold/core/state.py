@@ -157,7 +157,8 @@ class ManagerState:
             self._counters[class_id].demoted_blocks += placed
 
     def class_pool(self, class_id: int) -> LayoutClass:
-        if type(class_id) is not int or not 0 <= class_id < len(self.classes):
+        if type(class_id) is not int or not 0 <= class_id < len(self.classes) \
+                or self.classes[class_id].geometry is None:  # a dropped class's placeholder (``classes.VacantClass``)
             raise InvalidArgument(f"unknown layout class {class_id!r}")
         return self.classes[class_id]
 

@@ -19,6 +19,8 @@ class Statistics(ManagerState):
                 reserved[cls] += len(r)
         classes = []
         for pool, c in zip(self.classes, self._counters):
+            if pool.geometry is None:  # a dropped class (``classes.VacantClass``)
+                continue
             classes.append(
                 ClassStats(
                     class_id=pool.class_id,
@@ -45,6 +47,7 @@ class Statistics(ManagerState):
                     mapped_bytes=len(pool.slots) * pool.slab_bytes,
                     released_bytes=pool.released_slabs * pool.slab_bytes,
                     remote_hit_blocks=c.remote_hit_blocks,
+                    tenant=pool.geometry.tenant,
                 )
             )
         tiers = tuple(

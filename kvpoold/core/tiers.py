@@ -44,9 +44,11 @@ batch that takes their room), and it stays an executable order.
 from __future__ import annotations
 
 from array import array
+from collections import Counter
 from dataclasses import dataclass
 from enum import IntEnum
 from itertools import groupby
+from operator import itemgetter
 
 import numpy as np
 
@@ -179,6 +181,9 @@ class TierIndex:
         #: case) a batch's bytes are a multiplication, with no pass over its keys
         self._counts: dict[int, int] = {}
         self._order = _tier_policy(policy)  # evictable keys only
+        #: class id -> entries of that class here: whether a class still has blocks is one lookup (a class
+        #: with none may be dropped, ``ClassLifecycle``); kept with C-level counts per batch
+        self._per_class: dict[int, int] = {}
         # counters (blocks): placed here (from the device or the tier above), taken back
         # towards the device, dropped (the disk's LRU tail, or nowhere left to go)
         self.blocks_in = 0
@@ -207,6 +212,25 @@ class TierIndex:
             self._counts[nbytes] = left
         else:
             del self._counts[nbytes]
+
+    def _count_classes(self, keys: list, sign: int) -> None:
+        per = self._per_class
+        for cid, m in Counter(map(itemgetter(0), keys)).items():
+            left = per.get(cid, 0) + sign * m
+            if left:
+                per[cid] = left
+            else:
+                del per[cid]
+
+    def entries_of(self, class_id: int) -> int:
+        """Entries of class ``class_id`` here."""
+        return self._per_class.get(class_id, 0)
+
+    def keys_of(self, class_id: int) -> list:
+        """Every key of class ``class_id`` here (a pass over the tier: for reclaiming a class, not per call)."""
+        if not self._per_class.get(class_id):
+            return []
+        return [k for k in self._sizes if k[0] == class_id]
 
     def _uncount(self, sizes: list[int]) -> None:
         if not sizes:
@@ -259,6 +283,7 @@ class TierIndex:
         self._sizes.update(new)  # the stored hashes: no key is hashed again
         assert len(new) == m and len(self._sizes) == before + m, "a key added twice"
         self._count(nbytes, m)
+        self._count_classes(keys, 1)
         self.used += c
         if pinned:
             self.pinned += c
@@ -274,6 +299,7 @@ class TierIndex:
         """
         sizes = list(map(self._sizes.pop, keys))
         self._uncount(sizes)
+        self._count_classes(keys, -1)
         total = self._charges(sizes)
         self.used -= total
         if pinned:
@@ -339,6 +365,7 @@ class TierIndex:
         self.used -= got
         out = list(map(sizes.pop, keys))
         self._uncount(out)
+        self._count_classes(keys, -1)
         return keys, out
 
     def pinned_keys(self) -> set:
@@ -352,6 +379,7 @@ class TierIndex:
         for n in self._sizes.values():
             counts[n] = counts.get(n, 0) + 1
         assert counts == self._counts, "tier size counts are off"
+        assert Counter(k[0] for k in self._sizes) == Counter(self._per_class), "tier class counts are off"
 
 
 class TierPlacement:
@@ -528,6 +556,10 @@ class TierPlacement:
             sizes = index.remove_many(run, pinned)
             if plan is not None:
                 plan.add_many(run, index.tier, DROP, -1, sizes)
+
+    def entries_of(self, class_id: int) -> int:
+        """Entries of class ``class_id`` in every lower tier (one lookup per tier)."""
+        return sum(index.entries_of(class_id) for index in self.lower)
 
     def forget(self, key: Key) -> bool:
         """Forget an evictable key whose bytes were lost (counted as dropped); False if pinned or absent."""

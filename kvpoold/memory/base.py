@@ -67,6 +67,8 @@ class Backend(ABC):
     exact_slabs: bool = False
     #: how the memory is made, for operators ("shm", "vmm", "ipc")
     memory: str = ""
+    #: the open arenas, which ``close`` closes (each backend fills it in ``create_arena``)
+    _arenas: list
 
     @abstractmethod
     def create_arena(self, tag: str, nbytes: int, class_id: int = 0, tenant: str = "") -> Arena:
@@ -74,6 +76,17 @@ class Backend(ABC):
 
     def settle(self) -> None:
         """After a round of commits and releases: give back what no class uses (VMM); a no-op elsewhere."""
+
+    def close_arena(self, arena: Arena) -> None:
+        """Close one arena of this backend now (its layout class was dropped), and forget it.
+
+        Args:
+            arena: an arena ``create_arena`` made.
+        """
+        arenas = self._arenas
+        arena.close()
+        if arena in arenas:
+            arenas.remove(arena)
 
     @abstractmethod
     def close(self) -> None:

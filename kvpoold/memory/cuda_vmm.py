@@ -155,6 +155,10 @@ class VmmBackend(Backend):
         self.arenas[class_id] = arena
         return arena
 
+    def close_arena(self, arena: VmmArena) -> None:
+        """Close one class's range (its class was dropped): its chunks drain or go back to the GPU."""
+        arena.close()
+
     # -- chunks ------------------------------------------------------------------------
     def map_chunk(self, arena: VmmArena, vrange: VirtualRange, index: int) -> None:
         placed = self.ledger.place(arena.class_id, index)

@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 
 from kvpoold.config import Config
 from kvpoold.core import Geometry, InvalidArgument, KVCacheManager
+from kvpoold.core.block_pool import choose_slab_chunks
 from kvpool.ipc import DeviceMismatch
 from kvpool.protocol import ArenaDescriptor
 from kvpool.protocol.stats import DeviceStats
@@ -35,6 +36,7 @@ from kvpoold.memory import Arena, Backend
 
 from .access import Limits, Quotas
 from .events import EventBus
+from .classes import ClassSessions
 from .session_pool import PoolSession
 from .tiers import TIER_ALIGN, Tiers, resolve_disk_dir
 
@@ -118,6 +120,7 @@ class DevicePool:
         self.quotas = Quotas(self)  # per-session limits (access.py), checked before the core allocates
         self.limits = Limits(self)  # sequences per session, tokens per call
         self.sessions = 0  # bound to this pool now
+        self.classes = ClassSessions(self)  # sessions per class; reclaims unused classes, enforces the caps
         self.on_remap = lambda session_ids: None  # the service tells those clients to sync their chunks
         if hasattr(backend, "ledger"):
             backend.notify = lambda viewers: self.on_remap(viewers)
@@ -138,24 +141,27 @@ class DevicePool:
         start; those still in flight are returned (``tiers.Tiers.sync``).
         """
 
-        def apply_slabs():
-            changes = self.manager.drain_slab_changes()
-            # releases first: the memory a class gives up backs what another takes in the same round
-            for kind, cls, offset, nbytes in changes:
-                if kind == "release":
-                    self.arenas[cls].release(offset, nbytes)
-            for kind, cls, offset, nbytes in changes:
-                if kind == "take":
-                    self.arenas[cls].commit(offset, nbytes)
-            self.backend.settle()
-
         try:
-            return self.tiers.sync(apply_slabs)
+            started = self.tiers.sync(self._apply_slab_changes)
         finally:
             if self.events is not None:
                 journal = self.manager.drain_journal()
                 if journal:
                     self.events.report(journal, None, self._describe, self.index)
+        if self.classes.idle:
+            self.classes.reclaim()
+        return started
+
+    def _apply_slab_changes(self) -> None:
+        changes = self.manager.drain_slab_changes()
+        # releases first: the memory a class gives up backs what another takes in the same round
+        for kind, cls, offset, nbytes in changes:
+            if kind == "release":
+                self.arenas[cls].release(offset, nbytes)
+        for kind, cls, offset, nbytes in changes:
+            if kind == "take":
+                self.arenas[cls].commit(offset, nbytes)
+        self.backend.settle()
 
     def _report(self, plan) -> None:
         """The moves the core planned, as KV events (the journal follows in ``sync_memory``)."""
@@ -167,6 +173,9 @@ class DevicePool:
 
     def open_class(self, geometry: Geometry) -> tuple[int, ArenaDescriptor, int, int]:
         """The layout class of ``geometry`` with its arena: (class id, descriptor, blocks, block bytes)."""
+        if self.manager.class_of(geometry) is None:
+            choose_slab_chunks(geometry.block_bytes, self.manager.budget.chunk_bytes, self.manager.budget.total)
+            self.classes.make_room(geometry.tenant)  # TooManyClasses, before anything changes
         known = self.manager.class_of(geometry) in self.arenas  # classes of the disk tier have no arena
         if not known and self.arenas and not self.backend.supports_many_classes:
             raise InvalidArgument(
@@ -174,6 +183,7 @@ class DevicePool:
                 f"serves {self.manager.classes[next(iter(self.arenas))].geometry.describe()}"
             )
         cid = self.manager.register_class(geometry)
+        self.classes.opened(cid)
         pool = self.manager.classes[cid]
         if cid not in self.arenas:
             # if this fails, the class stays registered but owns nothing; a later attach retries
@@ -207,6 +217,18 @@ class DevicePool:
         if n:
             self.sync_memory()
         return n
+
+    def close_class(self, class_id: int) -> None:
+        """Drop a class nothing is left of (``manager.can_drop_class``): its memory, its arena (descriptor and
+        mapping) and its tier registrations go, and its id is free for the next new geometry."""
+        self.manager.drop_class(class_id)
+        self._apply_slab_changes()  # the dropped class's slabs: its id is reusable once they are drained
+        self.tiers.remove_arena(class_id)
+        arena = self.arenas.pop(class_id, None)
+        if arena is not None:
+            self.backend.close_arena(arena)
+        self.models.pop(class_id, None)
+        log.debug("%s: class %d reclaimed", self.name, class_id)
 
     # -- sessions -------------------------------------------------------------------
     def drop_owner(self, owner: int) -> int:

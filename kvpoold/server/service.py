@@ -137,9 +137,14 @@ class Service:
             check_string(self.config, what, value)
         pool = self.pools.choose(device_bus_id)
         cid, descriptor, num_blocks, block_bytes = pool.open_class(geometry)
-        session = self.sessions.add(name or "client", pid, model_key, cid)
+        try:
+            session = self.sessions.add(name or "client", pid, model_key, cid)
+        except BaseException:
+            pool.classes.reclaim()  # a class opened for nobody goes at once
+            raise
         session.creds = creds
         self.pools.bind(PoolSession(self, session, pool))
+        pool.classes.attached(cid)
         pool.models.setdefault(cid, set()).add(model_key)
         log.info("attach: session %d (%s, pid %d) model %s on %s class %d %s", session.id, printable(session.name),
                  session.pid, printable(model_key), pool.name, cid, printable(geometry.describe()))
@@ -193,6 +198,7 @@ class Service:
 
     def drop(self, session: Session, reason: str) -> int:
         pool = self.pools.of(session)
+        pool.classes.detached(session.class_id)  # before the sync of drop_owner, which reclaims the class if it can
         released = pool.drop_owner(session.id)
         self.sessions.remove(session)
         self.pools.unbind(session.id)
@@ -278,7 +284,7 @@ class Service:
         """Drop cached blocks, oldest first, pool by pool (``class_id``: that class in every pool that has it)."""
         pools = list(self.pools)
         if class_id is not None:
-            having = [p for p in pools if 0 <= class_id < len(p.manager.classes)]
+            having = [p for p in pools if p.manager.has_class(class_id)]
             pools = having or pools[:1]  # none has it: the core's error names the class
         evicted = 0
         for pool in pools:

@@ -216,6 +216,20 @@ class Tiers:
         store.count_lookup(asked, len(got.payloads))
         return got.payloads
 
+    def remove_arena(self, class_id: int) -> None:
+        """A class was dropped (no block of it is left in any tier): forget its arena and its disk layout binding.
+
+        The arena's view is let go here so that closing the arena unmaps it; its id may name another
+        geometry next, which ``add_arena`` binds afresh.
+        """
+        self.batch_of.pop(class_id, None)
+        if self.engine is None:
+            return
+        self.engine.remove_class(class_id)
+        disk = self.engine.disk
+        if disk is not None:
+            disk.gid_of.pop(class_id, None)
+
     # -- after each core call -----------------------------------------------------------------------------
     def sync(self, apply_slabs) -> list:
         """Run the moves the last core call planned; ``apply_slabs`` runs between reads and writes.

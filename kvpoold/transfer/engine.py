@@ -259,6 +259,10 @@ class TransferEngine:
         """Bytes of class ``class_id`` live in ``pool`` (torch uint8 [blocks, block_bytes]; None: none yet)."""
         self.classes[class_id] = _Class(block_bytes, pool)
 
+    def remove_class(self, class_id: int) -> None:
+        """Class ``class_id`` was dropped: let go of its arena's view (the arena can then be unmapped)."""
+        self.classes.pop(class_id, None)
+
     def post(self, fn) -> None:
         """Queue ``fn`` to run on the loop's thread (from any thread)."""
         self._q.put(fn)

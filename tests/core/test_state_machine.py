@@ -15,11 +15,13 @@ copy-on-write, eviction, demotion, promotion and swapping never mix data up.
 from __future__ import annotations
 
 import hypothesis.strategies as st
+import pytest
 from hypothesis import HealthCheck, event, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvpoold.core import (
     ExtendItem,
+    InvalidArgument,
     Geometry,
     InvalidArgument,
     KVCacheManager,
@@ -62,6 +64,7 @@ class CoreMachine(RuleBasedStateMachine):
         # head_dim 4: 16*bs bytes a block, slabs filled exactly; 3: 12*bs bytes, slabs with a tail unless exact
         # (then 3 chunks each); ``room``: chunks the pool may grow by
         block_bytes = 4 * head_dim * bs
+        self.base_bs = bs
         limit = max(chunks + room, 3 if exact else 1)
         self.m = KVCacheManager(chunks * 128, chunk_bytes=128, host_bytes=host * block_bytes,
                                 disk_bytes=disk * block_bytes, max_reserve_blocks=3, max_pool_bytes=limit * 128,
@@ -443,6 +446,46 @@ class CoreMachine(RuleBasedStateMachine):
         if chunks:
             event("idle slabs released")
 
+    # -- classes: drop, evict whole, re-register ----------------------------------------
+    @rule(which=st.integers(0, 1), evict_first=st.booleans())
+    def drop_class(self, which, evict_first):
+        """Drop a class once nothing of it is left (evicting its whole cache first if idle); its id is reused."""
+        cls = self.cls[which % len(self.cls)]
+        if evict_first and self.m.holds_nothing_in(cls):
+            self.m.evict_class(cls)
+            self.apply_moves()
+            event("class evicted whole")
+        if not self.m.can_drop_class(cls):
+            self.guarded(lambda: self.m.drop_class(cls), (WrongState,))
+            return
+        pool = self.m.classes[cls]
+        slots = set(pool.slots)
+        free_before = self.m.budget.free
+        self.m.drop_class(cls)
+        assert self.m.budget.free == free_before + len(slots) * pool.slab_chunks
+        assert self.mapped[cls] == slots
+        self.apply_slabs()  # the memory backend releases every slab the dropped class had
+        assert not self.mapped[cls], "a dropped class's slabs were not released"
+        assert all(c.class_id != cls for c in self.m.stats().classes), "stats list a dropped class"
+        with pytest.raises(InvalidArgument):
+            self.m.class_pool(cls)
+        # released memory reads zeros: the fake bytes of the class are gone, and so are its prefixes
+        self.memory = {k: v for k, v in self.memory.items() if k[0] != cls}
+        self.known = {k for k in self.known if k[0] != cls}
+        event("class dropped")
+        self.register_again(which, cls)
+
+    def register_again(self, which, dropped):
+        self.generation = getattr(self, "generation", 0) + 1  # a geometry never seen before
+        geometry = Geometry(1, 1, 4, "float16", self.base_bs * (1 + which), tenant=f"t{self.generation}")
+        lowest = min(c for c, p in enumerate(self.m.classes) if p.geometry is None)
+        cid = self.m.register_class(geometry)
+        assert cid == lowest, f"a new class took id {cid}, not the lowest vacant one {lowest}"
+        assert self.m.register_class(geometry) == cid
+        self.cls[self.cls.index(dropped)] = cid
+        if len(set(self.cls)) < len(self.cls):  # both slots named the dropped class
+            self.cls = [cid]
+
     # -- invariants ------------------------------------------------------------------
     @invariant()
     def consistent(self):
@@ -467,6 +510,7 @@ class CoreMachine(RuleBasedStateMachine):
                 assert data == self.expected[key[1]], f"lower-tier block {key} holds {data}"
         for key, data in self.remote.items():
             assert data == self.expected[key[1]], f"remote block {key} holds {data}"
+        assert len(self.m.classes) <= 2, "dropped ids were not reused"
         for pool in self.m.classes:
             for digest, b in pool.prefix.digest_items():
                 assert self.memory[(pool.class_id, b)] == self.expected[digest], f"device block {b} is wrong"

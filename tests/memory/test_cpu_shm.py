@@ -247,3 +247,16 @@ def test_descriptor_dict_roundtrip(backend):
     assert ArenaDescriptor.from_dict({**d, "future_field": 1}) == arena.descriptor
     client = open_arena(d, fd=os.dup(arena.fileno()))
     assert client.as_tensor("uint8", (16,)).numel() == 16
+
+
+def test_close_arena_gives_back_its_descriptors_and_forgets_it(backend):
+    """A dropped class's arena goes at once: its memfd and the mapping's own copy of it are closed."""
+    before = len(os.listdir("/proc/self/fd"))
+    arenas = [backend.create_arena(f"c{i}", MiB) for i in range(5)]
+    for a in arenas:
+        a.commit(0, MiB)
+    assert len(os.listdir("/proc/self/fd")) == before + 2 * len(arenas)
+    for a in arenas:
+        backend.close_arena(a)
+    assert len(os.listdir("/proc/self/fd")) == before
+    assert backend._arenas == []

@@ -76,6 +76,9 @@ def main() -> None:
         elif action == "fork":
             seq = client.create_sequence(args["prompt"])
             write_tokens(client, seq, 0, args["prompt"])
+            # its full block stays cached after this process ends: that keeps the class, and so the
+            # bytes a later process peeks at (a class with nothing left is reclaimed, arena and all)
+            client.mark_written(seq)
             child = client.fork(seq)
             r = client.extend({child: [args["next"]]})
             write_tokens(client, child, len(args["prompt"]), [args["next"]])
