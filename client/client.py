@@ -184,6 +184,7 @@ class Client:
         self._kv = None
         self._closed = False
         self.rpcs = 0
+        self.chunk_sync_seconds = 0.0  # CUDA VMM: time spent mapping the pool's chunks (kvpool.handoff)
         req = pb.AttachRequest(
             name=name, pid=os.getpid(),
             layout=pb.Layout(
@@ -333,8 +334,10 @@ class Client:
         arena = self._arena
         if arena is None or not hasattr(arena, "chunk_of"):
             return
+        t0 = time.perf_counter()
         with arena.lock:
             sync_chunks(self._conn.address, self._token, arena)
+        self.chunk_sync_seconds += time.perf_counter() - t0
 
     def _ensure_mapped(self, blocks) -> None:
         """Before any of ``blocks`` is used here, every chunk they lie in is mapped (CUDA VMM).

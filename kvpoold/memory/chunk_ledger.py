@@ -57,6 +57,7 @@ class ChunkLedger:
         self.where: dict[int, tuple[int, int]] = {}  # placed chunk -> (class, index)
         self.tenant_of: dict[int, str] = {}  # every live chunk -> its tenant
         self.draining: dict[int, tuple[int, int]] = {}  # chunk -> the place it left
+        self._left: dict[tuple[int, int], int] = {}  # the place -> the chunk draining from it
         self.idle: dict[str, list[int]] = defaultdict(list)  # tenant -> chunks nobody maps
         self.maybe: dict[int, set[int]] = {}  # viewer -> chunks it may map
         self.class_of_viewer: dict[int, int] = {}
@@ -77,9 +78,10 @@ class ChunkLedger:
         self.places.pop(cid, None)
         self.tenant_of_class.pop(cid, None)
         self.generation.pop(cid, None)
-        for chunk, (c, _index) in self.draining.items():
+        for chunk, (c, index) in self.draining.items():
             if c == cid:  # the id may be given to a new class: its places are not these
                 self.draining[chunk] = GONE
+                self._left.pop((c, index), None)
         return [v for v, c in self.class_of_viewer.items() if c == cid]
 
     # -- the daemon's own mapping -------------------------------------------------------
@@ -89,7 +91,7 @@ class ChunkLedger:
         if index in places:
             raise ValueError(f"class {cid} index {index} is already placed")
         tenant = self.tenant_of_class[cid]
-        chunk = next((c for c, p in self.draining.items() if p == (cid, index)), None)
+        chunk = self._left.pop((cid, index), None)
         if chunk is not None:
             del self.draining[chunk]
             source = "draining"
@@ -111,6 +113,7 @@ class ChunkLedger:
         self.generation[cid] += 1
         if self.viewers[chunk]:
             self.draining[chunk] = (cid, index)
+            self._left[(cid, index)] = chunk
             return chunk, [v for v, m in self.maybe.items() if chunk in m]
         self.idle[self.tenant_of[chunk]].append(chunk)
         return chunk, []
@@ -170,7 +173,7 @@ class ChunkLedger:
             if self.viewers[c] == 0:
                 del self.viewers[c]
                 if c in self.draining:  # nobody maps it any more: free to reuse or release
-                    del self.draining[c]
+                    self._left.pop(self.draining.pop(c), None)
                     self.idle[self.tenant_of[c]].append(c)
 
     # -- figures and checks -------------------------------------------------------------
@@ -190,6 +193,7 @@ class ChunkLedger:
         assert len(set(idle)) == len(idle), "a chunk twice idle"
         assert not (set(idle) & set(placed)) and not (set(idle) & set(self.draining)), "an idle chunk in use"
         assert not (set(self.draining) & set(placed)), "a draining chunk placed"
+        assert self._left == {p: c for c, p in self.draining.items() if p != GONE}, "draining places wrong"
         assert set(placed) | set(self.draining) | set(idle) == set(self.tenant_of), "a chunk lost or unknown"
         counts: dict[int, int] = defaultdict(int)
         for chunks in self.maybe.values():

@@ -26,7 +26,7 @@ pytestmark = [
 
 HERE = Path(__file__).resolve().parent
 MiB = 1 << 20
-BIG = dict(model_id="big", num_layers=4, num_kv_heads=4, head_dim=128, dtype="float16")  # 256 KiB blocks
+BIG = dict(model_id="big", num_layers=4, num_kv_heads=4, head_dim=128, dtype="float16")  # 128 KiB blocks
 SMALL = dict(model_id="small", num_layers=2, num_kv_heads=8, head_dim=64, dtype="bfloat16")  # 64 KiB blocks
 
 
@@ -100,7 +100,7 @@ def test_a_class_that_frees_gives_its_chunks_to_another_while_both_run(vmm_daemo
     d = vmm_daemon("64MiB", "--release-after-seconds", "3600")
     big, small = Proc(d.socket, BIG, seed=1), Proc(d.socket, SMALL, seed=2)
     try:
-        assert big("fill", n=25, tokens=128)["held"] == 25  # 200 of the 256 big blocks the pool holds
+        assert big("fill", n=25, tokens=256)["held"] == 25  # 50 of the pool's 64 MiB
         mapped_big = {c.models: c.mapped_bytes for c in device_stats(d.socket).classes}
         r = small("fill", n=10, tokens=512)  # 20 MiB: more than is left
         assert "OutOfBlocks" in r.get("error", ""), r
@@ -122,7 +122,7 @@ def test_client_killed_while_mapping_leaves_the_daemon_whole(vmm_daemon):
     d = vmm_daemon("1GiB", "--grace-seconds", "0.5")
     filler = Proc(d.socket, BIG, seed=3)
     try:
-        filler("fill", n=300, tokens=128)  # 2400 blocks: 300 chunks for a newcomer to map
+        filler("fill", n=300, tokens=256)  # 4800 blocks: 300 chunks for a newcomer to map
         for delay in (0.0, 0.02, 0.05):
             p = subprocess.Popen([sys.executable, str(HERE / "vmm_proc.py"), d.socket,
                                   json.dumps({"layout": BIG, "seed": 9})],
@@ -148,7 +148,7 @@ def test_resize_down_and_up_under_load(vmm_daemon):
     d = vmm_daemon("256MiB", "--release-after-seconds", "3600")
     a, b = Proc(d.socket, BIG, seed=5), Proc(d.socket, SMALL, seed=6)
     try:
-        a("fill", n=40, tokens=128)  # 80 MiB held
+        a("fill", n=40, tokens=256)  # 80 MiB held
         b("fill", n=20, tokens=256)  # 20 MiB held
         with admin(d) as conn:
             (r,) = conn.resize(64 * MiB)
@@ -162,11 +162,11 @@ def test_resize_down_and_up_under_load(vmm_daemon):
             (r,) = conn.resize(64 * MiB)  # cached blocks are evicted: now it fits
         assert r["met"] and r["pool_bytes"] == 64 * MiB
         assert wait_for(lambda: device_stats(d.socket).physical_bytes <= 64 * MiB, timeout=20)
-        assert "OutOfBlocks" in a("fill", n=40, tokens=128).get("error", "")  # the ceiling holds
+        assert "OutOfBlocks" in a("fill", n=80, tokens=256).get("error", "")  # 160 MiB: the ceiling holds
         with admin(d) as conn:
             (r,) = conn.resize(256 * MiB)
         assert r["met"]
-        assert a("fill", n=40, tokens=128)["held"] >= 40 and a("verify")["bad"] == []
+        assert a("fill", n=40, tokens=256)["held"] >= 40 and a("verify")["bad"] == []
         assert b("fill", n=4, tokens=256)["held"] == 4 and b("verify")["bad"] == []
         with admin(d) as conn, pytest.raises(kvpool.InvalidArgument, match="pool_bytes must be between"):
             conn.resize(1 << 50)
@@ -178,7 +178,7 @@ def test_resize_down_and_up_under_load(vmm_daemon):
 def test_empty_slabs_go_back_to_the_gpu_after_release_after_seconds(vmm_daemon):
     d = vmm_daemon("256MiB", "--release-after-seconds", "1")
     p = Proc(d.socket, BIG, seed=7)
-    p("fill", n=20, tokens=128)
+    p("fill", n=20, tokens=256)
     assert device_stats(d.socket).physical_bytes >= 40 * MiB
     p.quit()
     with admin(d) as conn:

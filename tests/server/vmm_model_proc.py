@@ -3,7 +3,7 @@
 ``python vmm_model_proc.py SOCKET JSON`` with JSON: ``kv_heads``, ``head_dim``,
 ``dtype``, ``seed``, ``rounds`` (generations, each on fresh prompts).  Prints one
 JSON line: whether every round matched transformers' eager path (float32:
-equal tokens and close logits; float16 / bfloat16: teacher-forced logit error
+equal tokens and logits within 2e-3 * head_dim / 64; float16 / bfloat16: teacher-forced logit error
 no worse than eager's, as tests/hf does).
 """
 
@@ -38,12 +38,16 @@ def main() -> None:
             if dtype == torch.float32:
                 gen = pm.generate(prompts, max_new_tokens=8, output_logits=True)
                 ref = eager_copy(model)
-                ok, worst = True, 0.0
+                same, worst = True, 0.0
                 for p, toks, logits in zip(prompts, gen.tokens, gen.logits):
                     want_toks, want_logits = reference_generate(ref, p, 8)
                     worst = max(worst, (logits - want_logits).abs().max().item())
-                    ok &= toks == want_toks and torch.allclose(logits, want_logits, atol=2e-3, rtol=1e-3)
-                results.append({"round": r, "ok": bool(ok), "max_diff": worst})
+                    same &= toks == want_toks
+                # the float32 kernels multiply in bfloat16 hi+lo splits (about 16 mantissa bits): the error
+                # grows with head_dim (2e-3 holds at 64, tests/hf; 256 sums four times the products)
+                atol = 2e-3 * head_dim / 64
+                results.append({"round": r, "ok": bool(same and worst <= atol), "tokens_equal": bool(same),
+                                "max_diff": worst, "atol": atol})
             else:
                 ours, eager = teacher_forced_errors(pm, model, prompts)
                 results.append({"round": r, "ok": ours <= 1.5 * eager + 0.05, "ours": ours, "eager": eager})
