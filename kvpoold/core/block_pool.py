@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import Counter, deque
+from collections import deque
 from itertools import filterfalse
 from typing import Callable, Iterable
+
+import numpy as np
 
 from .errors import LayoutDoesNotFit, OutOfBlocks
 from .layout import Geometry
@@ -331,44 +333,56 @@ class LayoutClass:
         return n
 
     # -- giving memory back ----------------------------------------------------
-    def _slot_usage(self) -> tuple[Counter, Counter]:
+    def _slot_usage(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(owned slots, free blocks in each, cached blocks in each), highest slot first.
+
+        Vectorised: a class may hold hundreds of thousands of free or cached
+        blocks, and a class that needs memory asks every other class this.
+        """
+        bps, top = self.blocks_per_slab, self.max_slabs
+        slots = np.fromiter(self.slots, np.int64, len(self.slots))
+        slots[::-1].sort()
+        free = np.bincount(np.asarray(self.free, np.int64) // bps, minlength=top)
+        cached = np.bincount(np.fromiter(self.cached, np.int64, len(self.cached)) // bps, minlength=top)
+        return slots, free[slots], cached[slots]
+
+    def _unheld_slots(self, evict: bool) -> np.ndarray:
+        """Owned slots with no held block: empty ones first, then (``evict``) those holding only cached blocks."""
+        if not self.slots:
+            return np.empty(0, np.int64)
+        slots, free, cached = self._slot_usage()
         bps = self.blocks_per_slab
-        return Counter(b // bps for b in self.free), Counter(b // bps for b in self.cached)
+        empty = slots[free == bps]
+        if not evict:
+            return empty
+        return np.concatenate([empty, slots[(cached > 0) & (free + cached == bps)]])
 
     def slabs_to_give(self, evict: bool) -> int:
         """Slabs with no held block (empty ones only unless ``evict``)."""
-        if not self.slots:
-            return 0
-        free_per, cached_per = self._slot_usage()
-        bps = self.blocks_per_slab
-        return sum(
-            1 for s in self.slots
-            if free_per[s] == bps or (evict and free_per[s] + cached_per[s] == bps)
-        )
+        return len(self._unheld_slots(evict))
 
     def give_back_slabs(self, chunks: int, evict: bool) -> None:
-        """Return unheld slabs to the budget until ``chunks`` chunks were freed."""
-        free_per, cached_per = self._slot_usage()
-        bps = self.blocks_per_slab
-        empty = [s for s in self.slots if free_per[s] == bps]
-        cached_only = [s for s in self.slots if evict and 0 < cached_per[s] and free_per[s] + cached_per[s] == bps]
-        chosen: set[int] = set()
-        for slot in empty + cached_only:
-            if len(chosen) * self.slab_chunks >= chunks:
-                break
-            chosen.add(slot)
-        if not chosen:
+        """Return unheld slabs to the budget until ``chunks`` chunks were freed (high slots first)."""
+        if chunks <= 0:
             return
-        self.give_back(chosen)
+        want = -(-chunks // self.slab_chunks)
+        chosen = set(self._unheld_slots(evict)[:want].tolist())
+        if chosen:
+            self.give_back(chosen)
 
     def give_back(self, slots: set[int]) -> None:
         """Return these owned slabs, which hold no held block, to the budget (their cached blocks are evicted)."""
         bps = self.blocks_per_slab
-        doomed = [b for b in self.cached if b // bps in slots]
+        leaving = np.zeros(self.max_slabs, bool)
+        leaving[np.fromiter(slots, np.int64, len(slots))] = True
+        cached = np.fromiter(self.cached, np.int64, len(self.cached))
+        doomed = cached[leaving[cached // bps]].tolist()
         self.cached.remove_many(doomed)
         self._forget_hashes(doomed)
-        self.free = [b for b in self.free if b // bps not in slots]
-        self.free.sort(reverse=True)  # compact: later allocations take low slots first
+        free = np.asarray(self.free, np.int64)
+        kept = free[~leaving[free // bps]]
+        kept[::-1].sort()  # compact: later allocations take low slots first
+        self.free = kept.tolist()
         for slot in slots:
             self.slots.remove(slot)
             heapq.heappush(self._returned, slot)
