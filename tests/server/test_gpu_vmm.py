@@ -231,3 +231,40 @@ def test_many_geometries_attach_one_after_another(vmm_daemon):
             kv[seq.block_table.tolist()] = 1
             torch.cuda.synchronize()
             assert bool((kv[seq.block_table.tolist()] == 1).all())
+
+
+def test_tiers_and_swaps_on_vmm_memory_are_byte_exact(vmm_daemon, tmp_path):
+    """Demotion to the host tier, promotion back, swap-out and swap-in: the daemon's copies on VMM chunks."""
+    d = vmm_daemon("8MiB", "--host-bytes", "16MiB")
+    lay = kvpool.Layout(**BIG)  # 128 KiB blocks: 64 fit the pool
+    with kvpool.connect(d.socket, name="tiers", layout=lay, device=0) as c:
+        kv = c.kv_cache()
+        flat = kv.view(kv.shape[0], -1)
+
+        def fill(seq, base):
+            for i, b in enumerate(seq.block_table.tolist()):
+                flat[b] = (torch.arange(flat.shape[1], device="cuda") % 251 + base + i).to(flat.dtype)
+            torch.cuda.synchronize()
+
+        def check(seq, base):
+            c.wait([seq])
+            for i, b in enumerate(seq.block_table.tolist()):
+                want = (torch.arange(flat.shape[1], device="cuda") % 251 + base + i).to(flat.dtype)
+                assert torch.equal(flat[b], want), f"block {i} of the sequence lost its bytes"
+
+        prompts = [[n * 1000 + t for t in range(16 * 8)] for n in range(12)]  # 96 blocks: 1.5x the pool
+        for n, p in enumerate(prompts):
+            s = c.create_sequence(p)
+            fill(s, n)
+            c.free(s)  # cached, then demoted to the host tier as the pool fills
+        assert c.stats().classes[0].demoted_blocks > 0
+        again = c.create_sequence(prompts[0])  # the oldest prompt comes back from the host tier
+        assert again.num_cached_tokens == 16 * 8
+        check(again, 0)
+        c.free(again)
+        keep = c.create_sequence([7] * 100)
+        fill(keep, 50)
+        c.mark_written(keep)
+        c.swap_out(keep)
+        (table,) = c.swap_in(keep)
+        check(keep, 50)

@@ -15,6 +15,8 @@ def tier_daemon(daemon_factory, tmp_path):
              disk_dir=None, start: bool = True):
         args = ["--backend", backend, "--pool-bytes", str(pool_blocks * BLOCK), "--chunk-bytes", "64KiB",
                 "--host-bytes", str(host_blocks * BLOCK)]
+        if backend == "cuda":  # pools of a few hundred small blocks: less than one 2 MiB VMM chunk (test_gpu_vmm.py)
+            args += ["--cuda-memory", "ipc"]
         if disk_blocks:
             args += ["--disk-bytes", str(disk_blocks * BLOCK), "--disk-dir", str(disk_dir or tmp_path / "disk")]
         return daemon_factory(*args, start=start)
