@@ -1,0 +1,330 @@
+"""The engine: requests arrive at any time and join the running batch at the next step."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from typing import Callable, Iterable, Sequence as Seq
+
+from ..errors import InvalidArgument
+from ..hf import PagedModel
+from .detok import TextTracker
+from .params import EngineConfig, SamplingParams
+from .request import Request, RequestOutput, Status
+from .runner import StepRunner
+from .sampler import Sampler
+from .scheduler import Scheduler
+from .stats import EngineStats, eos_token_ids, has_host_tier
+from .stream import RequestStream
+from .timings import StepTimings, TimingLog
+
+log = logging.getLogger("kvpool.engine")
+
+
+class Engine:
+    """Continuous batching of generation requests over a ``PagedModel`` whose KV lives in kvpool.
+
+    Thread-safe entry points: ``add_request`` / ``add_request_async``,
+    ``abort``, ``stats``.  The steps run either on a background thread
+    (``start``) or when the caller calls ``step`` (tests, benchmarks).
+
+    Args:
+        model: the ``PagedModel`` (model, client, pool).
+        tokenizer: a transformers tokenizer, needed for text prompts, text
+            outputs and stop strings; optional otherwise.
+        config: the step limits (``EngineConfig``).
+    """
+
+    def __init__(self, model: PagedModel, *, tokenizer=None, config: EngineConfig | None = None,
+                 owns_model: bool = False) -> None:
+        cfg = config or EngineConfig()
+        self.model, self.client, self.tokenizer, self.config = model, model.client, tokenizer, cfg
+        self._owns_model = owns_model
+        limit = getattr(model.model.config, "max_position_embeddings", None) or 4096
+        self.max_model_len = min(cfg.max_model_len or limit, limit)
+        self.vocab_size = model._vocab()
+        self.eos_token_ids = frozenset(cfg.eos_token_ids or eos_token_ids(model.model, tokenizer))
+        self.swap = has_host_tier(self.client)
+        self.scheduler = Scheduler(self.client, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.swap)
+        bs = model.layout.block_size
+        self.runner = StepRunner(model, cfg.max_num_batched_tokens, cfg.max_num_seqs, -(-self.max_model_len // bs))
+        self.sampler = Sampler()
+        self.timings = TimingLog()
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._inbox: list[Request] = []
+        self._aborts: list[str] = []
+        self._requests: dict[str, Request] = {}
+        self._ids: set[str] = set()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._counts = {"prompt_tokens": 0, "generation_tokens": 0, "finished_requests": 0, "steps": 0}
+
+    @classmethod
+    def connect(cls, model, address: str | None = None, *, name: str, model_id: str, revision: str = "",
+                block_size: int = 16, tokenizer=None, config: EngineConfig | None = None, **connect_kwargs):
+        """Attach ``model`` to kvpoold (``PagedModel.connect``) and make an engine on it; ``close()`` detaches."""
+        cfg = config or EngineConfig()
+        pm = PagedModel.connect(model, address, name=name, model_id=model_id, revision=revision,
+                                block_size=block_size, flush_every=cfg.flush_every, **connect_kwargs)
+        try:
+            return cls(pm, tokenizer=tokenizer, config=cfg, owns_model=True)
+        except BaseException:
+            pm.close()
+            raise
+
+    # -- requests (any thread) -------------------------------------------------------------------
+    def add_request(self, prompt: str | Seq[int], params: SamplingParams | None = None, *,
+                    request_id: str | None = None, callback: Callable | None = None,
+                    _loop: asyncio.AbstractEventLoop | None = None):
+        """Queue a request; it joins the batch at the next step.
+
+        Args:
+            prompt: token ids, or text (needs the tokenizer).
+            params: sampling and stopping (``SamplingParams``; default: its defaults).
+            request_id: a unique name (default: a fresh one).
+            callback: called on the engine thread with each ``RequestOutput``.
+
+        Returns:
+            The request's ``RequestStream``: iterate it for the updates, or ``result()``.
+
+        Raises:
+            InvalidArgument: an empty or too long prompt, unknown token ids,
+                text or stop strings without a tokenizer, a duplicate id.
+        """
+        params = params or SamplingParams()
+        ids = self.prompt_ids(prompt)
+        rid = request_id or uuid.uuid4().hex
+        stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        needs_text = self.tokenizer is not None
+        if params.stop and not needs_text:
+            raise InvalidArgument("stop strings need the engine's tokenizer")
+        stream = RequestStream(rid, loop=_loop, callback=callback)
+        text = TextTracker(self.tokenizer, params.stop, stops) if needs_text else None
+        req = Request(rid, ids, params, stream, text, self.model.device)
+        req.stop_ids = stops
+        with self._lock:
+            if rid in self._ids:
+                raise InvalidArgument(f"request id {rid!r} is already in use")
+            self._ids.add(rid)
+            self._inbox.append(req)
+            self._wake.notify()
+        return stream
+
+    def add_request_async(self, prompt: str | Seq[int], params: SamplingParams | None = None, *,
+                          request_id: str | None = None):
+        """``add_request`` from a coroutine: the returned stream is an async iterator on the running loop."""
+        return self.add_request(prompt, params, request_id=request_id, _loop=asyncio.get_running_loop())
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request: its sequence is freed at the start of the next step (at once when idle)."""
+        with self._lock:
+            self._aborts.append(request_id)
+            self._wake.notify()
+
+    def generate(self, prompts: Iterable[str | Seq[int]], params: SamplingParams | None = None) -> list[RequestOutput]:
+        """Run ``prompts`` to the end (stepping here unless the background thread runs); final outputs in order."""
+        streams = [self.add_request(p, params) for p in prompts]
+        if self._thread is None:
+            while any(s.last is None or not s.last.finished for s in streams):
+                self.step()
+        return [s.result() for s in streams]
+
+    def prompt_ids(self, prompt: str | Seq[int]) -> list[int]:
+        """The checked token ids of a prompt (text is tokenized).
+
+        Raises:
+            InvalidArgument: what ``add_request`` would refuse the prompt for.
+        """
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidArgument("a text prompt needs the engine's tokenizer; pass token ids")
+            prompt = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        ids = [int(t) for t in prompt]
+        if not ids:
+            raise InvalidArgument("the prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise InvalidArgument(f"the prompt has {len(ids)} tokens; this model takes at most "
+                                  f"{self.max_model_len - 1} (max_model_len {self.max_model_len} with one to generate)")
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            raise InvalidArgument(f"token ids must be in [0, {self.vocab_size})")
+        return ids
+
+    # -- steps (the engine thread) -----------------------------------------------------------------
+    def step(self) -> StepTimings:
+        """One scheduler step: take new requests and aborts, plan, run the forward, sample, stream.
+
+        Returns:
+            The step's ``StepTimings`` (also kept in ``timings``).
+        """
+        t, t0 = StepTimings(), time.perf_counter()
+        with t.phase("schedule"):
+            self._take_inbox(t)
+            self.scheduler.timings = t
+            plan = self.scheduler.plan()
+        t.schedule -= t.daemon  # report the two apart
+        for req, message in plan.failed:
+            self._finish(req, "error", error=message)
+        if plan.items:
+            try:
+                self._run(plan, t)
+            except Exception as exc:  # noqa: BLE001 - fail this batch's requests, keep serving the rest
+                log.exception("a step failed; its requests end with an error")
+                self._fail(plan.requests, f"the step failed: {exc!r}")
+        t.total = time.perf_counter() - t0
+        self._counts["steps"] += 1
+        self.timings.add(t)
+        return t
+
+    def _run(self, plan, t: StepTimings) -> None:
+        with t.phase("prepare"):
+            num_tokens, max_len = self.runner.prepare(plan.items)
+        t.num_tokens, t.num_seqs = num_tokens, len(plan.items)
+        t.num_prefill_tokens = sum(len(it.tokens) for it in plan.items if len(it.tokens) > 1)
+        with t.phase("forward"):
+            logits = self.runner.forward(len(plan.items), num_tokens, max_len)
+        with t.phase("sample"):
+            rows, prefilled = [], []
+            for row, (req, item) in enumerate(zip(plan.requests, plan.items)):
+                req.num_computed = item.start + len(item.tokens)
+                if req.num_computed == req.num_tokens:
+                    rows.append(row)
+                    if len(item.tokens) > 1:
+                        prefilled.append(req)
+            chosen = self.sampler.sample(logits[rows], [plan.requests[r] for r in rows]) if rows else []
+            done = [req for req, tok in zip((plan.requests[r] for r in rows), chosen) if self._append(req, tok)]
+        live = [r.seq for r in prefilled if r.finish_reason is None]
+        with t.phase("daemon"):
+            if live:  # other processes may reuse these prompts' blocks from now on
+                self.client.mark_written(live)
+            self._release(done)
+
+    def _append(self, req: Request, token: int) -> bool:
+        """Add a sampled token, check the stop conditions, stream the update; whether it finished."""
+        now = time.monotonic()
+        if req.first_token_time is None:
+            req.first_token_time = now
+        req.output.append(token)
+        self._counts["generation_tokens"] += 1
+        reason, text, hit = None, "", False
+        if token in req.stop_ids:
+            reason = "stop"
+        if req.text is not None:
+            text, hit = req.text.update(req.output)
+            reason = "stop" if hit else reason
+        if reason is None and (len(req.output) >= req.params.max_tokens or req.num_tokens >= self.max_model_len):
+            reason = "length"
+        if reason is not None:
+            req.finish_reason, req.finish_time, req.status = reason, now, Status.FINISHED
+            if req.text is not None and not hit:
+                text += req.text.flush()
+            self._forget(req)
+        req.stream.put(req.snapshot([token], text))
+        return reason is not None
+
+    def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
+        """End a request that is out of the scheduler's queues (abort, error); free its sequence."""
+        req.finish_reason, req.finish_time, req.status = reason, time.monotonic(), Status.FINISHED
+        self._forget(req)
+        if req.seq is not None:
+            self._release([req])
+        req.stream.put(req.snapshot([], req.text.flush() if req.text and reason != "error" else "", error))
+
+    def _forget(self, req: Request) -> None:
+        self.scheduler.remove(req)
+        self._requests.pop(req.id, None)
+        self._counts["finished_requests"] += 1
+        with self._lock:
+            self._ids.discard(req.id)
+
+    def _release(self, reqs: list[Request]) -> None:
+        seqs = [r.seq for r in reqs if r.seq is not None]
+        for r in reqs:
+            r.seq = None
+        if seqs:
+            self.client.free(seqs)
+
+    def _fail(self, reqs: list[Request], message: str) -> None:
+        for req in reqs:
+            if req.finish_reason is None:
+                try:
+                    self._finish(req, "error", error=message)
+                except Exception:  # noqa: BLE001 - the daemon may be the thing that failed
+                    req.seq = None
+                    req.stream.put(req.snapshot([], "", message))
+
+    def _take_inbox(self, t: StepTimings) -> None:
+        with self._lock:
+            new, self._inbox = self._inbox, []
+            aborts, self._aborts = self._aborts, []
+        for req in new:
+            self._requests[req.id] = req
+            self._counts["prompt_tokens"] += len(req.prompt)
+            self.scheduler.add(req)
+        for rid in aborts:
+            req = self._requests.get(rid)
+            if req is not None:
+                self.scheduler.remove(req)
+                with t.phase("daemon"):
+                    self._finish(req, "abort")
+
+    # -- the background thread ---------------------------------------------------------------------
+    def start(self) -> "Engine":
+        """Run steps on a background thread whenever there is work."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="kvpool-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not (self._stopping or self._inbox or self._aborts or self.scheduler.has_work):
+                    self._wake.wait()
+                if self._stopping:
+                    return
+            if not self.step().num_seqs:
+                time.sleep(0.002)  # nothing could run (the pool is held by others): do not spin on the daemon
+
+    @property
+    def running(self) -> bool:
+        """Whether the background thread is stepping."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def stop(self) -> None:
+        """Stop the background thread after its step; requests still queued end with ``"abort"``."""
+        with self._lock:
+            self._stopping = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._take_inbox(StepTimings())
+        for req in list(self._requests.values()):
+            self._finish(req, "abort")
+
+    def close(self) -> None:
+        """``stop``, then detach when the engine made the client (``connect``)."""
+        try:
+            self.stop()
+        finally:
+            if self._owns_model:
+                self.model.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def stats(self) -> EngineStats:
+        """Queue lengths and counters (read from any thread; a moment's snapshot)."""
+        s = self.scheduler
+        return EngineStats(
+            waiting=len(s.waiting) + len(self._inbox), running=len(s.running), swapped=len(s.swapped),
+            preemptions=s.num_preemptions, swaps=s.num_swaps, recomputes=s.num_recomputes,
+            prefix_hit_tokens=s.prefix_hit_tokens, **self._counts,
+        )
