@@ -115,9 +115,10 @@ class Engine:
         return stream
 
     def add_request_async(self, prompt: str | Seq[int], params: SamplingParams | None = None, *,
-                          request_id: str | None = None):
+                          request_id: str | None = None, callback: Callable | None = None):
         """``add_request`` from a coroutine: the returned stream is an async iterator on the running loop."""
-        return self.add_request(prompt, params, request_id=request_id, _loop=asyncio.get_running_loop())
+        return self.add_request(prompt, params, request_id=request_id, callback=callback,
+                                _loop=asyncio.get_running_loop())
 
     def abort(self, request_id: str) -> None:
         """Cancel a request: its sequence is freed at the start of the next step (at once when idle)."""

@@ -1,0 +1,6 @@
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "hf"))  # hf_models: the tiny models
+sys.path.insert(0, str(HERE.parent / "engine"))  # tiny_tokenizer
