@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import asdict
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -87,7 +88,7 @@ def build_app(engine, served_model_name: str) -> FastAPI:
                 if out.finish_reason == "error":
                     yield sse(error_body(out.error or "generation failed", type_="server_error"))
                     break
-                if out.new_text or out.finished or first:
+                if out.new_token_ids or out.finished or first:  # one event per token, text or not
                     yield shape.chunk(out.new_text, out.finish_reason, first=first)
                     first = False
                 if out.finished and include_usage:
@@ -121,6 +122,11 @@ def build_app(engine, served_model_name: str) -> FastAPI:
             why = "the daemon dropped this session" if expired else "the engine thread is not running"
             return JSONResponse({"status": "unhealthy", "reason": why}, status_code=503)
         return {"status": "ok"}
+
+    @app.get("/engine/stats")
+    async def engine_stats():
+        """Not OpenAI: the engine's counters and where its steps' time went (``StepTimings`` sums)."""
+        return {"stats": asdict(engine.stats()), "step_timings": engine.timings.summary()}
 
     @app.get("/metrics")
     async def prometheus():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -51,6 +52,10 @@ def serve(args: argparse.Namespace) -> int:
         app = build_app(engine, name)
         print(f"kvpool serve: {name} on http://{args.host}:{args.port} (pool: {engine.client.backend}, "
               f"swap to host tier: {engine.swap})", flush=True)
+        # uvicorn shuts down on SIGINT / SIGTERM and then raises the signal again for the handler it
+        # found; a no-op one lets this process detach from the daemon and exit 0
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: None)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
     finally:
         engine.close()

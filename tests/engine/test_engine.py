@@ -121,7 +121,7 @@ def test_seeded_sampling_is_reproducible_whatever_runs_beside_it(daemon_factory,
 
 
 def test_stop_token_ids_and_stop_strings(daemon_factory, models):
-    from tiny_tokenizer import make_tokenizer
+    from kvpool.serve.demo_model import demo_tokenizer as make_tokenizer
 
     arch, model, ref = models
     d = daemon_factory()

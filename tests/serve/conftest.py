@@ -3,4 +3,3 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "hf"))  # hf_models: the tiny models
-sys.path.insert(0, str(HERE.parent / "engine"))  # tiny_tokenizer

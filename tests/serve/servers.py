@@ -11,17 +11,7 @@ import time
 
 import httpx
 
-from hf_models import make_model
-from tiny_tokenizer import make_tokenizer
-
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def save_tiny_model(path: str) -> str:
-    """A random-weight Llama (float32) and a word-level tokenizer, saved with ``save_pretrained``."""
-    make_model("llama").save_pretrained(path)
-    make_tokenizer().save_pretrained(path)
-    return path
 
 
 def free_port() -> int:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tiny_tokenizer import make_tokenizer
+from kvpool.serve.demo_model import demo_tokenizer as make_tokenizer
 
 from kvpool.errors import InvalidArgument
 from kvpool.serve.chat import chat_prompt_ids

@@ -12,9 +12,10 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
 from hf_models import start_daemon  # noqa: E402
-from servers import Server, save_tiny_model  # noqa: E402
+from servers import Server  # noqa: E402
 
 import kvpool  # noqa: E402
+from kvpool.serve.demo_model import build_demo_model  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -29,7 +30,7 @@ def daemon(request):
 
 @pytest.fixture(scope="module")
 def servers(request, daemon, tmp_path_factory):
-    model_dir = save_tiny_model(str(tmp_path_factory.mktemp("tiny-llama")))
+    model_dir = build_demo_model(str(tmp_path_factory.mktemp("tiny-llama")))
     pair = [Server(model_dir, daemon.socket), Server(model_dir, daemon.socket)]
     for s in pair:
         request.addfinalizer(s.stop)
