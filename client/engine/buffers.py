@@ -45,6 +45,12 @@ class StepBuffers:
         self.np["block_tables"] = self.np["block_tables"].reshape(max_seqs, max_blocks)
         self.dev = {name: self._view(self.device_bytes, name) for name in self._offsets}
         self.dev["block_tables"] = self.dev["block_tables"].view(max_seqs, max_blocks)
+        self._copied = torch.cuda.Event() if pin else None  # the last upload, read from the pinned host buffer
+
+    def begin(self) -> None:
+        """Wait until the last upload has read the host buffer, before it is written again."""
+        if self._copied is not None:
+            self._copied.synchronize()
 
     def _view(self, buf: torch.Tensor, name: str) -> torch.Tensor:
         offset, count, width = self._offsets[name]
@@ -56,6 +62,7 @@ class StepBuffers:
             return
         offset = self._offsets["block_tables"][0] + num_seqs * self.max_blocks * 4
         self.device_bytes[:offset].copy_(self.host[:offset], non_blocking=True)
+        self._copied.record()
 
 
 class BlockTableRows:

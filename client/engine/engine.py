@@ -162,10 +162,16 @@ class Engine:
             The step's ``StepTimings`` (also kept in ``timings``).
         """
         t, t0 = StepTimings(), time.perf_counter()
-        with t.phase("schedule"):
-            self._take_inbox(t)
-            self.scheduler.timings = t
-            plan = self.scheduler.plan()
+        try:
+            with t.phase("schedule"):
+                self._take_inbox(t)
+                self.scheduler.timings = t
+                plan = self.scheduler.plan()
+        except Exception as exc:  # noqa: BLE001 - the daemon is gone or refused: end every request, keep the thread
+            log.exception("scheduling failed; every request ends with an error")
+            self._fail(list(self._requests.values()), f"the pool refused the step: {exc!r}")
+            t.total = time.perf_counter() - t0
+            return t
         t.schedule -= t.daemon  # report the two apart
         for req, message in plan.failed:
             self._finish(req, "error", error=message)
@@ -288,7 +294,7 @@ class Engine:
                 if self._stopping:
                     return
             if not self.step().num_seqs:
-                time.sleep(0.002)  # nothing could run (the pool is held by others): do not spin on the daemon
+                time.sleep(0.005)  # nothing could run (the pool is held by others): do not spin on the daemon
 
     @property
     def running(self) -> bool:

@@ -69,6 +69,7 @@ class StepRunner:
         total = int(counts.sum())
         if total > b.max_tokens or len(items) > b.max_seqs:
             raise ValueError(f"a step of {total} tokens / {len(items)} sequences exceeds the buffers")
+        b.begin()
         starts = np.fromiter((it.start for it in items), np.int64, len(items))
         lens = starts + counts
         cu = n["cu_seqlens_q"]

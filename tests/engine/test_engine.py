@@ -6,6 +6,8 @@ margins wide enough that tokens compare exactly).
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 import torch
 
@@ -182,3 +184,18 @@ def test_async_streams_from_the_background_thread(daemon_factory, models):
         outs = asyncio.run(main(eng))
     for p, got in zip(prompts, outs):
         assert got == reference_generate(ref, p, 8)[0]
+
+
+def test_a_daemon_that_goes_away_ends_the_requests_with_an_error(daemon_factory):
+    model = make_model("llama")
+    d = daemon_factory()
+    eng = engine(model, d, "gone").start()
+    try:
+        stream = eng.add_request(tokens(10, seed=700), ke.SamplingParams(max_tokens=480, temperature=0))
+        next(iter(stream))
+        d.stop(signal.SIGKILL)
+        final = stream.result()
+        assert final.finish_reason == "error" and final.error
+        assert eng.running  # the engine thread lives on
+    finally:
+        eng.stop()
