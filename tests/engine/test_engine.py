@@ -29,6 +29,13 @@ def models(request):
     return request.param, model, eager_copy(model)
 
 
+@pytest.fixture(scope="module")
+def llama():
+    """One architecture, for the tests whose subject is the scheduler rather than the model."""
+    model = make_model("llama")
+    return "llama", model, eager_copy(model)
+
+
 def engine(model, daemon, model_id, **cfg):
     config = ke.EngineConfig(**{"max_num_seqs": 8, "max_num_batched_tokens": 32, **cfg})
     return ke.Engine.connect(model, daemon.socket, name=model_id, model_id=model_id, block_size=8, config=config)
@@ -74,9 +81,9 @@ def test_staggered_arrivals_match_eager_generate(daemon_factory, models):
 
 
 @pytest.mark.parametrize("host_tier", [False, True], ids=["recompute", "swap"])
-def test_preempted_requests_resume_with_the_same_tokens(daemon_factory, models, host_tier):
+def test_preempted_requests_resume_with_the_same_tokens(daemon_factory, llama, host_tier):
     """A pool of 32 blocks of 8 tokens for 8 requests of up to 6 blocks each: some must be preempted."""
-    arch, model, ref = models
+    arch, model, ref = llama
     d = daemon_factory("--pool-bytes", "128KiB", "--max-reserve-blocks", "4",
                        *(["--host-bytes", "1MiB"] if host_tier else []))
     prompts = [tokens(n, seed=100 + i) for i, n in enumerate([20, 25, 14, 30, 22, 9, 27, 18])]
