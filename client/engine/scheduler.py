@@ -68,8 +68,8 @@ class Scheduler:
             if wants.get(req):
                 self._add_item(plan, req, wants[req])
                 budget -= wants[req]
-        if not plan.preempted:
-            self._resume_swapped()
+        if not plan.preempted and not plan.failed:  # a failed request frees its blocks after this step
+            self._resume_swapped(plan)
             if not self.swapped:
                 budget = self._admit(plan, budget)
         return plan
@@ -97,9 +97,12 @@ class Scheduler:
                 with self.timings.phase("daemon"):
                     self.client.extend(batch)
                 return wants
-            except OutOfBlocks:
+            except OutOfBlocks as exc:
                 if not self.running:
                     return {}
+                if len(self.running) == 1:  # alone and still short of room: resuming it would fail the same way
+                    plan.failed.append((self.running.pop(), f"the request does not fit in the pool: {exc.message}"))
+                    continue
                 self._preempt(max(self.running, key=lambda r: r.arrival))
                 plan.preempted += 1
 
@@ -129,13 +132,17 @@ class Scheduler:
         self.num_recomputes += 1
         self.add(req)
 
-    def _resume_swapped(self) -> None:
+    def _resume_swapped(self, plan: Plan) -> None:
         while self.swapped and len(self.running) < self.max_num_seqs:
             req = self.swapped[0]
             try:
                 with self.timings.phase("daemon"):
                     self.client.swap_in(req.seq)
-            except OutOfBlocks:
+            except OutOfBlocks as exc:
+                if not self.running:  # alone and still too big: it would wait for ever
+                    self.swapped.pop(0)
+                    plan.failed.append((req, f"the request does not fit in the pool: {exc.message}"))
+                    continue
                 return
             self.swapped.pop(0)
             # bytes lost on the way back (a bad checksum) are recomputed from there

@@ -206,3 +206,18 @@ def test_a_daemon_that_goes_away_ends_the_requests_with_an_error(daemon_factory)
         assert eng.running  # the engine thread lives on
     finally:
         eng.stop()
+
+
+@pytest.mark.parametrize("host_tier", [False, True], ids=["recompute", "swap"])
+def test_a_request_the_pool_cannot_hold_ends_with_an_error(daemon_factory, llama, host_tier):
+    """32 blocks of 8 tokens: a 200-token prompt fits, its growth to 400 tokens does not."""
+    _, model, _ = llama
+    d = daemon_factory("--pool-bytes", "128KiB", "--max-reserve-blocks", "4",
+                       *(["--host-bytes", "1MiB"] if host_tier else []))
+    with engine(model, d, "too-big", flush_every=4) as eng:
+        s = eng.add_request(tokens(200, seed=800), ke.SamplingParams(max_tokens=200, temperature=0))
+        small = eng.add_request(tokens(5, seed=801), ke.SamplingParams(max_tokens=4, temperature=0))
+        out, ok = finish(eng, s, small)
+        assert out.finish_reason == "error" and "does not fit" in out.error and 0 < len(out.token_ids) < 200
+        assert ok.finish_reason == "length"
+        assert eng.client.stats().sequences == 0
