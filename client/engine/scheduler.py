@@ -152,28 +152,54 @@ class Scheduler:
 
     def _admit(self, plan: Plan, budget: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            group = self._whole_prompts(budget)
+            if len(group) > 1:  # prompts that fit the budget whole: one Create call for all of them
+                try:
+                    with self.timings.phase("daemon"):
+                        seqs = self.client.create_sequences([r.all_tokens for r in group])
+                except OutOfBlocks:
+                    pass  # all or none: admit one at a time below, as far as the pool goes
+                else:
+                    for req, seq in zip(group, seqs):
+                        budget = self._start(plan, req, seq, budget)
+                    continue
             req = self.waiting[0]
             tokens = req.all_tokens
             try:
                 with self.timings.phase("daemon"):
                     cached = self.client.lookup(tokens) if len(tokens) > budget else 0
-                    req.seq = self.client.create_sequence(tokens[:min(len(tokens), cached + budget)])
+                    seq = self.client.create_sequence(tokens[:min(len(tokens), cached + budget)])
             except OutOfBlocks as exc:
                 if not self.running and not self.swapped:
                     self.waiting.pop(0)
                     plan.failed.append((req, f"the request does not fit in the pool: {exc.message}"))
                     continue
                 return budget
-            self.waiting.pop(0)
-            hit = req.seq.num_cached_tokens
-            if not req.first_admitted:
-                req.first_admitted, req.num_cached = True, hit
-                self.prefix_hit_tokens += hit
-            req.no_write_below = hit
-            req.num_computed = min(hit, len(tokens) - 1)  # a fully cached prompt recomputes its last query
-            req.status = Status.RUNNING
-            self.running.append(req)
-            want = min(req.seq.num_tokens - req.num_computed, budget)
-            self._add_item(plan, req, want)
-            budget -= want
+            budget = self._start(plan, req, seq, budget)
         return budget
+
+    def _whole_prompts(self, budget: int) -> list[Request]:
+        """The leading waiting requests whose tokens fit the budget together (and the sequence slots)."""
+        group, room = [], budget
+        for req in self.waiting:
+            if len(self.running) + len(group) >= self.max_num_seqs or req.num_tokens > room:
+                break
+            group.append(req)
+            room -= req.num_tokens
+        return group
+
+    def _start(self, plan: Plan, req: Request, seq, budget: int) -> int:
+        """A waiting request got its sequence: it runs, and computes what the pool lacks from this step on."""
+        self.waiting.remove(req)
+        req.seq = seq
+        hit = seq.num_cached_tokens
+        if not req.first_admitted:
+            req.first_admitted, req.num_cached = True, hit
+            self.prefix_hit_tokens += hit
+        req.no_write_below = hit
+        req.num_computed = min(hit, req.num_tokens - 1)  # a fully cached prompt recomputes its last query
+        req.status = Status.RUNNING
+        self.running.append(req)
+        want = min(seq.num_tokens - req.num_computed, budget)
+        self._add_item(plan, req, want)
+        return budget - want

@@ -221,3 +221,19 @@ def test_a_request_the_pool_cannot_hold_ends_with_an_error(daemon_factory, llama
         assert out.finish_reason == "error" and "does not fit" in out.error and 0 < len(out.token_ids) < 200
         assert ok.finish_reason == "length"
         assert eng.client.stats().sequences == 0
+
+
+def test_prompts_admitted_together_share_their_prefix_in_one_forward(daemon_factory, llama):
+    """One Create for both: the second finds the first's blocks, written by the same forward that reads them."""
+    _, model, ref = llama
+    d = daemon_factory()
+    shared = tokens(16, seed=900)
+    prompts = [shared + tokens(3, seed=901), shared + tokens(4, seed=902), list(shared)]
+    with engine(model, d, "together", max_num_batched_tokens=64) as eng:
+        streams = [eng.add_request(p, GREEDY) for p in prompts]
+        eng.step()
+        assert eng.timings.steps[-1].num_tokens == 19 + 4 + 1  # the third recomputes only its last query
+        outs = finish(eng, *streams)
+    assert [o.num_cached_tokens for o in outs] == [0, 16, 16]
+    for p, out in zip(prompts, outs):
+        assert list(out.token_ids) == reference_generate(ref, p, 8)[0]
