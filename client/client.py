@@ -712,6 +712,18 @@ class Client:
             row[: len(st.blocks)] = st.blocks
         return out
 
+    def block_ids(self, seq: Sequence | int, start: int = 0) -> list[int]:
+        """The physical block ids of ``seq`` from table position ``start`` on (the mirror; no call).
+
+        Args:
+            seq: a live sequence of this client.
+            start: the first table position wanted.
+
+        Returns:
+            A new list of block ids.
+        """
+        return self._state(_ids(seq)[0]).blocks[start:]
+
     def seq_lens(self, seqs: Iterable[Sequence | int]) -> np.ndarray:
         """``int32 [len(seqs)]`` token counts, matching ``block_tables``."""
         return np.asarray([self._state(i).num_tokens for i in _ids(list(seqs))], np.int32)

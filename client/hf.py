@@ -277,12 +277,31 @@ class PagedModel:
             max_seq_len=int(lens.max()),
             decode=all(c == 1 for c in counts),
         )
+        return self.run_batch(
+            torch.from_numpy(ids).to(dev), torch.from_numpy(positions).to(dev), batch,
+            torch.from_numpy(cu[1:].astype(np.int64) - 1).to(dev),
+        )
+
+    @torch.no_grad()
+    def run_batch(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: PagedBatch,
+                  logits_index: torch.Tensor) -> torch.Tensor:
+        """One forward over packed tokens whose slots and tables are already in ``batch``.
+
+        The engine's step runner calls this with views of its persistent
+        buffers; ``_run`` with tensors it builds per call.
+
+        Args:
+            input_ids: int64 ``[T]`` on the model's device, the packed new tokens.
+            positions: int64 ``[T]``, each token's position in its own sequence.
+            batch: where the tokens live in the pool (``PagedBatch``).
+            logits_index: int64 ``[N]``, the packed rows whose logits are wanted.
+
+        Returns:
+            The logits of those rows, ``[N, vocab]``.
+        """
         out = self.model(
-            input_ids=torch.from_numpy(ids).to(dev)[None],
-            position_ids=torch.from_numpy(positions).to(dev)[None],
-            use_cache=False,
-            logits_to_keep=torch.from_numpy(cu[1:].astype(np.int64) - 1).to(dev),
-            kvpool_batch=batch,
+            input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
+            logits_to_keep=logits_index, kvpool_batch=batch,
         )
         return out.logits[0]
 

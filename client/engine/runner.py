@@ -1,0 +1,111 @@
+"""One forward of a mixed batch (prefill chunks and decode tokens) through a ``PagedModel``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..hf import PagedBatch, PagedModel
+from .buffers import BlockTableRows, StepBuffers
+
+
+@dataclass
+class StepItem:
+    """One sequence's share of a step.
+
+    ``tokens`` sit at positions ``start ..`` of the sequence, whose block
+    table already covers them; K/V is written for positions from
+    ``write_from`` on (the ones before are in the pool already: a fully
+    cached prompt recomputes only its last query).  ``table_key`` names the
+    request's current blocks (see ``BlockTableRows``).
+    """
+
+    seq: object
+    table_key: tuple
+    start: int
+    tokens: list[int]
+    write_from: int
+
+
+class StepRunner:
+    """Packs a step's items into the persistent buffers and runs the model once.
+
+    The seam for the GPU: a decode-only step (every item one token) goes
+    through ``run_decode``, which a CUDA-graph runner overrides to replay a
+    graph captured on ``buffers.dev`` for a padded batch size; mixed and
+    prefill steps run eagerly through ``run_eager``.
+
+    Args:
+        model: the ``PagedModel`` (its client, pool and model).
+        max_tokens, max_seqs, max_blocks: the buffers' capacity (see ``StepBuffers``).
+    """
+
+    def __init__(self, model: PagedModel, max_tokens: int, max_seqs: int, max_blocks: int) -> None:
+        self.model = model
+        self.block_size = model.layout.block_size
+        self.buffers = StepBuffers(max_tokens, max_seqs, max_blocks, model.device)
+        self.rows = BlockTableRows(self.buffers.np["block_tables"])
+
+    def run(self, items: list[StepItem]) -> torch.Tensor:
+        """Compute ``items``' tokens (K/V into the pool): ``prepare`` then ``forward``.
+
+        Returns:
+            The logits of each item's last token, ``[len(items), vocab]``.
+        """
+        return self.forward(len(items), *self.prepare(items))
+
+    def forward(self, num_seqs: int, num_tokens: int, max_len: int) -> torch.Tensor:
+        """Run the model on what ``prepare`` left in the buffers; decode-only steps through ``run_decode``."""
+        if num_tokens == num_seqs:
+            return self.run_decode(num_seqs, max_len)
+        return self.run_eager(num_tokens, num_seqs, max_len, decode=False)
+
+    def prepare(self, items: list[StepItem]) -> tuple[int, int]:
+        """Fill the host buffers for ``items`` and upload them; returns (tokens, longest sequence)."""
+        b, bs, n = self.buffers, self.block_size, self.buffers.np
+        counts = np.fromiter((len(it.tokens) for it in items), np.int64, len(items))
+        total = int(counts.sum())
+        if total > b.max_tokens or len(items) > b.max_seqs:
+            raise ValueError(f"a step of {total} tokens / {len(items)} sequences exceeds the buffers")
+        b.begin()
+        starts = np.fromiter((it.start for it in items), np.int64, len(items))
+        lens = starts + counts
+        cu = n["cu_seqlens_q"]
+        cu[0] = 0
+        np.cumsum(counts, out=cu[1:len(items) + 1])
+        n["seq_lens"][:len(items)] = lens
+        n["logits_index"][:len(items)] = cu[1:len(items) + 1] - 1
+        for row, it in enumerate(items):
+            lo, hi = cu[row], cu[row + 1]
+            n["input_ids"][lo:hi] = it.tokens
+            self.rows.fill(row, it.table_key, self.model.client, it.seq, -(-int(lens[row]) // bs))
+        row_of = np.repeat(np.arange(len(items)), counts)
+        pos = np.arange(total) - np.repeat(cu[:len(items)], counts) + np.repeat(starts, counts)
+        n["positions"][:total] = pos
+        slots = n["block_tables"][row_of, pos // bs].astype(np.int64) * bs + pos % bs
+        write_from = np.repeat(np.fromiter((it.write_from for it in items), np.int64, len(items)), counts)
+        slots[pos < write_from] = -1
+        n["slot_mapping"][:total] = slots
+        b.upload(len(items))
+        return total, int(lens.max())
+
+    def _batch(self, num_tokens: int, num_seqs: int, max_len: int, decode: bool) -> PagedBatch:
+        d = self.buffers.dev
+        return PagedBatch(
+            kv=self.model.kv, slot_mapping=d["slot_mapping"][:num_tokens], block_tables=d["block_tables"][:num_seqs],
+            seq_lens=d["seq_lens"][:num_seqs], cu_seqlens_q=d["cu_seqlens_q"][:num_seqs + 1],
+            max_seq_len=max_len, decode=decode,
+        )
+
+    def run_eager(self, num_tokens: int, num_seqs: int, max_len: int, *, decode: bool) -> torch.Tensor:
+        """The forward as transformers runs it, on views of the device buffers."""
+        d = self.buffers.dev
+        return self.model.run_batch(d["input_ids"][:num_tokens], d["positions"][:num_tokens],
+                                    self._batch(num_tokens, num_seqs, max_len, decode),
+                                    d["logits_index"][:num_seqs])
+
+    def run_decode(self, num_seqs: int, max_len: int) -> torch.Tensor:
+        """A decode-only step; the CUDA-graph seam (eager here)."""
+        return self.run_eager(num_seqs, num_seqs, max_len, decode=True)

@@ -1,0 +1,205 @@
+"""Which requests compute which tokens this step, and the pool calls that make room for them.
+
+The rule that keeps other processes (and this one) from reading K/V that is
+not there: the daemon hears of a token only in the step that computes it.
+A prompt longer than the step's budget is created with its cached prefix
+plus the first chunk (``lookup`` says how long the prefix is) and extended
+chunk by chunk, so every call that says "written" (``extend`` reaching the
+daemon, ``free``, ``swap_out``) comes after the forward that wrote.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from ..errors import OutOfBlocks
+from .request import Request, Status
+from .runner import StepItem
+
+
+@dataclass
+class Plan:
+    """One step: what each scheduled request computes, and what the pool calls did."""
+
+    items: list[StepItem] = field(default_factory=list)
+    requests: list[Request] = field(default_factory=list)
+    failed: list[tuple[Request, str]] = field(default_factory=list)  # could never fit: finish with an error
+    preempted: int = 0
+
+
+class Scheduler:
+    """Continuous batching over the pool: decode first, then prefill chunks, under a token budget.
+
+    Args:
+        client: the ``kvpool.Client`` (one per engine; only the engine thread calls it).
+        max_num_seqs, max_num_batched_tokens: the step's limits.
+        swap: preempt by ``swap_out`` to the host tier; else free and recompute.
+        timings: the current step's ``StepTimings`` is set here before ``plan``.
+    """
+
+    def __init__(self, client, max_num_seqs: int, max_num_batched_tokens: int, swap: bool) -> None:
+        self.client = client
+        self.max_num_seqs, self.max_tokens, self.swap = max_num_seqs, max_num_batched_tokens, swap
+        self.waiting: list[Request] = []  # by arrival: preempted requests go back in front of newer ones
+        self.running: list[Request] = []
+        self.swapped: list[Request] = []  # by arrival: resumed oldest first
+        self.num_preemptions = self.num_swaps = self.num_recomputes = 0
+        self.prefix_hit_tokens = 0
+        self.timings = None
+
+    def add(self, req: Request) -> None:
+        bisect.insort(self.waiting, req, key=lambda r: r.arrival)
+
+    def remove(self, req: Request) -> None:
+        for queue in (self.waiting, self.running, self.swapped):
+            if req in queue:
+                queue.remove(req)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def plan(self) -> Plan:
+        """Decide this step and make the pool calls for it (extend, preempt, swap in, create)."""
+        plan, budget = Plan(), self.max_tokens
+        wants = self._extend_running(plan, budget)
+        for req in self.running:
+            if wants.get(req):
+                self._add_item(plan, req, wants[req])
+                budget -= wants[req]
+        if not plan.preempted and not plan.failed:  # a failed request frees its blocks after this step
+            self._resume_swapped(plan)
+            if not self.swapped:
+                budget = self._admit(plan, budget)
+        return plan
+
+    def _wants(self, budget: int) -> dict[Request, int]:
+        """Tokens each running request computes this step: decodes first, prefill chunks after."""
+        wants = {}
+        for req in sorted(self.running, key=lambda r: r.in_prefill):
+            want = min(req.num_tokens - req.num_computed, budget)
+            if want > 0:
+                wants[req] = want
+                budget -= want
+        return wants
+
+    def _extend_running(self, plan: Plan, budget: int) -> dict[Request, int]:
+        """One ``extend`` for the running requests' new tokens; on OutOfBlocks preempt the newest and retry."""
+        while True:
+            wants = self._wants(budget)
+            batch = {}
+            for req, want in wants.items():
+                end, known = req.num_computed + want, req.seq.num_tokens
+                if end > known:
+                    batch[req.seq] = req.all_tokens[known:end]
+            try:
+                with self.timings.phase("daemon"):
+                    self.client.extend(batch)
+                return wants
+            except OutOfBlocks as exc:
+                if not self.running:
+                    return {}
+                if len(self.running) == 1:  # alone and still short of room: resuming it would fail the same way
+                    plan.failed.append((self.running.pop(), f"the request does not fit in the pool: {exc.message}"))
+                    continue
+                self._preempt(max(self.running, key=lambda r: r.arrival))
+                plan.preempted += 1
+
+    def _add_item(self, plan: Plan, req: Request, want: int) -> None:
+        start = req.num_computed
+        plan.items.append(StepItem(seq=req.seq, table_key=(req.id, req.num_preemptions), start=start,
+                                   tokens=req.all_tokens[start:start + want],
+                                   write_from=max(start, req.no_write_below)))
+        plan.requests.append(req)
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        with self.timings.phase("daemon"):
+            if self.swap:
+                try:
+                    self.client.swap_out(req.seq)
+                    req.status = Status.SWAPPED
+                    bisect.insort(self.swapped, req, key=lambda r: r.arrival)
+                    self.num_swaps += 1
+                    return
+                except OutOfBlocks:
+                    pass  # the host tier is full: recompute this one
+            self.client.free(req.seq)
+        req.seq, req.status, req.num_computed, req.no_write_below = None, Status.WAITING, 0, 0
+        self.num_recomputes += 1
+        self.add(req)
+
+    def _resume_swapped(self, plan: Plan) -> None:
+        while self.swapped and len(self.running) < self.max_num_seqs:
+            req = self.swapped[0]
+            try:
+                with self.timings.phase("daemon"):
+                    self.client.swap_in(req.seq)
+            except OutOfBlocks as exc:
+                if not self.running:  # alone and still too big: it would wait for ever
+                    self.swapped.pop(0)
+                    plan.failed.append((req, f"the request does not fit in the pool: {exc.message}"))
+                    continue
+                return
+            self.swapped.pop(0)
+            # bytes lost on the way back (a bad checksum) are recomputed from there
+            req.num_computed = min(req.num_computed, req.seq.num_cached_tokens)
+            req.status = Status.RUNNING
+            self.running.append(req)
+
+    def _admit(self, plan: Plan, budget: int) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            group = self._whole_prompts(budget)
+            if len(group) > 1:  # prompts that fit the budget whole: one Create call for all of them
+                try:
+                    with self.timings.phase("daemon"):
+                        seqs = self.client.create_sequences([r.all_tokens for r in group])
+                except OutOfBlocks:
+                    pass  # all or none: admit one at a time below, as far as the pool goes
+                else:
+                    for req, seq in zip(group, seqs):
+                        budget = self._start(plan, req, seq, budget)
+                    continue
+            req = self.waiting[0]
+            tokens = req.all_tokens
+            try:
+                with self.timings.phase("daemon"):
+                    cached = self.client.lookup(tokens) if len(tokens) > budget else 0
+                    seq = self.client.create_sequence(tokens[:min(len(tokens), cached + budget)])
+            except OutOfBlocks as exc:
+                if not self.running and not self.swapped:
+                    self.waiting.pop(0)
+                    plan.failed.append((req, f"the request does not fit in the pool: {exc.message}"))
+                    continue
+                return budget
+            budget = self._start(plan, req, seq, budget)
+        return budget
+
+    def _whole_prompts(self, budget: int) -> list[Request]:
+        """The leading waiting requests whose tokens fit the budget together (and the sequence slots)."""
+        group, room = [], budget
+        for req in self.waiting:
+            if len(self.running) + len(group) >= self.max_num_seqs or req.num_tokens > room:
+                break
+            group.append(req)
+            room -= req.num_tokens
+        return group
+
+    def _start(self, plan: Plan, req: Request, seq, budget: int) -> int:
+        """A waiting request got its sequence: it runs, and computes what the pool lacks from this step on."""
+        self.waiting.remove(req)
+        req.seq = seq
+        hit = seq.num_cached_tokens
+        if not req.first_admitted:
+            req.first_admitted, req.num_cached = True, hit
+            self.prefix_hit_tokens += hit
+        req.no_write_below = hit
+        req.num_computed = min(hit, req.num_tokens - 1)  # a fully cached prompt recomputes its last query
+        req.status = Status.RUNNING
+        self.running.append(req)
+        want = min(seq.num_tokens - req.num_computed, budget)
+        self._add_item(plan, req, want)
+        return budget - want

@@ -1,0 +1,38 @@
+"""The engine's figures, and what it reads about its model and daemon at start."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Queue lengths now, and counters since the engine started."""
+
+    waiting: int
+    running: int
+    swapped: int
+    preemptions: int  # swaps + recomputes
+    swaps: int
+    recomputes: int
+    prefix_hit_tokens: int  # prompt tokens found in the pool at a request's first admission
+    prompt_tokens: int
+    generation_tokens: int
+    finished_requests: int
+    steps: int
+
+
+def has_host_tier(client) -> bool:
+    """Whether the daemon keeps a host tier to swap preempted sequences into (its stats say)."""
+    return any(t.tier == "host" and t.capacity_bytes > 0 for t in client.stats().tiers)
+
+
+def eos_token_ids(model, tokenizer) -> set[int]:
+    """The end-of-sequence ids of the model's generation config and of the tokenizer."""
+    found: set[int] = set()
+    for value in (getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+                  getattr(tokenizer, "eos_token_id", None)):
+        if value is None:
+            continue
+        found.update([value] if isinstance(value, int) else value)
+    return found
