@@ -63,8 +63,8 @@ def wait_for(cond, timeout: float = 10.0) -> None:
 
 
 # 10,000 takes about 160 s here (16 ms per attach and detach, most of it the client's connect):
-# 3,000 shows the same (nothing grows with the count) in under a minute
-MANY = 3000
+# 1,500 shows the same (nothing grows with the count) in about 25 s
+MANY = 1500
 
 
 def test_many_distinct_geometries_leave_nothing_behind(daemon_factory):
