@@ -19,6 +19,7 @@ descriptor per chunk.
 from __future__ import annotations
 
 import logging
+import os
 
 from kvpool.ipc.base import BackendUnavailable
 from kvpool.ipc.cuda import DeviceBytes, bus_id, cupy_view, probe_cuda, torch_view
@@ -43,8 +44,6 @@ def probe_vmm(device: int) -> str | None:
         handle = check(cu.cuMemCreate(size, allocation_prop(device), 0), "cuMemCreate")
         try:
             fd = check(cu.cuMemExportToShareableHandle(handle, posix_fd_type(), 0), "cuMemExportToShareableHandle")
-            import os
-
             os.close(int(fd))
         finally:
             cu.cuMemRelease(handle)
