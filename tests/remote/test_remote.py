@@ -243,3 +243,24 @@ def test_a_redis_cluster_given_by_one_node_stores_and_serves_blocks():
     finally:
         store.close()
         cluster.stop()
+
+
+def test_a_prompt_written_through_node_a_is_a_hit_on_node_b_after_a_is_gone(redis_server, node):
+    """Node A writes a prompt and exits (SIGTERM): node B serves its prefix from Redis, byte for byte."""
+    r = redis_server()
+    a, b = node(r), node(r)
+    toks = prompt(7, blocks=5, extra=3)
+    with kvpool.connect(a.socket, name="a", layout=LAYOUT) as ca:
+        write_prompt(ca, toks)
+        assert wait_for(lambda: remote_stats(ca).blocks_written >= 5 and remote_stats(ca).write_queue_blocks == 0)
+    assert a.stop() == 0  # SIGTERM
+    assert a.proc.poll() is not None  # process gone
+    with kvpool.connect(b.socket, name="b", layout=LAYOUT) as cb:
+        s = cb.create_sequence(toks)
+        assert s.num_cached_tokens == 5 * BS
+        cb.wait(s)
+        check_sequence(cb, s, toks, blocks=5)  # node A's bytes, byte for byte
+        assert remote_stats(cb).hit_blocks >= 5
+        cb.free(s)
+        ok, detail = cb._conn.check()
+        assert ok, detail
