@@ -1,6 +1,7 @@
 """The remote tier (3): a prefix computed on one node served on another, and write-behind throughput.
 
-    python3 benchmarks/bench_remote.py [--prompts 8] [--blocks 32] [--writes 2000]
+    python3 benchmarks/bench_remote.py [--prompts 8] [--blocks 32] [--writes 2000] [--repeats 7]
+                                       [--ttft-prompts 3] [--ttft-tokens 4096]
 
 Needs ``redis-server`` (started here on a Unix socket, no persistence).
 
@@ -16,6 +17,21 @@ Needs ``redis-server`` (started here on a Unix socket, no persistence).
 2. **Write-behind throughput.**  ``RemoteStore`` alone: the time from queueing
    ``--writes`` blocks until Redis has them all, pipelined in batches of 256
    versus one round trip per block.
+3. **The tier against the raw client.**  ``RemoteStore.write_batch`` (the
+   writer thread's pipelined ``SET``: header, checksum, ``EX``) and
+   ``RemoteStore.fetch`` (the daemon's read: one pipelined ``EXISTS``, one
+   pipelined ``GET``, header and checksum checks) against redis-py's own
+   pipelined ``SET``/``GET`` of values of the same sizes, 32 KiB and 2 MiB
+   blocks, interleaved, median of ``--repeats``; the ratio (tier / raw) is the
+   share of the client's bandwidth the tier keeps.
+4. **Time to first token, prompt found in Redis vs computed.**  A Llama-shaped
+   random model (4 layers, hidden 512, 8 heads over 2 KV heads, head_dim 64,
+   float32) through ``kvpool.hf.PagedModel`` on the CPU backend.  Node A
+   (remote tier) prefills ``--ttft-prompts`` prompts of ``--ttft-tokens``
+   tokens; once its remote write queue is empty, node B (same Redis, empty
+   local tiers) times ``generate([prompt], max_new_tokens=1)`` (the prefix
+   comes from Redis, only the last query is computed) against the same on a
+   node C without a remote tier (the whole prefill), interleaved.
 """
 
 from __future__ import annotations
@@ -132,31 +148,198 @@ def write_behind(redis, n: int, block_bytes: int, batch: int) -> dict:
         store.close()
 
 
+def tier_vs_raw(redis, block_bytes: int, blocks: int, repeats: int) -> dict:
+    """GB/s of payload bytes: the tier's batched write and read paths vs the raw client's pipelined SET/GET."""
+    from kvpoold.transfer.remote import Namespace, RemoteSettings, RemoteStore
+
+    store = RemoteStore(RemoteSettings(redis.url, batch_blocks=blocks, timeout=60, socket_timeout=60))
+    raw = redis.client()
+    raw.connection_pool.connection_kwargs["socket_timeout"] = 60
+    try:
+        ns = Namespace("tvr", f"tier-vs-raw {block_bytes}", block_bytes)
+        rows = list(np.random.default_rng(block_bytes).integers(0, 256, (blocks, block_bytes), np.uint8))
+        digests = [i.to_bytes(16, "little") for i in range(blocks)]
+        batch = [(ns.key(d), ns, row) for d, row in zip(digests, rows)]
+        raw_keys = [b"raw:%d:%d" % (block_bytes, i) for i in range(blocks)]
+        raw_values = [row.tobytes() for row in rows]  # the client's input as bytes: no copy counted for it
+
+        def tier_write():
+            store.write_batch(batch)
+
+        def tier_read():
+            got = store.fetch(ns, [digests])
+            assert len(got.payloads) == blocks and got.corrupt == 0
+
+        def raw_write():
+            pipe = raw.pipeline(transaction=False)
+            for k, v in zip(raw_keys, raw_values):
+                pipe.set(k, v)
+            pipe.execute()
+
+        def raw_read():
+            pipe = raw.pipeline(transaction=False)
+            for k in raw_keys:
+                pipe.get(k)
+            got = pipe.execute()
+            assert len(got) == blocks and all(v is not None for v in got)
+
+        fns = {"tier_write": tier_write, "raw_write": raw_write, "tier_read": tier_read, "raw_read": raw_read}
+        times: dict[str, list[float]] = {k: [] for k in fns}
+        for f in fns.values():  # warm-up: connections, first allocation of the keys
+            f()
+        for _ in range(repeats):  # interleaved: noise falls on both
+            for name, f in fns.items():
+                t0 = time.perf_counter()
+                f()
+                times[name].append(time.perf_counter() - t0)
+        nbytes = blocks * block_bytes
+        out = {"block_bytes": block_bytes, "blocks": blocks, "repeats": repeats}
+        for name, t in times.items():
+            out[f"{name}_gbps"] = nbytes / statistics.median(t) / 1e9
+        out["write_ratio"] = out["tier_write_gbps"] / out["raw_write_gbps"]
+        out["read_ratio"] = out["tier_read_gbps"] / out["raw_read_gbps"]
+        return out
+    finally:
+        store.close()
+        raw.flushall()
+        raw.close()
+
+
+def ttft(redis, args) -> dict:
+    """TTFT of a 4k-token prompt whose KV is in Redis (node B) vs computed (node C)."""
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "hf"))
+    from conftest import Daemon
+    from hf_models import make_model
+
+    from kvpool.hf import PagedModel
+
+    geometry = dict(num_hidden_layers=4, hidden_size=512, intermediate_size=1024, num_attention_heads=8,
+                    num_key_value_heads=2, head_dim=64, vocab_size=256,
+                    max_position_embeddings=max(8192, 2 * args.ttft_tokens))
+    common = ["--backend", "cpu", "--pool-bytes", "512MiB", "--chunk-bytes", "2MiB", "--log-level", "warning"]
+    remote = ["--remote-url", redis.url, "--remote-timeout", "5"]
+    a, b, c = Daemon(*common, *remote).start(), Daemon(*common, *remote).start(), Daemon(*common).start()
+    rng = np.random.default_rng(4096)
+    prompts = [rng.integers(0, 256, args.ttft_tokens).tolist() for _ in range(args.ttft_prompts)]
+    model_id = "bench-remote-ttft"
+
+    def paged(d):
+        return PagedModel.connect(make_model("llama", seed=0, **geometry), d.socket, name=model_id,
+                                  model_id=model_id, block_size=BLOCK_SIZE)
+
+    try:
+        with torch.no_grad():
+            pa = paged(a)
+            a_prefill = []
+            for p in prompts:
+                t0 = time.perf_counter()
+                seqs, _ = pa.prefill([p])  # marks the prompt written: write-behind to Redis
+                a_prefill.append(time.perf_counter() - t0)
+                pa.free(seqs)
+            blocks = args.ttft_prompts * (args.ttft_tokens // BLOCK_SIZE)
+            wait(lambda: (lambda r: r.blocks_written >= blocks and r.write_queue_blocks == 0)(
+                pa.client.stats().remote[0]))
+            block_bytes = pa.client.stats().remote[0].bytes_written // blocks
+            pa.client.close()
+            pb_, pc = paged(b), paged(c)
+            warm = rng.integers(0, 256, 3 * BLOCK_SIZE + 5).tolist()
+            for pm in (pb_, pc):  # warm-up: first calls of the model and the pool, off the clock
+                pm.generate([warm], max_new_tokens=1)
+            hit, full, cached, answers = [], [], [], []
+            for p in prompts:
+                t0 = time.perf_counter()
+                g = pb_.generate([p], max_new_tokens=1)
+                hit.append(time.perf_counter() - t0)
+                cached.append(g.num_cached_tokens[0])
+                t0 = time.perf_counter()
+                h = pc.generate([p], max_new_tokens=1)
+                full.append(time.perf_counter() - t0)
+                answers.append(g.tokens[0] == h.tokens[0])
+            rs = pb_.client.stats().remote[0]
+            pb_.client.close()
+            pc.client.close()
+        return {
+            "model": {k: v for k, v in geometry.items() if k != "max_position_embeddings"} | {"dtype": "float32"},
+            "prompt_tokens": args.ttft_tokens, "prompts": args.ttft_prompts, "torch_threads": torch.get_num_threads(),
+            "block_bytes_stored": block_bytes,
+            "node_a_prefill_s": statistics.median(a_prefill),
+            "remote_hit_ttft_s": statistics.median(hit), "full_prefill_ttft_s": statistics.median(full),
+            "speedup": statistics.median(full) / statistics.median(hit),
+            "remote_hit_ttft_all_s": hit, "full_prefill_ttft_all_s": full,
+            "cached_tokens": cached, "same_first_token": all(answers),
+            "node_b_remote_hit_blocks": rs.hit_blocks, "node_b_bytes_read": rs.bytes_read,
+        }
+    finally:
+        for d in (a, b, c):
+            d.stop()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--blocks", type=int, default=32, help="blocks per prompt (512 KiB each)")
     ap.add_argument("--writes", type=int, default=2000, help="blocks of the write-behind test")
+    ap.add_argument("--repeats", type=int, default=7, help="repeats of the tier-vs-raw test (median)")
+    ap.add_argument("--ttft-prompts", type=int, default=3)
+    ap.add_argument("--ttft-tokens", type=int, default=4096)
+    ap.add_argument("--only", choices=["all", "raw", "ttft"], default="all",
+                    help="run only the tier-vs-raw or the TTFT part (the JSON then holds only that part)")
     args = ap.parse_args()
     from redislib import RedisServer
 
     redis = RedisServer().start()
+    results: dict = {}
     try:
-        x = cross_node(redis, args)
-        writes = [write_behind(redis, args.writes, bb, batch) for bb in (4096, 64 << 10) for batch in (256, 1)]
+        if args.only == "all":
+            results["cross_node"] = cross_node(redis, args)
+            results["write_behind"] = [write_behind(redis, args.writes, bb, batch)
+                                       for bb in (4096, 64 << 10) for batch in (256, 1)]
+        if args.only in ("all", "raw"):  # 64 MiB of values per pass for either size
+            results["tier_vs_raw"] = [tier_vs_raw(redis, bb, (64 << 20) // bb, args.repeats)
+                                      for bb in (32 << 10, 2 << 20)]
+        if args.only in ("all", "ttft"):
+            results["ttft"] = ttft(redis, args)
     finally:
         redis.stop()
-    print_table(f"cross-node prefix hit: {x['prompts']} prompts of {x['blocks_per_prompt']} blocks "
-                f"of {x['block_bytes'] >> 10} KiB (median Create)",
-                ["Create on node B", "ms", "GB/s"],
-                [["remote hit (bytes in B's pool)", f"{x['hit_ms']:.2f}", f"{x['hit_gbps']:.2f}"],
-                 ["miss, remote tier asked", f"{x['remote_miss_ms']:.2f}", ""],
-                 ["miss, no remote tier (yardstick)", f"{x['no_remote_miss_ms']:.2f}", ""]])
-    print_table("write-behind to Redis (queue to stored)", ["block", "batch", "blocks/s", "MB/s", "seconds"],
-                [[f"{w['block_bytes'] >> 10} KiB", str(w["batch"]), f"{w['blocks_per_s']:.0f}",
-                  f"{w['mb_per_s']:.0f}", f"{w['seconds']:.2f}"] for w in writes])
-    write_json("remote", {"machine": machine(), "cross_node": x, "write_behind": writes})
+    if "cross_node" in results:
+        x = results["cross_node"]
+        print_table(f"cross-node prefix hit: {x['prompts']} prompts of {x['blocks_per_prompt']} blocks "
+                    f"of {x['block_bytes'] >> 10} KiB (median Create)",
+                    ["Create on node B", "ms", "GB/s"],
+                    [["remote hit (bytes in B's pool)", f"{x['hit_ms']:.2f}", f"{x['hit_gbps']:.2f}"],
+                     ["miss, remote tier asked", f"{x['remote_miss_ms']:.2f}", ""],
+                     ["miss, no remote tier (yardstick)", f"{x['no_remote_miss_ms']:.2f}", ""]])
+        print_table("write-behind to Redis (queue to stored)", ["block", "batch", "blocks/s", "MB/s", "seconds"],
+                    [[f"{w['block_bytes'] >> 10} KiB", str(w["batch"]), f"{w['blocks_per_s']:.0f}",
+                      f"{w['mb_per_s']:.0f}", f"{w['seconds']:.2f}"] for w in results["write_behind"]])
+    if "tier_vs_raw" in results:
+        rows = []
+        for r in results["tier_vs_raw"]:
+            size = f"{r['block_bytes'] >> 10} KiB" if r["block_bytes"] < 1 << 20 else f"{r['block_bytes'] >> 20} MiB"
+            for way in ("write", "read"):
+                rows.append([size, str(r["blocks"]), way, f"{r[f'tier_{way}_gbps']:.2f}",
+                             f"{r[f'raw_{way}_gbps']:.2f}", f"{r[f'{way}_ratio']:.2f}"])
+        print_table(f"the tier vs redis-py's pipelined SET/GET (payload GB/s, median of {args.repeats}, interleaved)",
+                    ["block", "blocks", "way", "tier GB/s", "raw GB/s", "tier/raw"], rows)
+    if "ttft" in results:
+        t = results["ttft"]
+        print_table(f"time to first token, {t['prompt_tokens']}-token prompt (median of {t['prompts']})",
+                    ["node", "TTFT s", "cached tokens"],
+                    [["B: prefix from Redis", f"{t['remote_hit_ttft_s']:.3f}", str(min(t["cached_tokens"]))],
+                     ["C: no remote tier (full prefill)", f"{t['full_prefill_ttft_s']:.3f}", "0"],
+                     ["speedup (C / B)", f"{t['speedup']:.1f}x", ""]])
+    if args.only != "all":  # keep the other parts of the last full run
+        import json
 
+        from _common import RESULTS
+
+        path = RESULTS / "remote.json"
+        old = json.loads(path.read_text()) if path.exists() else {}
+        old.pop("machine", None)
+        results = {**old, **results}
+    write_json("remote", results)
 
 if __name__ == "__main__":
     main()
