@@ -211,7 +211,29 @@ def cupy_view(owner: DeviceBytes, dtype: str, shape, offset: int):
         return _cupy_flat(owner, count, offset).view(np_dtype).reshape(shape)
 
 
-class CudaMappedArena(MappedArena):
+class DeviceViews:
+    """Zero-copy torch / CuPy views of the device bytes ``self._mem`` owns (None once closed).
+
+    Shared by every CUDA arena, daemon and client side, IPC and VMM alike.
+    """
+
+    _mem: DeviceBytes | None
+    closed_message = "this CUDA mapping is closed"
+
+    def _owner(self) -> DeviceBytes:
+        if self._mem is None:
+            raise RuntimeError(self.closed_message)
+        return self._mem
+
+    def as_tensor(self, dtype: str, shape, offset: int = 0):
+        return torch_view(self._owner(), dtype, shape, offset)
+
+    def as_cupy(self, dtype: str, shape, offset: int = 0):
+        """A CuPy view (NumPy dtypes only: not bfloat16 / float8)."""
+        return cupy_view(self._owner(), dtype, shape, offset)
+
+
+class CudaMappedArena(DeviceViews, MappedArena):
     """Client side: the daemon's arena opened by IPC on the pool's GPU.
 
     ``device``: where this client runs (int, "cuda:N", torch.device or None);
@@ -237,18 +259,6 @@ class CudaMappedArena(MappedArena):
                 ) from None
         self.device, self.nbytes = dev, descriptor.nbytes
         self._mem = DeviceBytes(ptr, descriptor.nbytes, dev, rt.ipcCloseMemHandle)
-
-    def _owner(self) -> DeviceBytes:
-        if self._mem is None:
-            raise RuntimeError("this CUDA mapping is closed")
-        return self._mem
-
-    def as_tensor(self, dtype: str, shape, offset: int = 0):
-        return torch_view(self._owner(), dtype, shape, offset)
-
-    def as_cupy(self, dtype: str, shape, offset: int = 0):
-        """A CuPy view (NumPy dtypes only: not bfloat16 / float8)."""
-        return cupy_view(self._owner(), dtype, shape, offset)
 
     def close(self) -> None:
         """Close the IPC handle now, or when the last view of it dies."""

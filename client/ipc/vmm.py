@@ -25,7 +25,7 @@ import numpy as np
 
 from ..protocol.arena import ArenaDescriptor
 from .base import BackendUnavailable, MappedArena
-from .cuda import DeviceBytes, bus_id, cuda_runtime, cupy_view, device_index, probe_cuda, resolve_device, torch_view
+from .cuda import DeviceBytes, DeviceViews, bus_id, cuda_runtime, device_index, probe_cuda, resolve_device
 
 _driver = None
 
@@ -169,7 +169,7 @@ def _free_range(vrange: VirtualRange, release_handles: bool) -> None:
         pass
 
 
-class VmmMappedArena(MappedArena):
+class VmmMappedArena(DeviceViews, MappedArena):
     """Client side: a class's virtual range with the daemon's chunks imported and mapped.
 
     ``device``: where this client runs (int, "cuda:N", torch.device or None);
@@ -239,18 +239,6 @@ class VmmMappedArena(MappedArena):
         """Let go of every chunk (after a sync that broke off: the next one starts from nothing)."""
         for index in np.flatnonzero(self.chunk_of).tolist():
             self.unmap(index)
-
-    # -- views ----------------------------------------------------------------------------------
-    def _owner(self) -> DeviceBytes:
-        if self._mem is None:
-            raise RuntimeError("this CUDA mapping is closed")
-        return self._mem
-
-    def as_tensor(self, dtype: str, shape, offset: int = 0):
-        return torch_view(self._owner(), dtype, shape, offset)
-
-    def as_cupy(self, dtype: str, shape, offset: int = 0):
-        return cupy_view(self._owner(), dtype, shape, offset)
 
     def close(self) -> None:
         """Drop this arena; the chunks are unmapped and the range freed once no view of it is left."""

@@ -20,7 +20,7 @@ client's own stream.
 from __future__ import annotations
 
 from kvpool.ipc.base import BackendUnavailable
-from kvpool.ipc.cuda import MiB, DeviceBytes, bus_id, cuda_runtime, cupy_module, cupy_view, probe_cuda, torch_view
+from kvpool.ipc.cuda import MiB, DeviceBytes, DeviceViews, bus_id, cuda_runtime, cupy_module, probe_cuda
 from kvpool.protocol import ArenaDescriptor
 
 from .base import Arena, Backend, PoolDoesNotFit
@@ -44,7 +44,7 @@ def pool_bytes_for_fraction(device: int = 0, fraction: float = 0.9, align: int =
     return int(free * fraction) // align * align
 
 
-class CudaArena(Arena):
+class CudaArena(DeviceViews, Arena):
     """Daemon side: one cudaMalloc of ``nbytes`` on ``device``, exported by IPC."""
 
     def __init__(self, tag: str, nbytes: int, device: int, bus: str):
@@ -65,6 +65,7 @@ class CudaArena(Arena):
             self._mem = DeviceBytes(ptr, nbytes, device, rt.free)
             handle = bytes(rt.ipcGetMemHandle(ptr))
         self.tag, self.nbytes, self.device, self.ptr = tag, nbytes, device, ptr
+        self.closed_message = f"arena {tag} is closed"
         self._descriptor = ArenaDescriptor(
             kind="cuda", nbytes=nbytes, handle=handle, device=device, device_id=bus
         )
@@ -72,17 +73,6 @@ class CudaArena(Arena):
     @property
     def descriptor(self) -> ArenaDescriptor:
         return self._descriptor
-
-    def _owner(self) -> DeviceBytes:
-        if self._mem is None:
-            raise RuntimeError(f"arena {self.tag} is closed")
-        return self._mem
-
-    def as_tensor(self, dtype: str, shape, offset: int = 0):
-        return torch_view(self._owner(), dtype, shape, offset)
-
-    def as_cupy(self, dtype: str, shape, offset: int = 0):
-        return cupy_view(self._owner(), dtype, shape, offset)
 
     def release(self, offset: int, nbytes: int) -> None:
         """No-op: a legacy IPC allocation is committed whole until ``close`` (VMM is the later step)."""

@@ -22,7 +22,7 @@ import logging
 import os
 
 from kvpool.ipc.base import BackendUnavailable
-from kvpool.ipc.cuda import DeviceBytes, bus_id, cupy_view, probe_cuda, torch_view
+from kvpool.ipc.cuda import DeviceBytes, DeviceViews, bus_id, probe_cuda
 from kvpool.ipc.vmm import DriverError, VirtualRange, allocation_prop, check, granularity, posix_fd_type, use_device
 from kvpool.protocol import ArenaDescriptor
 
@@ -54,12 +54,13 @@ def probe_vmm(device: int) -> str | None:
     return None
 
 
-class VmmArena(Arena):
+class VmmArena(DeviceViews, Arena):
     """Daemon side: one class's virtual range; chunks come and go with the core's slabs."""
 
     def __init__(self, backend: "VmmBackend", class_id: int, tag: str, nbytes: int, tenant: str):
         c = backend.chunk_bytes
         self.backend, self.class_id, self.tag, self.tenant = backend, class_id, tag, tenant
+        self.closed_message = f"arena {tag} is closed"
         self.nbytes = -(-nbytes // c) * c
         self.device = backend.device
         self._range = VirtualRange(backend.device, self.nbytes, c)
@@ -98,17 +99,6 @@ class VmmArena(Arena):
         for index in self._indices(offset, nbytes):
             self.backend.unmap_chunk(self, self._range, index)
         self.released_bytes += nbytes
-
-    def as_tensor(self, dtype: str, shape, offset: int = 0):
-        return torch_view(self._owner(), dtype, shape, offset)
-
-    def as_cupy(self, dtype: str, shape, offset: int = 0):
-        return cupy_view(self._owner(), dtype, shape, offset)
-
-    def _owner(self) -> DeviceBytes:
-        if self._mem is None:
-            raise RuntimeError(f"arena {self.tag} is closed")
-        return self._mem
 
     def close(self) -> None:
         """Unmap every chunk (they drain or go back to the GPU) and free the range."""
