@@ -18,6 +18,18 @@ key range is cut into ``num_splits`` chunks of ``chunk`` tokens; each CTA
 writes a normalized partial output plus its log2-sum-exp, which the merge
 (kernel or fused tail) combines. That is what keeps a single 128k-token sequence from
 running on 8 SMs.
+
+Decode is page-aware by default (``decode_work``): the grid is a bound on work items, not
+(sequences x splits), and each CTA finds its item from the lengths on the device, so a
+batch that mixes one long sequence with many short ones gives the long one many CTAs and
+each short one exactly one, in one launch that a CUDA graph replays with new lengths.
+
+Models: head_dim 64, 80, 96, 112, 128, 192, 256 (the generic kernel computes on the next of
+64/128/192/256 with zero pad dims, reading only the real ones); float16/bfloat16/float32
+caches, and float8 e4m3 caches read by a 16-bit query (converted exactly as loaded, the K
+scale folded into the softmax scale and the V scale into the output); a sliding window
+(a tile's keys start at its first query's window) and a logit soft cap. The dedicated
+prefill kernels take none of these, so such calls prefill on the split-KV kernel.
 """
 
 from __future__ import annotations
@@ -50,7 +62,28 @@ DECODE_MAX_CTA_KEYS = 8192
 SM_SMEM = 228 * 1024  # shared memory per SM (H100 / H200), 1 KiB of it reserved per CTA
 SMEM_LIMIT = 227 * 1024  # per-CTA opt-in maximum on sm_80 / sm_90
 _DT_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_FP8 = getattr(torch, "float8_e4m3fn", None)
 _LOG2E = 1.4426950408889634
+HEAD_DIMS = (64, 80, 96, 112, 128, 192, 256)
+# Page-aware decode: work items planned per SM (see decode_work) and the fewest keys per
+# item (one 16-key tile per warp of a 4-warp CTA).
+DECODE_ITEM_KEYS = 64
+
+
+def padded_dim(head_dim: int) -> int:
+    """The head_dim the generic kernel computes with (``Pad`` in the kernel source): whole
+    64-dim V chunks."""
+    return next(d for d in (64, 128, 192, 256) if head_dim <= d)
+
+
+def kv_format(dtype: torch.dtype) -> int:
+    """The kernel's KF for a cache dtype: 1 for float8 e4m3 (converted to the query's 16-bit
+    type as it is read), 0 for a cache in the query's own dtype."""
+    return 1 if dtype == _FP8 else 0
+
+
+def kv_element_bytes(dt: int, kf: int) -> int:
+    return 1 if kf else 4 if dt == 0 else 2
 
 
 @dataclass(frozen=True)
@@ -60,7 +93,8 @@ class Pipeline:
     prefill on ``prefill_kernel`` instead, with ``warps`` warps of ``mtiles`` 16-row MMA
     tiles each (4 x 1 or 4 x 2: 64 or 128 query rows per CTA sharing each K/V tile; 8 x 1:
     128 rows, Q fragments in registers, one CTA per SM; mtiles 0: the planner picks).
-    ``wgmma``: on a device with warpgroup MMA (Hopper), prefill on ``prefill_wg_kernel``
+    ``paged``: decode divides its work by the actual lengths on the device (``decode_work``)
+    instead of a fixed (sequence, split) grid; the merge is fused. ``wgmma``: on a device with warpgroup MMA (Hopper), prefill on ``prefill_wg_kernel``
     with ``warps // 4`` warpgroups of 64 rows and ``keys``-key tiles; elsewhere the
     pipeline is the ``mma.sync`` planner's (``DEDICATED``), as it is where no TMA tensor
     map of the pool can be had (``cuda_tma.maps_for``). ``pair``: decode with exactly two
@@ -76,11 +110,14 @@ class Pipeline:
     warps: int = 4
     wgmma: bool = False
     pair: bool = False
+    paged: bool = False
 
 
 # Decode with stages == 0: the planner picks per shape (``decode_stages``); exactly two
 # splits run as clusters of two CTAs where the device has clusters (``pair``).
 AUTO_DECODE = Pipeline(0, 16, True, pair=True)
+# Page-aware decode (``decode_work``): stages per shape as AUTO_DECODE, splits by the lengths.
+PAGED_DECODE = Pipeline(0, 16, True, paged=True)
 # Prefill on the dedicated kernel (``prefill_kernel``: 64-key tiles, 2 stages, Q in shared
 # memory, rows written from registers); mtiles 0 = the planner picks 64 or 128 rows per CTA.
 DEDICATED = Pipeline(2, 64, dedicated=True, mtiles=0)
@@ -110,21 +147,22 @@ GENERIC_PREFILL = Pipeline(3, 16)
 # prefill on the dedicated kernel where it applies (``plan_dedicated`` picks its rows per
 # CTA) and on the split-KV kernel elsewhere. "v8": as v7, but prefill on warpgroup MMA
 # with TMA loads where the device has them (Hopper) and the grid fills it; elsewhere v8 is
-# v7. Only what the defaults run ships here; benchmarks/kernel_variants.py registers the
+# v7. "v9": decode page-aware (``decode_work``), prefill as v8. Only what the defaults run ships here; benchmarks/kernel_variants.py registers the
 # candidates and forced choices that bench_decode.py --variants and the tests time and
 # check side by side.
 VARIANTS: dict[str, tuple[Pipeline, Pipeline]] = {
     "v7": (AUTO_DECODE, DEDICATED),
     "v8": (AUTO_DECODE, replace(WGMMA, mtiles=0)),
+    "v9": (PAGED_DECODE, replace(WGMMA, mtiles=0)),
 }
 # What `variant=None` runs, per mode.
-DEFAULT_DECODE = "v7"
+DEFAULT_DECODE = "v9"
 DEFAULT_PREFILL = "v8"
 
 
 @dataclass(frozen=True)
 class AttentionPlan:
-    dt: int  # 0 float32, 1 float16, 2 bfloat16
+    dt: int  # the query's: 0 float32, 1 float16, 2 bfloat16
     head_dim: int
     warps_kv: int  # warps sharing one row tile (splitting its keys)
     pipe: Pipeline
@@ -135,36 +173,43 @@ class AttentionPlan:
     smem_bytes: int
     bs_log2: int
     pair: bool = False  # two splits as a cluster of two CTAs (paged_attention_pair_kernel)
+    kf: int = 0  # the cache's element format (kv_format)
+    work_target: int = 0  # page-aware decode: work items per KV head planned (0: fixed grid)
+    min_chunk: int = 0  # page-aware decode: fewest keys per work item
 
 
 def check_gpu_limits(a: AttentionArgs, q: torch.Tensor) -> None:
     """What the GPU kernel supports beyond the generic checks (clear errors, not bad reads)."""
     geo = a.geo
-    if geo.head_dim not in (64, 128, 256):
-        raise ValueError(f"GPU paged attention supports head_dim 64, 128, 256; got {geo.head_dim}")
+    if geo.head_dim not in HEAD_DIMS:
+        raise ValueError(f"GPU paged attention supports head_dim {', '.join(map(str, HEAD_DIMS))}; got {geo.head_dim}")
+    if kv_format(geo.dtype) and q.dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"GPU paged attention on a float8 cache computes in float16 or bfloat16; q is {q.dtype}")
     bs = geo.block_size
     if bs < 8 or bs & (bs - 1):
         raise ValueError(f"GPU paged attention needs a power-of-two block_size >= 8; got {bs}")
     if a.group > 16:
         raise ValueError(f"GPU paged attention supports GQA groups up to 16; got {a.group}")
-    es = q.element_size()
+    es, kes = q.element_size(), torch.empty(0, dtype=geo.dtype).element_size()
     for name, value in (
         ("q.data_ptr()", q.data_ptr()),
         ("q.stride(0) in bytes", q.stride(0) * es),
         ("q.stride(1) in bytes", q.stride(1) * es),
-        ("k_cache.stride(0) in bytes", geo.k_block_stride * es),
-        ("v_cache.stride(0) in bytes", geo.v_block_stride * es),
+        ("k_cache.stride(0) in bytes", geo.k_block_stride * kes),
+        ("v_cache.stride(0) in bytes", geo.v_block_stride * kes),
+        ("head_dim in bytes", geo.head_dim * kes),
     ):
         if value % 16:
             raise ValueError(f"{name} = {value} must be a multiple of 16 (the kernel loads 16 bytes at a time)")
 
 
-def smem_bytes(dt: int, head_dim: int, rings: int, pipe: Pipeline = GENERIC_PREFILL) -> int:
-    """Dynamic shared memory: ``rings`` cp.async rings of ``pipe.stages`` (K, V) stages,
-    reused after the loop by the epilogue's [4 warps][16 rows][D + 1] floats + m, l."""
-    stage = 2 * pipe.keys * head_dim * (4 if dt == 0 else 2)
+def smem_bytes(dt: int, head_dim: int, rings: int, pipe: Pipeline = GENERIC_PREFILL, kf: int = 0) -> int:
+    """Dynamic shared memory: ``rings`` cp.async rings of ``pipe.stages`` (K, V) stages of
+    padded rows, reused after the loop by the epilogue's [4 warps][16 rows][D + 1] floats + m, l."""
+    d = padded_dim(head_dim)
+    stage = 2 * pipe.keys * d * kv_element_bytes(dt, kf)
     rows = WARPS * 16
-    epilogue = (rows * (head_dim + 1) + 2 * rows) * 4 + 16  # + the fused merge's flag
+    epilogue = (rows * (d + 1) + 2 * rows) * 4 + 16  # + the fused merge's flag
     return max(rings * pipe.stages * stage, epilogue)
 
 
@@ -174,7 +219,7 @@ def pair_recv_bytes(smem: int, head_dim: int, warps_kv: int) -> int:
     tile) of ``head_dim`` floats and their log-sum-exps (``pair_recv_offset`` in the kernel
     source)."""
     rows = 16 * (WARPS // warps_kv)
-    return -smem % 16 + rows * (head_dim + 1) * 4
+    return -smem % 16 + rows * (padded_dim(head_dim) + 1) * 4
 
 
 def ctas_per_sm(smem: int) -> int:
@@ -183,28 +228,30 @@ def ctas_per_sm(smem: int) -> int:
     return min(CTAS_PER_SM, SM_SMEM // (smem + 1024))
 
 
-def decode_warps_kv(dt: int, head_dim: int, pipe: Pipeline = GENERIC_PREFILL) -> int:
+def decode_warps_kv(dt: int, head_dim: int, pipe: Pipeline = GENERIC_PREFILL, kf: int = 0) -> int:
     """Decode gives each warp its own ring (4 key streams per CTA) when shared memory
     allows two CTAs per SM; float32 with head_dim 256 shares rings between warps."""
     for warps_kv in (WARPS, 2, 1):
-        if smem_bytes(dt, head_dim, warps_kv, pipe) <= SMEM_LIMIT:
+        if smem_bytes(dt, head_dim, warps_kv, pipe, kf) <= SMEM_LIMIT:
             return warps_kv
     raise ValueError(f"head_dim {head_dim} does not fit in shared memory")
 
 
-def pipeline_for(variant: str | None, prefill: bool, dt: int, head_dim: int) -> Pipeline:
+def pipeline_for(variant: str | None, prefill: bool, dt: int, head_dim: int, plain: bool = True, kf: int = 0) -> Pipeline:
     """The variant's pipeline, its stages halved (down to 16 keys) while one ring
-    would keep two CTAs off an SM (wide rows: head_dim 256 or float32)."""
+    would keep two CTAs off an SM (wide rows: head_dim 256 or float32). The dedicated
+    prefill kernels take ``plain`` calls only (16-bit cache of head_dim 64 or 128, no window,
+    soft cap or scale); the rest prefill on the split-KV kernel."""
     name = variant if variant is not None else DEFAULT_PREFILL if prefill else DEFAULT_DECODE
     if name not in VARIANTS:
         raise ValueError(f"unknown kernel variant {name!r}; choose from {sorted(VARIANTS)}")
     pipe = VARIANTS[name][1 if prefill else 0]
     if pipe.dedicated:
-        if dt == 0 or head_dim > 128:
+        if dt == 0 or head_dim not in (64, 128) or not plain or kf:
             pipe = GENERIC_PREFILL
         else:
             return pipe
-    while pipe.keys > TILE and smem_bytes(dt, head_dim, 1, pipe) > SMEM_LIMIT // 2:
+    while pipe.keys > TILE and smem_bytes(dt, head_dim, 1, pipe, kf) > SMEM_LIMIT // 2:
         pipe = replace(pipe, keys=pipe.keys // 2)
     return pipe
 
@@ -291,6 +338,42 @@ def choose_splits(ctas: int, tiles: int, warps_kv: int, slots: int) -> int:
     return best
 
 
+def decode_work(num_seqs: int, num_kv_heads: int, tiles: int, num_sms: int) -> int:
+    """Page-aware decode: how many work items per KV head one call is planned for.
+
+    The rule (the kernel's ``locate_item`` applies it to the lengths on the device): all
+    visible keys of the batch (each sequence's, from its window start) are cut into items of
+    ``chunk = total / target`` keys (a multiple of 64, at least ``DECODE_ITEM_KEYS``); a
+    sequence gets ``ceil(its keys / chunk)`` items, so one long sequence among short ones
+    gets many CTAs and every short one exactly one, and no CTA is empty. ``target`` fills
+    ``DECODE_SPLIT_CTAS_PER_SM`` CTAs per SM over all KV heads, or one per SM where that
+    already gives a uniform batch of this size 8 or more splits (small batches: fewer partials
+    to merge; ``tiles`` is the longest sequence's 16-key tiles, the shape bound). At most
+    ``target + num_seqs`` items per head run; the merge is fused (last item of a row merges).
+    """
+    ctas = num_seqs * num_kv_heads
+    per_sm = 1 if choose_splits(ctas, tiles, WARPS, num_sms) >= 8 else DECODE_SPLIT_CTAS_PER_SM
+    return max(1, num_sms * per_sm // num_kv_heads)
+
+
+def decode_items(seq_lens, *, target: int, capacity: int, window: int = 0, min_chunk: int = DECODE_ITEM_KEYS):
+    """The work division ``locate_item`` makes on the device, computed here from host lengths
+    (tests and benchmarks): returns ``(chunk, items per sequence)``.
+
+    A sequence's visible keys run from its window start (the last query's, rounded down to 8)
+    to ``min(seq_len, capacity)``; ``chunk`` is their sum over ``target`` items in whole
+    64-key units, at least ``min_chunk``; each sequence gets ``max(1, ceil(visible / chunk))``.
+    """
+    visible = []
+    for n in seq_lens:
+        n = max(0, int(n))
+        start = max(0, n - window) & ~7 if window else 0
+        visible.append(max(0, min(n, capacity) - start))
+    units = sum((v + 63) // 64 for v in visible)
+    chunk = max(min_chunk, -(-units // target) * 64)
+    return chunk, [max(1, -(-v // chunk)) for v in visible]
+
+
 def plan_attention(
     a: AttentionArgs,
     *,
@@ -308,10 +391,15 @@ def plan_attention(
 
     ``aligned_out``: ``out`` starts on 4 bytes (the dedicated prefill kernel stores
     pairs of elements). ``wgmma``: the device has warpgroup MMA (sm_90a). ``clusters``:
-    the device has thread block clusters (sm_90+), for the pair decode kernel."""
+    the device has thread block clusters (sm_90+), for the pair decode kernel. A forced
+    ``num_splits`` plans a fixed grid (also for a page-aware variant)."""
     geo = a.geo
-    dt = _DT_CODE[geo.dtype]
-    pipe = pipeline_for(variant, prefill, dt, geo.head_dim)
+    kf = kv_format(geo.dtype)
+    # The query's dtype (out has it); planners' shape-only args may carry no out: the cache's.
+    dt = _DT_CODE[a.out.dtype if a.out is not None else torch.bfloat16 if kf else geo.dtype]
+    window = _window(a)
+    plain = not kf and window == 0 and _soft_cap(a) == 0.0
+    pipe = pipeline_for(variant, prefill, dt, geo.head_dim, plain, kf)
     capacity = max_blocks * geo.block_size
     max_kv = capacity if max_seq_len is None else max(1, min(int(max_seq_len), capacity))
     bs_log2 = geo.block_size.bit_length() - 1
@@ -325,15 +413,25 @@ def plan_attention(
     if pipe.stages == 0:
         stages = decode_stages(a.num_seqs * geo.num_kv_heads, max_kv, num_sms)
         pipe = replace(pipe, stages=stages)
-    warps_kv = 1 if prefill else decode_warps_kv(dt, geo.head_dim, pipe)
-    smem = smem_bytes(dt, geo.head_dim, warps_kv, pipe)
+    warps_kv = 1 if prefill else decode_warps_kv(dt, geo.head_dim, pipe, kf)
+    smem = smem_bytes(dt, geo.head_dim, warps_kv, pipe, kf)
     tokens_per_cta = (16 * (WARPS // warps_kv)) // a.group
+    if window:  # a tile's keys start at its first token's window
+        max_kv = min(max_kv, window + tokens_per_cta + 7)
+    tiles = max(1, math.ceil(max_kv / pipe.keys))  # stages, the unit of a split
+    if pipe.paged and not prefill and num_splits is None:
+        target = decode_work(a.num_seqs, geo.num_kv_heads, tiles, num_sms)
+        return AttentionPlan(
+            dt=dt, head_dim=geo.head_dim, warps_kv=warps_kv, pipe=pipe, tokens_per_cta=1,
+            grid=((target + a.num_seqs) * geo.num_kv_heads, 1, 1), num_splits=target + a.num_seqs,
+            chunk=0, smem_bytes=smem, bs_log2=bs_log2, kf=kf, work_target=target,
+            min_chunk=DECODE_ITEM_KEYS,
+        )  # fmt: skip
     if prefill:
         # sum over sequences of ceil(q_len / tq) <= T // tq + B
         grid_x = a.num_tokens // tokens_per_cta + a.num_seqs
     else:
         grid_x = a.num_seqs
-    tiles = max(1, math.ceil(max_kv / pipe.keys))  # stages, the unit of a split
     if num_splits is None:
         slots = num_sms * ctas_per_sm(smem)
         ctas = grid_x * geo.num_kv_heads
@@ -364,7 +462,8 @@ def plan_attention(
         dt=dt,
         head_dim=geo.head_dim,
         warps_kv=warps_kv,
-        pipe=pipe,
+        # The merge kernel does not know a tile's window start: windows merge in the kernel.
+        pipe=replace(pipe, fused=True) if window else pipe,
         tokens_per_cta=tokens_per_cta,
         grid=(grid_x, geo.num_kv_heads, num_splits),
         num_splits=num_splits,
@@ -372,7 +471,24 @@ def plan_attention(
         smem_bytes=smem,
         bs_log2=bs_log2,
         pair=pair,
+        kf=kf,
     )
+
+
+def _k_scale(a: AttentionArgs) -> float:
+    return float(getattr(a, "k_scale", 1.0))
+
+
+def _v_scale(a: AttentionArgs) -> float:
+    return float(getattr(a, "v_scale", 1.0))
+
+
+def _window(a: AttentionArgs) -> int:
+    return int(getattr(a, "window", 0) or 0)
+
+
+def _soft_cap(a: AttentionArgs) -> float:
+    return float(getattr(a, "soft_cap", 0.0) or 0.0)
 
 
 _COUNTERS: dict = {}
@@ -456,10 +572,15 @@ def paged_attention(
         tiles = torch.div(q_lens + (plan.tokens_per_cta - 1), plan.tokens_per_cta, rounding_mode="floor")
         tile_cum = torch.cumsum(tiles, 0).to(torch.int32)
     part_o = part_lse = counters = None
-    if plan.num_splits > 1 and not plan.pair:  # a pair merges in shared memory
+    d = padded_dim(plan.head_dim)
+    if plan.work_target:  # page-aware decode: partials by work item, counters by (sequence, KV head)
+        counters = split_counters(q.device, a.num_seqs * geo.num_kv_heads)
+        part_o = torch.empty((plan.num_splits, a.num_q_heads, d), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((plan.num_splits, a.num_q_heads), dtype=torch.float32, device=q.device)
+    elif plan.num_splits > 1 and not plan.pair:  # a pair merges in shared memory
         if plan.pipe.fused:
             counters = split_counters(q.device, plan.grid[0] * plan.grid[1])
-        part_o = torch.empty((a.num_tokens, a.num_q_heads, plan.num_splits, plan.head_dim), dtype=torch.float32, device=q.device)
+        part_o = torch.empty((a.num_tokens, a.num_q_heads, plan.num_splits, d), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((a.num_tokens, a.num_q_heads, plan.num_splits), dtype=torch.float32, device=q.device)
     args = (
         ptr(q), np.int64(q.stride(0)), np.int64(q.stride(1)),
@@ -467,9 +588,11 @@ def paged_attention(
         np.int32(geo.num_blocks), np.int32(geo.num_kv_heads), np.int32(plan.bs_log2),
         ptr(block_tables), np.int64(block_tables.stride(0)), np.int32(block_tables.shape[1]),
         ptr(seq_lens), ptr(cu_seqlens_q), ptr(tile_cum),
-        np.int32(a.num_seqs), np.int32(a.group), np.float32(a.scale * _LOG2E),
+        np.int32(a.num_seqs), np.int32(a.group), np.float32(a.scale * _k_scale(a) * _LOG2E),
         np.int32(plan.chunk), np.int32(plan.num_splits),
         ptr(out), ptr(part_o), ptr(part_lse), ptr(counters),
+        np.int32(_window(a)), np.float32(_soft_cap(a) * _LOG2E), np.float32(_v_scale(a)),
+        np.int32(plan.work_target), np.int32(plan.min_chunk),
     )  # fmt: skip
     p = plan.pipe
     if p.wgmma:
@@ -478,7 +601,7 @@ def paged_attention(
     elif p.dedicated:
         key = ("prefill", plan.dt, plan.head_dim, p.mtiles, p.warps, p.stages)
     else:
-        key = ("attention", plan.dt, plan.head_dim, plan.warps_kv, p.stages, p.keys, plan.pair)
+        key = ("attention", plan.dt, plan.head_dim, plan.kf, plan.warps_kv, p.stages, p.keys, plan.pair)
     launcher.launch(key, "attention", q.device, plan.grid, args, plan.smem_bytes)
     if part_o is not None and counters is None:  # partials, not merged by the attention kernel
         merge_args = (

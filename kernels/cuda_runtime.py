@@ -37,10 +37,10 @@ _OPTIONS = ("-std=c++17", "--use_fast_math")
 def module_kernels(module_key: tuple) -> dict[str, str]:
     """Kernel short names → C++ name expressions of one compiled module."""
     if module_key[0] == "attention":
-        _, dt, d, warps_kv, stages, keys, pair = module_key
+        _, dt, d, kf, warps_kv, stages, keys, pair = module_key
         kernel = "paged_attention_pair_kernel" if pair else "paged_attention_kernel"
         return {
-            "attention": f"{kernel}<{dt},{d},{warps_kv},{stages},{keys}>",
+            "attention": f"{kernel}<{dt},{d},{kf},{warps_kv},{stages},{keys}>",
             "merge": f"merge_splits_kernel<{dt},{d}>",
         }
     if module_key[0] == "prefill":
@@ -57,7 +57,7 @@ def module_kernels(module_key: tuple) -> dict[str, str]:
 def cluster_z(module_key: tuple, name: str) -> int:
     """CTAs per cluster (along the grid's z axis, the splits) that a module's kernel is
     compiled for: 2 for the pair decode kernel, else 1 (no cluster)."""
-    return 2 if module_key[0] == "attention" and module_key[6] and name == "attention" else 1
+    return 2 if module_key[0] == "attention" and module_key[7] and name == "attention" else 1
 
 
 def block_threads(module_key: tuple) -> int:

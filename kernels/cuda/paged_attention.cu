@@ -89,6 +89,16 @@ typedef long long i64;
 // DT: 0 = float32, 1 = float16, 2 = bfloat16 (16-bit types travel as raw bits).
 template <int DT> struct Store { typedef u16 T; };
 template <> struct Store<0> { typedef float T; };
+// KF: how the K/V cache stores elements. 0: as DT; 1: float8 e4m3 bytes (a per-tensor
+// scale, applied by the host to the softmax scale for K and here to the output for V),
+// computed in DT (16-bit) after an exact conversion.
+template <int DT, int KF> struct Kv { typedef typename Store<DT>::T T; };
+template <int DT> struct Kv<DT, 1> { typedef unsigned char T; };
+
+// The head_dim the generic kernel computes with: the model's DA rounded up to whole 64-dim
+// V chunks (64, 128, 192, 256). Pad dims are zero in Q and K, so they add nothing to a
+// score; their output columns are never written.
+template <int DA> struct Pad { static constexpr int D = DA <= 64 ? 64 : DA <= 128 ? 128 : DA <= 192 ? 192 : 256; };
 
 // BEGIN PRIMITIVES (inline PTX; cuda_emulator.py swaps this region for host code)
 __device__ __forceinline__ uint4 ld16(const void* p) {
@@ -198,6 +208,32 @@ __device__ __forceinline__ void ldsm_x4_trans(const void* row, u32 (&r)[4]) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a) : "memory");
 }
 
+// Two float8 e4m3 values (low byte first) -> two float16 (low half first). Exact: every
+// e4m3 value is a normal float16. sm_89+ convert in one instruction; older GPUs decode the
+// bits (sign, 4-bit exponent of bias 7, 3-bit mantissa; exponent 0 is subnormal).
+__device__ __forceinline__ u32 e4m3x2_to_f16x2(u32 x) {
+    u32 r;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"((u16)x));
+#else
+    r = 0;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const u32 b = (x >> (8 * i)) & 0xffu, e = (b >> 3) & 15u, m = b & 7u;
+        const float mag = e ? __uint_as_float(((e + 120u) << 23) | (m << 20)) : (float)m * 0.001953125f;
+        u16 h;
+        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(b & 0x80u ? -mag : mag));
+        r |= (u32)h << (16 * i);
+    }
+#endif
+    return r;
+}
+__device__ __forceinline__ float half_to_float(u32 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"((u16)h));
+    return f;
+}
+
 // c += A * B for one m16n8k16 tile; float32 accumulators.
 template <int DT>
 __device__ __forceinline__ void mma(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
@@ -243,14 +279,41 @@ __device__ __forceinline__ void load8(const typename Store<DT>::T* p, bool ok, u
 // (rows 2t + {0,2,4,6} x 2 chunks per 8 lanes) then hit 8 distinct bank groups.
 __device__ __forceinline__ int swz(int r) { return (r & 6) ^ ((r & 1) << 2); }
 
-template <int DT, int D>
+// The swizzled chunk of chunk j in row r of a tile whose rows have CPR 16-byte chunks:
+// whole groups of 8 chunks as swz; a trailing group of 4 (float8 rows of 64 or 192 dims)
+// permutes within itself, so every chunk stays in its row.
+template <int CPR> __device__ __forceinline__ int swz_chunk(int j, int r) {
+    constexpr int TAIL = CPR % 8;
+    static_assert(TAIL == 0 || TAIL == 4, "rows of 8k or 8k + 4 chunks");
+    if constexpr (TAIL == 0) return j ^ swz(r);
+    else return j < CPR - TAIL ? j ^ swz(r) : j ^ (swz(r) & (TAIL - 1));
+}
+
+// Two float8 e4m3 values -> two DT values (16-bit) in one register, low first.
+template <int DT> __device__ __forceinline__ u32 e4m3x2_to(u32 x) {
+    const u32 h = e4m3x2_to_f16x2(x);
+    if constexpr (DT == 1) return h;
+    else return pack2<2>(half_to_float(h & 0xffffu), half_to_float(h >> 16));
+}
+
+// Eight consecutive elements e .. e + 7 of tile row r (a ring stage holds D-dim rows of
+// KF's element type) as four registers of DT pairs (hi; float32 also lo, see split8).
+template <int DT, int KF, int D>
 __device__ __forceinline__ void read8(const unsigned char* tile, int r, int e, u32 (&hi)[4], u32 (&lo)[4]) {
-    constexpr int ES = DT == 0 ? 4 : 2;
-    const int j = (e * ES) >> 4;
+    constexpr int ES = KF ? 1 : DT == 0 ? 4 : 2;
+    constexpr int CPR = D * ES / 16;
     const unsigned char* row = tile + r * (D * ES);
-    const uint4 a = *reinterpret_cast<const uint4*>(row + ((j ^ swz(r)) << 4));
+    if constexpr (KF) {
+        // Eight bytes, half a chunk: e is a multiple of 8.
+        const uint2 a = *reinterpret_cast<const uint2*>(row + (swz_chunk<CPR>(e >> 4, r) << 4) + (e & 8));
+        hi[0] = e4m3x2_to<DT>(a.x & 0xffffu); hi[1] = e4m3x2_to<DT>(a.x >> 16);
+        hi[2] = e4m3x2_to<DT>(a.y & 0xffffu); hi[3] = e4m3x2_to<DT>(a.y >> 16);
+        return;
+    }
+    const int j = (e * ES) >> 4;
+    const uint4 a = *reinterpret_cast<const uint4*>(row + (swz_chunk<CPR>(j, r) << 4));
     if constexpr (DT == 0) {
-        const uint4 b = *reinterpret_cast<const uint4*>(row + (((j + 1) ^ swz(r)) << 4));
+        const uint4 b = *reinterpret_cast<const uint4*>(row + (swz_chunk<CPR>(j + 1, r) << 4));
         const float f[8] = {__uint_as_float(a.x), __uint_as_float(a.y), __uint_as_float(a.z), __uint_as_float(a.w),
                             __uint_as_float(b.x), __uint_as_float(b.y), __uint_as_float(b.z), __uint_as_float(b.w)};
         split8(f, hi, lo);
@@ -274,15 +337,17 @@ __device__ __forceinline__ bool locate_tile(const int* tile_cum, int num_seqs, i
     return true;
 }
 
-// The same without a tile_cum buffer (one launch, no prefix-sum kernels before it):
-// each warp scans ceil(q_len / tq) over the sequences, 32 at a time, with shuffles.
-__device__ __forceinline__ bool locate_tile_scan(const int* cu_seqlens, int num_seqs, int tq, int x, int& b, int& tile) {
+// Which unit x of a list of sequences' units (sequence j has count(j) >= 0 of them) falls
+// in: sequence b and its unit idx (of n). One warp scans 32 sequences at a time with
+// shuffles; no buffer, no launch before this one.
+template <typename Count>
+__device__ __forceinline__ bool locate_scan(int num_seqs, int x, Count count, int& b, int& idx, int& n) {
     const int lane = threadIdx.x & 31;
-    int before = 0;                                          // tiles of the sequences passed
+    int before = 0;                                          // units of the sequences passed
     for (int s0 = 0; s0 < num_seqs; s0 += 32) {
         const int j = s0 + lane;
-        const int n = j < num_seqs ? (cu_seqlens[j + 1] - cu_seqlens[j] + tq - 1) / tq : 0;
-        int inc = n;                                         // inclusive prefix sum over lanes
+        const int c = j < num_seqs ? count(j) : 0;
+        int inc = c;                                         // inclusive prefix sum over lanes
 #pragma unroll
         for (int o = 1; o < 32; o <<= 1) {
             const int y = __shfl_up_sync(FULL_MASK, inc, o);
@@ -292,12 +357,48 @@ __device__ __forceinline__ bool locate_tile_scan(const int* cu_seqlens, int num_
         if (hit) {
             const int l = __ffs(hit) - 1;
             b = s0 + l;
-            tile = x - before - __shfl_sync(FULL_MASK, inc - n, l);
+            n = __shfl_sync(FULL_MASK, c, l);
+            idx = x - before - __shfl_sync(FULL_MASK, inc - c, l);
             return true;
         }
         before += __shfl_sync(FULL_MASK, inc, 31);
     }
     return false;
+}
+
+// The prefill tile mapping without a tile_cum buffer: ceil(q_len / tq) tiles per sequence.
+__device__ __forceinline__ bool locate_tile_scan(const int* cu_seqlens, int num_seqs, int tq, int x, int& b, int& tile) {
+    int n;
+    return locate_scan(num_seqs, x, [&](int j) { return (cu_seqlens[j + 1] - cu_seqlens[j] + tq - 1) / tq; }, b, tile, n);
+}
+
+// First key a query at `pos` sees with a sliding window (0: none), rounded down to 8 so
+// that K/V stages stay in whole 8-key groups (the few keys below the window are masked).
+__device__ __forceinline__ int window_start(int pos, int window) {
+    return window > 0 ? max(0, pos - window + 1) & ~7 : 0;
+}
+
+// Page-aware decode: the work item that CTA x (of one KV head) runs, from the lengths
+// themselves (read on the device, so a CUDA graph replays with new lengths). Each sequence's
+// visible keys (from its window start to its length) are cut into items of `chunk` keys,
+// where chunk = (all visible keys) / target, rounded up to a multiple of 64 and at least
+// min_chunk: a long sequence gets many items, a short one exactly one, and no item is empty
+// (an empty sequence's single item writes zeros). At most target + num_seqs items per head.
+// Returns false past the last item. Every warp computes the same answer.
+__device__ __forceinline__ bool locate_item(const int* seq_lens, int num_seqs, int cap, int window, int target,
+                                            int min_chunk, int x, int& b, int& split, int& nsplit, int& chunk) {
+    const int lane = threadIdx.x & 31;
+    auto visible = [&](int j) {
+        const int len = max(0, seq_lens[j]);
+        return max(0, min(len, cap) - window_start(len - 1, window));
+    };
+    int units = 0;                                           // visible keys in 64-key units
+    for (int s0 = lane; s0 < num_seqs; s0 += 32) units += (visible(s0) + 63) >> 6;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) units += __shfl_xor_sync(FULL_MASK, units, o);
+    chunk = max(min_chunk, (units + target - 1) / target * 64);
+    const int c = chunk;
+    return locate_scan(num_seqs, x, [&](int j) { return max(1, (visible(j) + c - 1) / c); }, b, split, nsplit);
 }
 
 // One online-softmax step for a lane's two rows (log2 domain): mx holds the rows' score
@@ -322,31 +423,32 @@ __device__ __forceinline__ bool softmax_step(float (&mx)[2], float (&m_run)[2], 
     return moved;
 }
 
-// One warp merges one (query token, head) row: out = sum over the row's first
-// ns splits of 2^(lse_s - max) o_s / sum 2^(lse_s - max). Lanes own D/32
-// consecutive dims. A merge is latency-bound, not bandwidth: the first PF splits'
-// partial rows are loaded together with their log-sum-exps, before the max that
+// One warp merges one (query token, head) row: out = sum over the row's ns splits of
+// 2^(lse_s - max) o_s / sum 2^(lse_s - max), where split s's log-sum-exp is lse[s * stride]
+// and its D-float output row po[s * stride * D] (only the first DA dims are written out).
+// Lanes own D/32 consecutive dims. A merge is latency-bound, not bandwidth: the first PF
+// splits' partial rows are loaded together with their log-sum-exps, before the max that
 // weights them is known (one L2 round trip on the path of a fused merge, not two);
 // further splits follow in unrolled batches, many rows in flight at once.
-template <int DT, int D>
-__device__ __forceinline__ void merge_row(const float* part_o, const float* part_lse, typename Store<DT>::T* out,
-                                          i64 row, int ns, int num_splits, int lane)
+template <int DT, int D, int DA>
+__device__ __forceinline__ void merge_row(const float* lse, const float* po_row, i64 stride,
+                                          typename Store<DT>::T* out_row, int ns, int lane)
 {
     constexpr int DPL = D / 32;
     constexpr int PF = D >= 256 ? 8 : 16;
-    const float* lse = part_lse + row * num_splits;
-    const float* po = part_o + row * num_splits * D + lane * DPL;
-    const float lse_lane = lane < ns ? ldcg1(lse + lane) : NEG_INF;
+    const float* po = po_row + lane * DPL;
+    const i64 ost = stride * D;
+    const float lse_lane = lane < ns ? ldcg1(lse + lane * stride) : NEG_INF;
     float2 pre[PF][DPL / 2];
 #pragma unroll
     for (int j = 0; j < PF; ++j)
 #pragma unroll
         for (int i = 0; i < DPL / 2; ++i) {
             pre[j][i].x = pre[j][i].y = 0.f;
-            if (j < ns) pre[j][i] = ldcg2(po + (i64)j * D + 2 * i);
+            if (j < ns) pre[j][i] = ldcg2(po + j * ost + 2 * i);
         }
     float M = lse_lane;
-    for (int s = lane + 32; s < ns; s += 32) M = fmaxf(M, ldcg1(lse + s));
+    for (int s = lane + 32; s < ns; s += 32) M = fmaxf(M, ldcg1(lse + s * stride));
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(FULL_MASK, M, o));
     float acc[DPL];
@@ -366,12 +468,12 @@ __device__ __forceinline__ void merge_row(const float* part_o, const float* part
             }
         }
         for (int s0 = PF; s0 < ns; s0 += 32) {
-            const float w_lane = s0 + lane < ns ? exp2f(ldcg1(lse + s0 + lane) - M) : 0.f;
+            const float w_lane = s0 + lane < ns ? exp2f(ldcg1(lse + (s0 + lane) * stride) - M) : 0.f;
             const int n = min(32, ns - s0);
 #pragma unroll 8
             for (int j = 0; j < n; ++j) {
                 const float w = __shfl_sync(FULL_MASK, w_lane, j);
-                const float* p = po + (i64)(s0 + j) * D;
+                const float* p = po + (s0 + j) * ost;
                 L += w;
 #pragma unroll
                 for (int i = 0; i < DPL / 2; ++i) {
@@ -383,9 +485,9 @@ __device__ __forceinline__ void merge_row(const float* part_o, const float* part
         }
     }
     const float inv = L > 0.f ? 1.f / L : 0.f;
-    typename Store<DT>::T* o = out + row * D + lane * DPL;
 #pragma unroll
-    for (int i = 0; i < DPL; ++i) o[i] = from_f32<DT>(acc[i] * inv);
+    for (int i = 0; i < DPL; ++i)
+        if (DA == D || lane * DPL + i < DA) out_row[lane * DPL + i] = from_f32<DT>(acc[i] * inv);
 }
 
 // Splits of a row that the attention kernel runs: those that start before the
@@ -395,45 +497,58 @@ __device__ __forceinline__ int splits_run(int lim, int chunk, int num_splits) {
 }
 
 // The argument list every attention kernel takes (cuda_attention.paged_attention passes one
-// tuple to whichever it launches; the Hopper prefill kernel appends its two TMA maps).
-#define ATTENTION_PARAMS                                                                                   \
+// tuple to whichever it launches; the Hopper prefill kernel appends its two TMA maps), with
+// the macro's argument the cache's element type. window (0: none), softcap_log2 (0: none; the soft cap times
+// log2 e), v_scale (the V cache's dequantization scale) and work_target / min_chunk (> 0:
+// page-aware decode, see locate_item) only reach the generic kernel; the host never gives
+// the dedicated prefill kernels other values than 0, 0, 1, 0, 0.
+#define ATTENTION_PARAMS_KV(...)                                                                           \
     const typename Store<DT>::T* __restrict__ q, i64 q_stride_t, i64 q_stride_h,                          \
-    const typename Store<DT>::T* __restrict__ k_cache, const typename Store<DT>::T* __restrict__ v_cache, \
+    const __VA_ARGS__* __restrict__ k_cache, const __VA_ARGS__* __restrict__ v_cache,                     \
     i64 k_stride, i64 v_stride, int num_blocks, int num_kv_heads, int bs_log2,                            \
     const int* __restrict__ block_tables, i64 bt_stride, int max_blocks,                                  \
     const int* __restrict__ seq_lens, const int* __restrict__ cu_seqlens, const int* __restrict__ tile_cum, \
     int num_seqs, int group, float scale_log2, int chunk, int num_splits,                                 \
-    typename Store<DT>::T* __restrict__ out, float* part_o, float* part_lse, int* __restrict__ counters
+    typename Store<DT>::T* __restrict__ out, float* part_o, float* part_lse, int* __restrict__ counters,  \
+    int window, float softcap_log2, float v_scale, int work_target, int min_chunk
+#define ATTENTION_PARAMS ATTENTION_PARAMS_KV(typename Store<DT>::T)
 
 // The names of ATTENTION_PARAMS, to pass them on.
 #define ATTENTION_ARGS                                                                        \
     q, q_stride_t, q_stride_h, k_cache, v_cache, k_stride, v_stride, num_blocks, num_kv_heads, \
     bs_log2, block_tables, bt_stride, max_blocks, seq_lens, cu_seqlens, tile_cum, num_seqs,   \
-    group, scale_log2, chunk, num_splits, out, part_o, part_lse, counters
+    group, scale_log2, chunk, num_splits, out, part_o, part_lse, counters,                    \
+    window, softcap_log2, v_scale, work_target, min_chunk
 
 // Shared memory of a pair CTA (PAIR below) past its rings and epilogue: where split 1's
-// normalized rows ([16 * 4 / WKV][D] floats) and their log-sum-exps land.
-template <int DT, int D, int WKV, int NS, int KT> __device__ __forceinline__ constexpr int pair_recv_offset() {
-    constexpr int rings = WKV * NS * 2 * KT * D * (DT == 0 ? 4 : 2);
+// normalized rows ([16 * 4 / WKV][D] floats) and their log-sum-exps land. KES: bytes per
+// cached element.
+template <int KES, int D, int WKV, int NS, int KT> __device__ __forceinline__ constexpr int pair_recv_offset() {
+    constexpr int rings = WKV * NS * 2 * KT * D * KES;
     constexpr int epilogue = (4 * 16 * (D + 1) + 8 * 16) * 4 + 16;
     return ((rings > epilogue ? rings : epilogue) + 15) / 16 * 16;
 }
 
 // One CTA of paged_attention_kernel (PAIR = false) or of paged_attention_pair_kernel (PAIR:
 // two splits in a cluster of two CTAs that merge through shared memory).
-template <int DT, int D, int WKV, int NS, int KT, bool PAIR>
-__device__ __forceinline__ void attention_cta(ATTENTION_PARAMS)
+template <int DT, int DA, int KF, int WKV, int NS, int KT, bool PAIR>
+__device__ __forceinline__ void attention_cta(ATTENTION_PARAMS_KV(typename Kv<DT, KF>::T))
 {
     using T = typename Store<DT>::T;
+    constexpr int D = Pad<DA>::D;              // head dims computed (DA of them are real)
     constexpr int warps_kv = WKV;              // warps splitting one row tile's keys (4 decode, 1 prefill)
     constexpr int warps_row = 4 / WKV;         // warps sharing one cp.async ring
     constexpr int GT = 32 * warps_row;         // threads that fill a ring
-    constexpr int ES = DT == 0 ? 4 : 2;
-    constexpr int RB = D * ES;                 // bytes per K/V row
-    constexpr int CPR = RB / 16;               // 16-byte chunks per row
+    constexpr int ES = KF ? 1 : DT == 0 ? 4 : 2;  // bytes per cached element
+    constexpr int RB = D * ES;                 // bytes per K/V row in a stage
+    constexpr int RBG = DA * ES;               // bytes per K/V row in the cache
+    constexpr int CPR = RB / 16;               // 16-byte chunks per stage row
+    constexpr int CPRG = RBG / 16;             // of them, read from the cache (the rest are zero)
     constexpr int SB = 2 * KT * RB;            // one stage: KT K rows then KT V rows
     constexpr int NT = KT / 8;                 // 8-key n-tiles of S per stage
     static_assert(KT % 16 == 0 && NS >= 2, "stages hold whole 16-key MMA steps");
+    static_assert(RBG % 16 == 0, "cache rows of whole 16-byte chunks");
+    static_assert(!KF || DT != 0, "float8 caches compute in a 16-bit type");
     constexpr int NQ = D / 32;                 // Q/K 8-element chunks per lane (two k-steps each)
     constexpr int NV = D / 64;                 // 64-dim V chunks (eight n-tiles each)
     constexpr int SROW = D + 1;                // padded epilogue row
@@ -443,50 +558,66 @@ __device__ __forceinline__ void attention_cta(ATTENTION_PARAMS)
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t4 = lane & 3;
-    // The grid is (tiles, KV heads, splits) and launches x fastest; CTAs take their (tile, KV
-    // head) in KV-head-fastest order instead, so that the KV heads of a sequence run together:
-    // its table row and Q rows are read while in L2, and a block's per-head chunks at about the
-    // same time (on the H200 up to 1% sooner on multi-wave grids, one shape 0.6% later).
-    // Grids of one wave run all CTAs at once either way.
-    const int xy = blockIdx.x + gridDim.x * blockIdx.y;
-    const int kvh = xy % gridDim.y, split = blockIdx.z;
-
-    int b, tile;
-    if (!locate_tile(tile_cum, num_seqs, xy / gridDim.y, b, tile)) return;
-    // The warps with the same wk share one ring and walk keys kv_begin + 16 (wk + warps_kv k).
-    const int wr = warp / warps_kv, wk = warp - wr * warps_kv;
-    const int kv_begin = split * chunk;
-    const int step = KT * warps_kv;
-    const int first = kv_begin + KT * wk;
-    // Block ids of this warp's first NS - 1 tiles, read before the sequence's length: a
-    // table row holds max_blocks entries whatever the length, so this read overlaps the
-    // length's instead of waiting for it (one dependent global load less before the first
-    // cp.async, in the chain of latencies that a batch-1 call is). Used only below kv_len.
+    // What this CTA works on: (sequence b, query tile, KV head, split of nsplit of chunk keys).
+    int b, tile, kvh, split, nsplit, chunk_c;
+    const bool paged = work_target > 0;        // page-aware decode: grid (items x KV heads)
+    if (paged) {
+        kvh = blockIdx.x % num_kv_heads;
+        tile = 0;
+        if (!locate_item(seq_lens, num_seqs, max_blocks << bs_log2, window, work_target, min_chunk,
+                         blockIdx.x / num_kv_heads, b, split, nsplit, chunk_c)) return;
+    } else {
+        // The grid is (tiles, KV heads, splits) and launches x fastest; CTAs take their (tile,
+        // KV head) in KV-head-fastest order instead, so that the KV heads of a sequence run
+        // together: its table row and Q rows are read while in L2, and a block's per-head
+        // chunks at about the same time (on the H200 up to 1% sooner on multi-wave grids, one
+        // shape 0.6% later). Grids of one wave run all CTAs at once either way.
+        const int xy = blockIdx.x + gridDim.x * blockIdx.y;
+        kvh = xy % gridDim.y;
+        split = blockIdx.z, nsplit = num_splits, chunk_c = chunk;
+        if (!locate_tile(tile_cum, num_seqs, xy / gridDim.y, b, tile)) return;
+    }
     const int* bt = block_tables + (i64)b * bt_stride;
-    int first_ids[NS - 1][KT / 8];
-#pragma unroll
-    for (int k = 0; k < NS - 1; ++k)
-#pragma unroll
-        for (int q = 0; q < KT / 8; ++q) {
-            const int blk = (first + step * k + 8 * q) >> bs_log2;
-            first_ids[k][q] = blk < max_blocks ? bt[blk] : -1;
-        }
     const int tq = (RW * warps_row) / group;                 // query tokens per CTA tile
     const int q_begin = cu_seqlens ? cu_seqlens[b] : b;
     const int q_len = cu_seqlens ? cu_seqlens[b + 1] - q_begin : 1;
     const int tok0 = tile * tq;
     const int ntok = min(tq, q_len - tok0);
     if (ntok <= 0) return;
+    // Block ids of this warp's first NS - 1 tiles. Without a window they do not depend on the
+    // sequence's length, and are read before it: a table row holds max_blocks entries whatever
+    // the length, so this read overlaps the length's instead of waiting for it (one dependent
+    // global load less before the first cp.async, in the chain of latencies that a batch-1
+    // call is). Used only below kv_len.
+    const int wr = warp / warps_kv, wk = warp - wr * warps_kv;
+    const int step = KT * warps_kv;
+    int first_ids[NS - 1][KT / 8];
+    auto read_first_ids = [&](int first) {
+#pragma unroll
+        for (int k = 0; k < NS - 1; ++k)
+#pragma unroll
+            for (int q = 0; q < KT / 8; ++q) {
+                const int blk = (first + step * k + 8 * q) >> bs_log2;
+                first_ids[k][q] = blk < max_blocks ? bt[blk] : -1;
+            }
+    };
+    if (window == 0) read_first_ids(split * chunk_c + KT * wk);
     const int seq_len = seq_lens[b];
     const int kv_len = min(seq_len, max_blocks << bs_log2);  // never read past the table
     const int first_pos = seq_len - q_len;                   // position of query 0
     const int cta_hi = min(kv_len, first_pos + tok0 + ntok); // keys the tile's last token sees
+    // Splits count from the first key the tile's first token sees (0 without a window).
+    // The warps with the same wk share one ring and walk keys kv_begin + 16 (wk + warps_kv k).
+    const int kv_lo = window_start(first_pos + tok0, window);
+    const int kv_begin = kv_lo + split * chunk_c;
+    const int first = kv_begin + KT * wk;
+    if (window > 0) read_first_ids(first);
     if (kv_begin >= cta_hi && split > 0 && !PAIR) return;    // merge skips this split (a pair's
                                                              // split 1 delivers an empty row)
-    const int kv_end = split == num_splits - 1 ? cta_hi : min(cta_hi, kv_begin + chunk);
+    const int kv_end = split == nsplit - 1 ? cta_hi : min(cta_hi, kv_begin + chunk_c);
 
     // This lane's rows: r0 = RW * wr + g and r0 + 8; row r = (token r / group, head r % group).
-    int lim[2];                                              // row attends to positions < lim
+    int lim[2], lo[2];                                       // row attends to positions lo .. lim - 1
     u32 qh[2][NQ][4], ql[2][NQ][4];
     int lim_hi = 0;
 #pragma unroll
@@ -494,11 +625,13 @@ __device__ __forceinline__ void attention_cta(ATTENTION_PARAMS)
         const int r = RW * wr + g + 8 * i;
         const int tok = r / group, head = r - tok * group;
         const bool valid = r < ntok * group;
-        lim[i] = valid ? min(first_pos + tok0 + tok + 1, kv_end) : 0;
+        const int pos = first_pos + tok0 + tok;
+        lim[i] = valid ? min(pos + 1, kv_end) : 0;
+        lo[i] = window > 0 ? pos - window + 1 : 0;
         lim_hi = max(lim_hi, lim[i]);
         const T* qp = q + (i64)(q_begin + tok0 + tok) * q_stride_t + (i64)(kvh * group + head) * q_stride_h + 8 * t4;
 #pragma unroll
-        for (int c = 0; c < NQ; ++c) load8<DT>(qp + 32 * c, valid, qh[i][c], ql[i][c]);
+        for (int c = 0; c < NQ; ++c) load8<DT>(qp + 32 * c, valid && 32 * c + 8 * t4 < DA, qh[i][c], ql[i][c]);
     }
     const int w_hi = __reduce_max_sync(FULL_MASK, lim_hi);
 
@@ -543,7 +676,7 @@ __device__ __forceinline__ void attention_cta(ATTENTION_PARAMS)
             const int pos0 = base + 8 * q;
             const int id = pos0 < kv_len ? table_id(q, pos0) : -1;
             gok[q] = (unsigned)id < (unsigned)num_blocks;
-            const i64 row_el = (i64)(head_row + (pos0 & bs_mask)) * D;
+            const i64 row_el = (i64)(head_row + (pos0 & bs_mask)) * DA;
             gk[q] = gok[q] ? ((i64)id * k_stride + row_el) * ES : 0;
             gv[q] = gok[q] ? ((i64)id * v_stride + row_el) * ES : 0;
         }
@@ -561,9 +694,9 @@ __device__ __forceinline__ void attention_cta(ATTENTION_PARAMS)
                 for (int e = 1; e < LRG; ++e)
                     if ((r >> 3) == q + e) { ko = gk[q + e]; vo = gv[q + e]; ok = gok[q + e]; }
             }
-            ok = ok && base + r < kv_len;
-            const int in_grp = (r & 7) * RB + 16 * j;
-            const int xo = (j ^ swz(r)) << 4;
+            ok = ok && base + r < kv_len && (CPRG == CPR || j < CPRG);
+            const int in_grp = (r & 7) * RBG + 16 * j;
+            const int xo = swz_chunk<CPR>(j, r) << 4;
             cp_async16(st + r * RB + xo, kb + (ok ? ko + in_grp : 0), ok);
             cp_async16(st + (KT + r) * RB + xo, vb + (ok ? vo + in_grp : 0), ok);
         }
@@ -607,7 +740,7 @@ __device__ __forceinline__ void attention_cta(ATTENTION_PARAMS)
 #pragma unroll
             for (int c = 0; c < NQ; ++c) {
                 u32 kh[4], kl[4];
-                read8<DT, D>(kt, 8 * nt + g, 32 * c + 8 * t4, kh, kl);
+                read8<DT, KF, D>(kt, 8 * nt + g, 32 * c + 8 * t4, kh, kl);
                 mma<DT>(s[nt], qh[0][c][0], qh[1][c][0], qh[0][c][1], qh[1][c][1], kh[0], kh[1]);
                 mma<DT>(s[nt], qh[0][c][2], qh[1][c][2], qh[0][c][3], qh[1][c][3], kh[2], kh[3]);
                 if constexpr (DT == 0) {
@@ -630,7 +763,9 @@ __device__ __forceinline__ void attention_cta(ATTENTION_PARAMS)
             for (int e = 0; e < 4; ++e) {
                 const int i = e >> 1;
                 const int pos = base + 8 * nt + 2 * t4 + (e & 1);
-                const float x = pos < lim[i] ? s[nt][e] * scale_log2 : NEG_INF;
+                float x = s[nt][e] * scale_log2;
+                if (softcap_log2 > 0.f) x = softcap_log2 * tanhf(x / softcap_log2);
+                x = pos < lim[i] && pos >= lo[i] ? x : NEG_INF;
                 s[nt][e] = x;
                 mx[i] = fmaxf(mx[i], x);
             }
@@ -673,7 +808,7 @@ __device__ __forceinline__ void attention_cta(ATTENTION_PARAMS)
                 u32 vh[4][4], vl[4][4];
 #pragma unroll
                 for (int rr = 0; rr < 4; ++rr)
-                    read8<DT, D>(vt, 16 * kk + 8 * (rr >> 1) + 2 * t4 + (rr & 1), 64 * c + 8 * g, vh[rr], vl[rr]);
+                    read8<DT, KF, D>(vt, 16 * kk + 8 * (rr >> 1) + 2 * t4 + (rr & 1), 64 * c + 8 * g, vh[rr], vl[rr]);
 #pragma unroll
                 for (int j = 0; j < 8; ++j) {
                     const u32 sel = (j & 1) ? 0x7632u : 0x5410u;
@@ -749,7 +884,7 @@ __device__ __forceinline__ void attention_cta(ATTENTION_PARAMS)
         float o = 0.f;
 #pragma unroll
         for (int w = w0; w < w0 + warps_kv; ++w) o += sm_m[w * RW + lr] * smf[(w * RW + lr) * SROW + d];
-        return o;
+        return o * v_scale;
     };
     auto row_lse = [&](int r) { return sm_l[(r / RW) * warps_kv * RW + r % RW]; };
     auto out_row = [&](int r) {
@@ -763,12 +898,12 @@ __device__ __forceinline__ void attention_cta(ATTENTION_PARAMS)
         // them with its own rows. No partials in global memory, no arrival counter, one barrier
         // in place of an L2 atomic and the partials' reads (B16 x 4k a few us sooner).
         constexpr int PR = RW * warps_row;                   // most rows of a CTA tile
-        float* recv = reinterpret_cast<float*>(smem + pair_recv_offset<DT, D, WKV, NS, KT>());
+        float* recv = reinterpret_cast<float*>(smem + pair_recv_offset<ES, D, WKV, NS, KT>());
         if (cluster_rank() == 1) {
             float* dst = cluster_map(recv, 0);
-            for (int idx = threadIdx.x; idx < rows * D; idx += blockDim.x) {
-                const int r = idx / D, d = idx - r * D;
-                dst[idx] = row_out(r, d);
+            for (int idx = threadIdx.x; idx < rows * DA; idx += blockDim.x) {
+                const int r = idx / DA, d = idx - r * DA;
+                dst[r * D + d] = row_out(r, d);
                 if (d == 0) dst[PR * D + r] = row_lse(r);
             }
             cluster_arrive();                                // release: the rows above are visible
@@ -776,39 +911,46 @@ __device__ __forceinline__ void attention_cta(ATTENTION_PARAMS)
         }
         cluster_arrive();
         cluster_wait();                                      // acquire: split 1's rows are here
-        for (int idx = threadIdx.x; idx < rows * D; idx += blockDim.x) {
-            const int r = idx / D, d = idx - r * D;
+        for (int idx = threadIdx.x; idx < rows * DA; idx += blockDim.x) {
+            const int r = idx / DA, d = idx - r * DA;
             const float l0 = row_lse(r), l1 = recv[PR * D + r];
             const float M = fmaxf(l0, l1);
             float o = 0.f;
             if (M != NEG_INF) {
                 const float a0 = exp2f(l0 - M), a1 = exp2f(l1 - M);
-                o = (a0 * row_out(r, d) + a1 * recv[idx]) / (a0 + a1);
+                o = (a0 * row_out(r, d) + a1 * recv[r * D + d]) / (a0 + a1);
             }
-            out[out_row(r) * D + d] = from_f32<DT>(o);
+            out[out_row(r) * DA + d] = from_f32<DT>(o);
         }
     } else {
-        for (int idx = threadIdx.x; idx < rows * D; idx += blockDim.x) {
-            const int r = idx / D, d = idx - r * D;
+        // Partials: row r of split s at part_row(r, s); the splits of one row lie split_stride
+        // rows apart. Page-aware decode numbers them by work item (item0 + s, items of all
+        // sequences in a row, one token each), the fixed grid by (token, head, split).
+        const int item0 = (int)blockIdx.x / num_kv_heads - split;
+        const i64 split_stride = paged ? hq : 1;
+        auto part_row = [&](int r, int s) {
+            return paged ? (i64)(item0 + s) * hq + kvh * group + r : out_row(r) * num_splits + s;
+        };
+        for (int idx = threadIdx.x; idx < rows * DA; idx += blockDim.x) {
+            const int r = idx / DA, d = idx - r * DA;
             const float o = row_out(r, d);
-            const i64 row = out_row(r);
-            if (num_splits == 1) {
-                out[row * D + d] = from_f32<DT>(o);
+            if (nsplit == 1) {
+                out[out_row(r) * DA + d] = from_f32<DT>(o);
             } else {
-                const i64 pi = row * num_splits + split;
+                const i64 pi = part_row(r, split);
                 part_o[pi * D + d] = o;
                 if (d == 0) part_lse[pi] = row_lse(r);
             }
         }
-        if (num_splits == 1 || counters == nullptr) return;  // merge_splits_kernel follows
+        if (nsplit == 1 || counters == nullptr) return;      // merge_splits_kernel follows
 
         // Fused merge: the last split CTA of this (tile, KV head) to finish merges its rows,
         // saving a launch and its latency (what dominates small batches).
         int* flag = reinterpret_cast<int*>(sm_l + 4 * RW);
         __syncthreads();                                     // every partial of this CTA is written
         if (threadIdx.x == 0) {
-            const int expected = splits_run(cta_hi, chunk, num_splits);
-            int* c = counters + ((i64)blockIdx.x * gridDim.y + blockIdx.y);
+            const int expected = paged ? nsplit : splits_run(cta_hi - kv_lo, chunk_c, nsplit);
+            int* c = counters + (paged ? (i64)b * num_kv_heads + kvh : (i64)blockIdx.x * gridDim.y + blockIdx.y);
             const int last = arrive(c) == expected - 1;
             if (last) *c = 0;                                // ready for the next call on this stream
             *flag = last;
@@ -817,21 +959,23 @@ __device__ __forceinline__ void attention_cta(ATTENTION_PARAMS)
         if (!*flag) return;
         for (int r = warp; r < rows; r += 4) {
             const int lim = min(first_pos + tok0 + r / group + 1, kv_len);
-            merge_row<DT, D>(part_o, part_lse, out, out_row(r), lim <= 0 ? 0 : splits_run(lim, chunk, num_splits), num_splits, lane);
+            const int ns = lim <= 0 ? 0 : paged ? nsplit : splits_run(lim - kv_lo, chunk_c, nsplit);
+            const i64 p0 = part_row(r, 0);
+            merge_row<DT, D, DA>(part_lse + p0, part_o + p0 * D, split_stride, out + out_row(r) * DA, ns, lane);
         }
     }
 }
 
-template <int DT, int D, int WKV, int NS, int KT>
-__global__ void __launch_bounds__(128) paged_attention_kernel(ATTENTION_PARAMS) {
-    attention_cta<DT, D, WKV, NS, KT, false>(ATTENTION_ARGS);
+template <int DT, int DA, int KF, int WKV, int NS, int KT>
+__global__ void __launch_bounds__(128) paged_attention_kernel(ATTENTION_PARAMS_KV(typename Kv<DT, KF>::T)) {
+    attention_cta<DT, DA, KF, WKV, NS, KT, false>(ATTENTION_ARGS);
 }
 
 #if KVPOOL_CLUSTERS
 // Decode with exactly two splits: each cluster of two CTAs is one (tile, KV head).
-template <int DT, int D, int WKV, int NS, int KT>
-__global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(128) paged_attention_pair_kernel(ATTENTION_PARAMS) {
-    attention_cta<DT, D, WKV, NS, KT, true>(ATTENTION_ARGS);
+template <int DT, int DA, int KF, int WKV, int NS, int KT>
+__global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(128) paged_attention_pair_kernel(ATTENTION_PARAMS_KV(typename Kv<DT, KF>::T)) {
+    attention_cta<DT, DA, KF, WKV, NS, KT, true>(ATTENTION_ARGS);
 }
 #endif
 
@@ -1135,13 +1279,15 @@ __global__ void __launch_bounds__(32 * NW, 8 / NW) prefill_kernel(
                                      [&](int n, int j) { return acc[m][n][2 * i + j]; });
 }
 
-// One warp per (query token, head), when the attention kernel did not merge.
-template <int DT, int D>
+// One warp per (query token, head), when the attention kernel did not merge (never with a
+// sliding window: the host merges those in the attention kernel).
+template <int DT, int DA>
 __global__ void __launch_bounds__(128) merge_splits_kernel(
     const float* __restrict__ part_o, const float* __restrict__ part_lse, typename Store<DT>::T* __restrict__ out,
     const int* __restrict__ seq_lens, const int* __restrict__ cu_seqlens, int num_seqs, int num_tokens, int max_blocks,
     int bs_log2, int hq, int num_splits, int chunk)
 {
+    constexpr int D = Pad<DA>::D;
     const int lane = threadIdx.x & 31;
     const i64 row = (i64)blockIdx.x * 4 + (threadIdx.x >> 5);  // = token * hq + head
     if (row >= (i64)num_tokens * hq) return;
@@ -1161,7 +1307,8 @@ __global__ void __launch_bounds__(128) merge_splits_kernel(
     const int seq_len = seq_lens[b];
     const int kv_len = min(seq_len, max_blocks << bs_log2);
     const int lim = min(seq_len - q_len + (qi - q_begin) + 1, kv_len);
-    merge_row<DT, D>(part_o, part_lse, out, row, lim <= 0 ? 0 : splits_run(lim, chunk, num_splits), num_splits, lane);
+    const int ns = lim <= 0 ? 0 : splits_run(lim, chunk, num_splits);
+    merge_row<DT, D, DA>(part_lse + row * num_splits, part_o + row * num_splits * D, 1, out + row * DA, ns, lane);
 }
 
 // Reshape-and-cache: one CTA per token copies its K and V rows (all heads) into

@@ -59,6 +59,7 @@ using std::max;
 
 struct uint4 { unsigned x, y, z, w; };
 struct float2 { float x, y; };
+struct uint2 { unsigned x, y; };
 static inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return uint4{a, b, c, d}; }
 struct dim3 { unsigned x, y, z; };
 static inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
@@ -111,6 +112,11 @@ static inline void __syncthreads() { bar_wait(&cta_bar); }
 static inline float __shfl_xor_sync(unsigned, float v, int m) {
     xf[cur][0] = v; bar_wait(my_warp());
     const float r = xf[(cur & ~31) | (lane_id() ^ m)][0]; bar_wait(my_warp());
+    return r;
+}
+static inline int __shfl_xor_sync(unsigned, int v, int m) {
+    xu[cur][2] = (unsigned)v; bar_wait(my_warp());
+    const int r = (int)xu[(cur & ~31) | (lane_id() ^ m)][2]; bar_wait(my_warp());
     return r;
 }
 static inline float __shfl_sync(unsigned, float v, int src) {
@@ -249,6 +255,20 @@ template <int DT> __device__ __forceinline__ u32 pack2(float lo, float hi) {
 __device__ __forceinline__ float bf16_low(u32 x) { return __uint_as_float(x << 16); }
 __device__ __forceinline__ float bf16_high(u32 x) { return __uint_as_float(x & 0xffff0000u); }
 
+// cvt.rn.f16x2.e4m3x2 by the OCP float8 e4m3 definition: bias 7, exponent 0 subnormal,
+// S.1111.111 NaN (no infinities).
+__device__ __forceinline__ u32 e4m3x2_to_f16x2(u32 x) {
+    u32 r = 0;
+    for (int i = 0; i < 2; ++i) {
+        const unsigned b = (x >> (8 * i)) & 0xffu, e = (b >> 3) & 15u, m = b & 7u;
+        float mag = e ? std::ldexp(1.0f + m / 8.0f, (int)e - 7) : std::ldexp((float)m, -9);
+        if ((b & 0x7fu) == 0x7fu) mag = NAN;
+        r |= (u32)f32_to_f16(b & 0x80u ? -mag : mag) << (16 * i);
+    }
+    return r;
+}
+__device__ __forceinline__ float half_to_float(u32 h) { return f16_to_f32((uint16_t)h); }
+
 template <int DT> __device__ __forceinline__ typename Store<DT>::T from_f32(float x) {
     if constexpr (DT == 0) return x;
     else if constexpr (DT == 1) return f32_to_f16(x);
@@ -349,18 +369,21 @@ static int run_grid(unsigned gx, unsigned gy, unsigned gz, unsigned threads, uns
 """
 
 
-def _params(kind: str, dt: int) -> list[tuple[str, str]]:
+def _params(kind: str, dt: int, kf: int = 0) -> list[tuple[str, str]]:
     t = "float" if dt == 0 else "u16"
+    kv = "unsigned char" if kf else t
     if kind == "attention":
         return [
             (f"const {t}*", "q"), ("i64", "q_stride_t"), ("i64", "q_stride_h"),
-            (f"const {t}*", "k_cache"), (f"const {t}*", "v_cache"), ("i64", "k_stride"), ("i64", "v_stride"),
+            (f"const {kv}*", "k_cache"), (f"const {kv}*", "v_cache"), ("i64", "k_stride"), ("i64", "v_stride"),
             ("int", "num_blocks"), ("int", "num_kv_heads"), ("int", "bs_log2"),
             ("const int*", "block_tables"), ("i64", "bt_stride"), ("int", "max_blocks"),
             ("const int*", "seq_lens"), ("const int*", "cu_seqlens"), ("const int*", "tile_cum"),
             ("int", "num_seqs"), ("int", "group"), ("float", "scale_log2"),
             ("int", "chunk"), ("int", "num_splits"),
             (f"{t}*", "out"), ("float*", "part_o"), ("float*", "part_lse"), ("int*", "counters"),
+            ("int", "window"), ("float", "softcap_log2"), ("float", "v_scale"),
+            ("int", "work_target"), ("int", "min_chunk"),
         ]  # fmt: skip
     if kind == "merge":
         return [
@@ -391,8 +414,9 @@ def _emulated_source(module_key: tuple) -> tuple[str, dict[str, str]]:
     parts = [_PRELUDE, kernel_src, '#line 1 "cuda_emulator.py:_LAUNCH"\n' + _LAUNCH]
     symbols = {}
     dt = module_key[1] if module_key[0] in ("attention", "prefill") else 0
+    kf = module_key[3] if module_key[0] == "attention" else 0
     for short, expr in module_kernels(module_key).items():
-        plist = _params(short, dt)
+        plist = _params(short, dt, kf if short == "attention" else 0)
         params = ", ".join(f"{ty} {nm}" for ty, nm in plist)
         call = ", ".join(nm for _, nm in plist)
         body_call = ", ".join(f"a->{nm}" for _, nm in plist)
