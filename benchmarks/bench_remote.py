@@ -19,8 +19,8 @@ Needs ``redis-server`` (started here on a Unix socket, no persistence).
    versus one round trip per block.
 3. **The tier against the raw client.**  ``RemoteStore.write_batch`` (the
    writer thread's pipelined ``SET``: header, checksum, ``EX``) and
-   ``RemoteStore.fetch`` (the daemon's read: one pipelined ``EXISTS``, one
-   pipelined ``GET``, header and checksum checks) against redis-py's own
+   ``RemoteStore.fetch`` (the daemon's read: one ``EXISTS`` of the chain's
+   keys, one ``MGET``, header and checksum checks) against redis-py's own
    pipelined ``SET``/``GET`` of values of the same sizes, 32 KiB and 2 MiB
    blocks, interleaved, median of ``--repeats``; the ratio (tier / raw) is the
    share of the client's bandwidth the tier keeps.

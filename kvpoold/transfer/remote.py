@@ -16,9 +16,16 @@ queue work (``put``) and hand a fetch to the worker pool (``submit_fetch``):
   pipelined batches (``batch_blocks`` per round trip); when the queue is full
   the oldest blocks are dropped and counted, so a slow or absent Redis never
   holds the daemon back;
-* a fetch (one pipelined ``EXISTS`` for the chain, then one pipelined ``GET``
-  of the prefix that exists) runs on a worker thread; the caller awaits it
-  with a deadline and counts the blocks as missing past it.
+* a fetch (``EXISTS`` to find where each chain stops, then one ``MGET`` of the
+  prefix that exists) runs on a worker thread; the caller awaits it with a
+  deadline and counts the blocks as missing past it.
+
+On one server both paths skip redis-py's per-command work: a write batch is
+packed here into the wire protocol with each payload sent from the pool's copy
+as it is (no value is assembled), and its answers are read on one connection;
+a fetch counts keys per chain (``EXISTS k1 k2 ...``) instead of asking key by
+key.  A Redis Cluster goes through the client's pipeline, which routes each key
+to its node.
 
 Faults put the store in *backoff*: fetches are skipped (a local miss, counted)
 until the retry time, writes wait in the queue; the backoff doubles up to
@@ -46,6 +53,7 @@ VERSION = 1
 _HEADER = struct.Struct("<4sBxxxQQH")  # magic, version, xxh3-64 of the payload, payload bytes, layout length
 EVENT_QUEUE = 10000  # KV events waiting for the stream; beyond, the oldest are dropped
 STREAM_MAXLEN = 100000  # the stream is capped (approximately) at this many entries
+READ_SIZE = 256 << 10  # bytes per socket read (redis-py's default, 64 KiB, costs a read and a parse per 64 KiB)
 MIN_BACKOFF = 0.2
 MAX_BACKOFF = 5.0
 
@@ -92,11 +100,40 @@ def layout_string(geometry: dict) -> str:
     return "kvpool-block/1 " + " ".join(f"{k}={geometry[k]}" for k in sorted(geometry))
 
 
+def head(ns: Namespace, view: memoryview) -> bytes:
+    """What a stored value holds before its payload ``view`` (bytes): the header and the layout."""
+    return _HEADER.pack(MAGIC, VERSION, xxhash.xxh3_64_intdigest(view), len(view), len(ns.layout)) + ns.layout
+
+
 def encode(ns: Namespace, payload) -> bytes:
-    """A stored value: header, layout, payload."""
+    """A stored value: header, layout, payload (one copy of the payload; the single-server write path sends
+    the head and the payload as separate buffers instead, ``pack_sets``)."""
     view = memoryview(payload).cast("B")
-    return b"".join((_HEADER.pack(MAGIC, VERSION, xxhash.xxh3_64_intdigest(view), len(view), len(ns.layout)),
-                     ns.layout, view))
+    return head(ns, view) + view
+
+
+def pack_sets(batch: list, ttl: int) -> tuple[list, int]:
+    """``SET key value [EX ttl]`` for every (key, namespace, payload) of ``batch``, in the wire protocol (RESP),
+    without copying a payload: a list of buffers (bytes holding the protocol, each value's head and the
+    command's tail, and a view of each payload between them) and the value bytes it holds.
+
+    A value is exactly ``encode``'s: the server stores the head and the payload as one string.
+    """
+    tail = b"\r\n$2\r\nEX\r\n$%d\r\n%d\r\n" % (len(str(ttl)), ttl) if ttl > 0 else b"\r\n"
+    start = b"*5\r\n$3\r\nSET\r\n$" if ttl > 0 else b"*3\r\n$3\r\nSET\r\n$"
+    out = []
+    before = b""  # the previous command's tail goes with this one's start: one small buffer per block
+    sent = 0
+    for k, ns, payload in batch:
+        view = memoryview(payload).cast("B")
+        h = head(ns, view)
+        n = len(h) + len(view)
+        out.append(b"%s%s%d\r\n%s\r\n$%d\r\n%s" % (before, start, len(k), k, n, h))
+        out.append(view)
+        before = tail
+        sent += n
+    out.append(before)
+    return out, sent
 
 
 def decode(ns: Namespace, value: bytes) -> memoryview | None:
@@ -113,6 +150,11 @@ def decode(ns: Namespace, value: bytes) -> memoryview | None:
     if xxhash.xxh3_64_intdigest(payload) != csum:
         return None
     return payload
+
+
+def _first_false(flags) -> int:
+    """The index of the first false flag (their number if none is)."""
+    return next((i for i, f in enumerate(flags) if not f), len(flags))
 
 
 @dataclass(frozen=True)
@@ -175,7 +217,8 @@ class RemoteStore:
     def client(self):
         if self._client is None:
             s = self.settings
-            kw = dict(socket_timeout=s.socket_timeout, socket_connect_timeout=min(1.0, s.socket_timeout))
+            kw = dict(socket_timeout=s.socket_timeout, socket_connect_timeout=min(1.0, s.socket_timeout),
+                      socket_read_size=READ_SIZE)
             if s.password is not None:
                 kw["password"] = s.password
             if s.cluster:
@@ -227,7 +270,7 @@ class RemoteStore:
         return self._fetches.submit(self.fetch, ns, chains, read)
 
     def fetch(self, ns: Namespace, chains: list[list[bytes]], read: bool = True) -> Fetched:
-        """The longest prefix of each chain the store holds: one pipelined EXISTS, one pipelined GET.
+        """The longest prefix of each chain the store holds: which blocks exist, then their values.
 
         Args:
             ns: the layout's namespace.
@@ -241,23 +284,26 @@ class RemoteStore:
         asked = sum(map(len, chains))
         try:
             keyed = [[(d, ns.key(d)) for d in chain] for chain in chains]
-            prefixes = []
-            for chain, flags in zip(keyed, self._each("exists", keyed)):
-                n = next((i for i, p in enumerate(flags) if not p), len(chain))
-                prefixes.append(chain[:n])
+            lengths = self._prefix_lengths([[k for _, k in chain] for chain in keyed])
+            prefixes = [chain[:n] for chain, n in zip(keyed, lengths)]
             payloads: dict = {}
             corrupt = 0
             if not read:
                 payloads = {d: None for prefix in prefixes for d, _ in prefix}
             elif any(prefixes):
-                bad = []
+                keys = list(dict.fromkeys(k for prefix in prefixes for _, k in prefix))  # once each
+                values = dict(zip(keys, self._values(keys)))
+                bad = set()
                 nread = 0
-                for prefix, got in zip(prefixes, self._each("get", prefixes)):
-                    for (d, k), v in zip(prefix, got):
-                        payload = decode(ns, v) if v is not None else None
+                for prefix in prefixes:
+                    for d, k in prefix:
+                        if d in payloads:
+                            continue  # another chain's block, read and checked already
+                        v = values[k]
+                        payload = decode(ns, v) if v is not None and k not in bad else None
                         if payload is None:
                             if v is not None:
-                                bad.append(k)
+                                bad.add(k)
                             break  # the chain stops at its first missing or bad block
                         nread += len(v)
                         payloads[d] = payload
@@ -279,11 +325,49 @@ class RemoteStore:
             self.corrupt_blocks += corrupt
         return Fetched(payloads, asked, corrupt)
 
-    def _each(self, command: str, chains: list[list[tuple[bytes, bytes]]]) -> list[list]:
-        """One pipelined round trip of ``command key`` for every (hash, key) of every chain; answers per chain."""
+    def _prefix_lengths(self, chains: list[list[bytes]]) -> list[int]:
+        """How many keys of each chain exist before its first missing one.
+
+        On one server, by counts, so that a whole chain costs one answer, not one per key: one ``EXISTS`` of
+        each chain's keys (all there, or none: done); for a chain with some, one ``EXISTS`` of as many keys
+        from its start (all there: they are its prefix); only a chain with a hole in that start is asked key
+        by key.  On a cluster (keys on several nodes), key by key.
+        """
+        if self.settings.cluster:
+            return [_first_false(flags) for flags in self._each("exists", chains)]
+        counts = self._counts(chains)
+        partial = [i for i, (c, chain) in enumerate(zip(counts, chains)) if 0 < c < len(chain)]
+        if partial:
+            starts = self._counts([chains[i][:counts[i]] for i in partial])
+            holes = [i for i, n in zip(partial, starts) if n != counts[i]]
+            for i, flags in zip(holes, self._each("exists", [chains[i] for i in holes])):
+                counts[i] = _first_false(flags)
+        return [min(c, len(chain)) for c, chain in zip(counts, chains)]
+
+    def _counts(self, chains: list[list[bytes]]) -> list[int]:
+        """``EXISTS`` of each chain's keys (one command per chain, one round trip): how many exist."""
         pipe = self.client.pipeline(transaction=False)
         for chain in chains:
-            for _, k in chain:
+            if chain:
+                pipe.exists(*chain)
+        answers = iter(pipe.execute())
+        return [next(answers) if chain else 0 for chain in chains]
+
+    def _values(self, keys: list[bytes]) -> list:
+        """The values of ``keys`` (None where missing), in one round trip: ``MGET`` on one server, a pipelined
+        ``GET`` per key on a cluster."""
+        if not self.settings.cluster:
+            return self.client.mget(keys)
+        pipe = self.client.pipeline(transaction=False)
+        for k in keys:
+            pipe.get(k)
+        return pipe.execute()
+
+    def _each(self, command: str, chains: list[list[bytes]]) -> list[list]:
+        """One pipelined round trip of ``command key`` for every key of every chain; answers per chain."""
+        pipe = self.client.pipeline(transaction=False)
+        for chain in chains:
+            for k in chain:
                 getattr(pipe, command)(k)
         answers = iter(pipe.execute())
         return [[next(answers) for _ in chain] for chain in chains]
@@ -351,22 +435,52 @@ class RemoteStore:
         """One pipelined round trip of ``SET key value [EX ttl]`` for (key, namespace, bytes) items, and
         ``XADD`` for (stream, fields) events.
 
+        On one server the commands are packed here (``pack_sets``: no copy of a payload) and sent on one
+        connection of the client's pool; on a cluster through the client's pipeline, which routes each key
+        to its node.
+
         Returns:
-            The bytes sent (raises the client's errors).
+            The value bytes sent (raises the client's errors).
         """
-        ttl = self.settings.ttl
-        pipe = self.client.pipeline(transaction=False)
-        sent = 0
-        for k, ns, row in batch:
-            v = encode(ns, row)
-            sent += len(v)
-            if ttl > 0:
-                pipe.set(k, v, ex=max(1, int(ttl)))
-            else:
-                pipe.set(k, v)
-        for stream, fields in events:
-            pipe.xadd(stream, fields, maxlen=STREAM_MAXLEN, approximate=True)
-        pipe.execute()
+        ttl = max(1, int(self.settings.ttl)) if self.settings.ttl > 0 else 0
+        xadds = [("XADD", stream, "MAXLEN", "~", STREAM_MAXLEN, "*", *(x for kv in fields.items() for x in kv))
+                 for stream, fields in events]
+        if self.settings.cluster:
+            pipe = self.client.pipeline(transaction=False)
+            sent = 0
+            for k, ns, row in batch:
+                v = encode(ns, row)
+                sent += len(v)
+                if ttl:
+                    pipe.set(k, v, ex=ttl)
+                else:
+                    pipe.set(k, v)
+            for args in xadds:
+                pipe.execute_command(*args)
+            pipe.execute()
+            return sent
+        from redis.exceptions import ResponseError
+
+        buffers, sent = pack_sets(batch, ttl)
+        pool = self.client.connection_pool
+        conn = pool.get_connection()
+        error = None
+        try:
+            if xadds:
+                buffers += conn.pack_commands(xadds)
+            conn.send_packed_command(buffers)
+            for _ in range(len(batch) + len(xadds)):  # every answer is read: the connection stays in step
+                try:
+                    conn.read_response()
+                except ResponseError as exc:  # e.g. OOM: the first one is raised once all are read
+                    error = error or exc
+        except BaseException:
+            conn.disconnect()
+            raise
+        finally:
+            pool.release(conn)
+        if error is not None:
+            raise error
         return sent
 
     def _write_forever(self) -> None:
