@@ -69,6 +69,9 @@ class RemoteSettings:
     batch_blocks: int = 256  # blocks per pipelined write round trip
     queue_bytes: int = 256 << 20  # bytes waiting to be written; beyond, the oldest are dropped
     socket_timeout: float = 2.0  # a stalled server frees the worker threads after this
+    tls_ca: str = ""  # rediss://: CA certificates (PEM file) to verify the server with; "": the system's
+    tls_cert: str = ""  # rediss://: client certificate (PEM file), for mutual TLS
+    tls_key: str = ""  # its private key (PEM file); "": in ``tls_cert``
 
     @classmethod
     def from_config(cls, config) -> "RemoteSettings":
@@ -77,7 +80,26 @@ class RemoteSettings:
             with open(config.remote_password_file) as f:
                 password = f.read().strip()
         return cls(config.remote_url, password, config.remote_cluster, config.remote_prefix, config.remote_ttl,
-                   config.remote_timeout)
+                   config.remote_timeout, tls_ca=config.remote_tls_ca, tls_cert=config.remote_tls_cert,
+                   tls_key=config.remote_tls_key)
+
+    @property
+    def tls(self) -> bool:
+        return self.url.startswith("rediss://")
+
+    def client_options(self) -> dict:
+        """redis-py's keyword arguments for this store (beyond the URL)."""
+        kw = dict(socket_timeout=self.socket_timeout, socket_connect_timeout=min(1.0, self.socket_timeout),
+                  socket_read_size=READ_SIZE)
+        if self.password is not None:
+            kw["password"] = self.password
+        if self.tls:  # the server's certificate is always verified, its name against the URL's host
+            kw.update(ssl_cert_reqs="required", ssl_check_hostname=True)
+            if self.tls_ca:
+                kw["ssl_ca_certs"] = self.tls_ca
+            if self.tls_cert:
+                kw.update(ssl_certfile=self.tls_cert, ssl_keyfile=self.tls_key or None)
+        return kw
 
 
 class Namespace:
@@ -157,6 +179,27 @@ def _first_false(flags) -> int:
     return next((i for i, f in enumerate(flags) if not f), len(flags))
 
 
+def describe(exc: BaseException, settings: RemoteSettings) -> str:
+    """A fault of the store in one line; for a TLS fault, what to check first."""
+    text = f"{type(exc).__name__}: {exc}"
+    if not settings.tls:
+        return text
+    seen = f"{text} {exc.__context__!r} {exc.__cause__!r}"
+    if "Hostname mismatch" in seen or "IP address mismatch" in seen:
+        hint = "the server's certificate does not name the URL's host"
+    elif "CERTIFICATE_VERIFY_FAILED" in seen:
+        trusted = f"--remote-tls-ca {settings.tls_ca}" if settings.tls_ca else "the system's; see --remote-tls-ca"
+        hint = f"the server's certificate is not signed by a trusted CA ({trusted})"
+    elif any(m in seen for m in ("UNKNOWN_CA", "BAD_CERTIFICATE", "CERTIFICATE_REQUIRED", "SSLEOFError")):
+        hint = ("the server refused this daemon's client certificate "
+                + ("(--remote-tls-cert)" if settings.tls_cert else "(none given: --remote-tls-cert)"))
+    elif any(m in seen for m in ("handshake operation timed out", "WRONG_VERSION_NUMBER", "record layer")):
+        hint = "no TLS handshake: is the server listening with TLS on that port (not a plain one behind rediss://)?"
+    else:
+        return text
+    return f"TLS: {hint}; {text}"
+
+
 @dataclass(frozen=True)
 class Fetched:
     """A fetch's answer: the payload of each hash found (a prefix of the chain asked for)."""
@@ -217,10 +260,7 @@ class RemoteStore:
     def client(self):
         if self._client is None:
             s = self.settings
-            kw = dict(socket_timeout=s.socket_timeout, socket_connect_timeout=min(1.0, s.socket_timeout),
-                      socket_read_size=READ_SIZE)
-            if s.password is not None:
-                kw["password"] = s.password
+            kw = s.client_options()
             if s.cluster:
                 from redis.cluster import RedisCluster
 
@@ -237,7 +277,7 @@ class RemoteStore:
             self._backoff = min(MAX_BACKOFF, self._backoff * 2 or MIN_BACKOFF)
             self.retry_at = time.monotonic() + self._backoff
             was, self.state = self.state, "backoff"
-            self.last_error = f"{what}: {type(exc).__name__}: {exc}"[:300]
+            self.last_error = f"{what}: {describe(exc, self.settings)}"[:400]
         if was != "backoff":
             log.warning("remote tier %s: %s; serving from the local tiers, retrying in %.1f s",
                         redact(self.settings.url), self.last_error, self._backoff)
