@@ -166,12 +166,19 @@ def decode(ns: Namespace, value: bytes) -> memoryview | None:
     start = _HEADER.size + nlayout
     if magic != MAGIC or version != VERSION or nbytes != ns.block_bytes or len(value) != start + nbytes:
         return None
-    if value[_HEADER.size:start] != ns.layout:
+    if nlayout != len(ns.layout) or not value.startswith(ns.layout, _HEADER.size):
         return None
     payload = memoryview(value)[start:]
     if xxhash.xxh3_64_intdigest(payload) != csum:
         return None
     return payload
+
+
+def redis_exceptions():
+    """``redis.exceptions`` (redis-py is imported only when a remote tier is configured)."""
+    import redis.exceptions
+
+    return redis.exceptions
 
 
 def _first_false(flags) -> int:
@@ -499,20 +506,31 @@ class RemoteStore:
                 pipe.execute_command(*args)
             pipe.execute()
             return sent
-        from redis.exceptions import ResponseError
-
         buffers, sent = pack_sets(batch, ttl)
+        for attempt in (1, 2):  # a connection the server closed (a restart) is found on use: once more, anew
+            try:
+                self._send_all(buffers, len(batch), xadds)
+            except redis_exceptions().ConnectionError:
+                if attempt == 2:
+                    raise
+            else:
+                break
+        return sent
+
+    def _send_all(self, buffers: list, commands: int, more: list) -> None:
+        """Send packed commands (``buffers``, holding ``commands``) and the commands ``more`` (argument
+        tuples) on one connection of the pool, and read every answer; raises the first error answer."""
         pool = self.client.connection_pool
         conn = pool.get_connection()
         error = None
         try:
-            if xadds:
-                buffers += conn.pack_commands(xadds)
+            if more:
+                buffers = buffers + conn.pack_commands(more)
             conn.send_packed_command(buffers)
-            for _ in range(len(batch) + len(xadds)):  # every answer is read: the connection stays in step
+            for _ in range(commands + len(more)):  # every answer is read: the connection stays in step
                 try:
                     conn.read_response()
-                except ResponseError as exc:  # e.g. OOM: the first one is raised once all are read
+                except redis_exceptions().ResponseError as exc:  # e.g. OOM: raised once all are read
                     error = error or exc
         except BaseException:
             conn.disconnect()
@@ -521,7 +539,6 @@ class RemoteStore:
             pool.release(conn)
         if error is not None:
             raise error
-        return sent
 
     def _write_forever(self) -> None:
         while True:

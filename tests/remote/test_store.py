@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from kvpoold.transfer.remote import Namespace, RemoteSettings, RemoteStore, decode
 
@@ -41,5 +42,22 @@ def test_each_chain_stops_at_its_first_missing_or_bad_block_and_writes_are_whole
         assert set(got.payloads) == {d[0]} and got.corrupt == 1
         assert rc.get(ns.key(d[1])) is None  # dropped from the store
         assert store.failures == 0 and store.state == "connected"
+    finally:
+        store.close()
+
+
+def test_writes_the_server_refuses_raise_and_leave_the_connection_in_step(redis_server):
+    from redis.exceptions import ResponseError
+
+    r = redis_server("--maxmemory", "3mb", "--maxmemory-policy", "noeviction")
+    store = RemoteStore(RemoteSettings(r.url))
+    try:
+        ns = Namespace("kvpool", "a layout", 64 << 10)
+        d = [i.to_bytes(16, "little") for i in range(80)]  # 5 MiB
+        with pytest.raises(ResponseError, match="maxmemory"):
+            store.write_batch([(ns.key(h), ns, np.full(64 << 10, i, np.uint8)) for i, h in enumerate(d)])
+        got = store.fetch(ns, [d])  # the answers read are this fetch's, not the writes' left over
+        assert 0 < len(got.payloads) < 80 and got.corrupt == 0 and store.failures == 0
+        assert bytes(got.payloads[d[1]]) == bytes([1]) * (64 << 10)
     finally:
         store.close()
