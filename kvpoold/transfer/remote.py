@@ -197,9 +197,12 @@ def describe(exc: BaseException, settings: RemoteSettings) -> str:
     elif "CERTIFICATE_VERIFY_FAILED" in seen:
         trusted = f"--remote-tls-ca {settings.tls_ca}" if settings.tls_ca else "the system's; see --remote-tls-ca"
         hint = f"the server's certificate is not signed by a trusted CA ({trusted})"
-    elif any(m in seen for m in ("UNKNOWN_CA", "BAD_CERTIFICATE", "CERTIFICATE_REQUIRED", "SSLEOFError")):
-        hint = ("the server refused this daemon's client certificate "
-                + ("(--remote-tls-cert)" if settings.tls_cert else "(none given: --remote-tls-cert)"))
+    elif any(m in seen for m in ("UNKNOWN_CA", "BAD_CERTIFICATE", "CERTIFICATE_REQUIRED")):
+        hint = f"the server refused this daemon's client certificate (--remote-tls-cert {settings.tls_cert})"
+    elif "SSLEOFError" in seen:  # what a server that wants a client certificate and got none (or none it
+        # trusts) does to a TLS 1.3 client: it closes the connection after the handshake
+        given = f"--remote-tls-cert {settings.tls_cert}" if settings.tls_cert else "none given: --remote-tls-cert"
+        hint = f"the server closed the connection: does it require a client certificate it trusts ({given})?"
     elif any(m in seen for m in ("handshake operation timed out", "WRONG_VERSION_NUMBER", "record layer")):
         hint = "no TLS handshake: is the server listening with TLS on that port (not a plain one behind rediss://)?"
     else:
