@@ -1,7 +1,8 @@
 """The remote tier (3): a prefix computed on one node served on another, and write-behind throughput.
 
     python3 benchmarks/bench_remote.py [--prompts 8] [--blocks 32] [--writes 2000] [--repeats 7]
-                                       [--ttft-prompts 3] [--ttft-tokens 4096]
+                                       [--ttft-prompts 3] [--ttft-tokens 4096] [--only all|raw|ttft]
+    python3 benchmarks/bench_remote.py --only raw --tls   # part 3 over rediss://
 
 Needs ``redis-server`` (started here on a Unix socket, no persistence).
 
@@ -19,8 +20,8 @@ Needs ``redis-server`` (started here on a Unix socket, no persistence).
    versus one round trip per block.
 3. **The tier against the raw client.**  ``RemoteStore.write_batch`` (the
    writer thread's pipelined ``SET``: header, checksum, ``EX``) and
-   ``RemoteStore.fetch`` (the daemon's read: one pipelined ``EXISTS``, one
-   pipelined ``GET``, header and checksum checks) against redis-py's own
+   ``RemoteStore.fetch`` (the daemon's read: one ``EXISTS`` of the chain's
+   keys, one ``MGET``, header and checksum checks) against redis-py's own
    pipelined ``SET``/``GET`` of values of the same sizes, 32 KiB and 2 MiB
    blocks, interleaved, median of ``--repeats``; the ratio (tier / raw) is the
    share of the client's bandwidth the tier keeps.
@@ -148,13 +149,19 @@ def write_behind(redis, n: int, block_bytes: int, batch: int) -> dict:
         store.close()
 
 
-def tier_vs_raw(redis, block_bytes: int, blocks: int, repeats: int) -> dict:
-    """GB/s of payload bytes: the tier's batched write and read paths vs the raw client's pipelined SET/GET."""
+def tier_vs_raw(redis, block_bytes: int, blocks: int, repeats: int, tls_ca: str = "") -> dict:
+    """GB/s of payload bytes: the tier's batched write and read paths vs the raw client's pipelined SET/GET
+    (``tls_ca``: both over the server's ``rediss://`` URL, verified against this CA)."""
     from kvpoold.transfer.remote import Namespace, RemoteSettings, RemoteStore
 
-    store = RemoteStore(RemoteSettings(redis.url, batch_blocks=blocks, timeout=60, socket_timeout=60))
-    raw = redis.client()
-    raw.connection_pool.connection_kwargs["socket_timeout"] = 60
+    store = RemoteStore(RemoteSettings(redis.url, batch_blocks=blocks, timeout=60, socket_timeout=60, tls_ca=tls_ca))
+    if tls_ca:
+        import redis as redis_py
+
+        raw = redis_py.Redis.from_url(redis.url, ssl_ca_certs=tls_ca, socket_timeout=60)
+    else:
+        raw = redis.client()
+        raw.connection_pool.connection_kwargs["socket_timeout"] = 60
     try:
         ns = Namespace("tvr", f"tier-vs-raw {block_bytes}", block_bytes)
         rows = list(np.random.default_rng(block_bytes).integers(0, 256, (blocks, block_bytes), np.uint8))
@@ -288,10 +295,18 @@ def main() -> None:
     ap.add_argument("--ttft-tokens", type=int, default=4096)
     ap.add_argument("--only", choices=["all", "raw", "ttft"], default="all",
                     help="run only the tier-vs-raw or the TTFT part (the JSON then holds only that part)")
+    ap.add_argument("--tls", action="store_true",
+                    help="with --only raw: the tier and the raw client over TLS (rediss://, a throwaway CA made "
+                         "with the openssl command; JSON: tier_vs_raw_tls)")
     args = ap.parse_args()
-    from redislib import RedisServer
+    if args.tls and args.only != "raw":
+        ap.error("--tls goes with --only raw")
+    import tempfile
 
-    redis = RedisServer().start()
+    from redislib import Certs, RedisServer
+
+    certs = Certs(tempfile.mkdtemp(prefix="kvpool-bench-certs-")) if args.tls else None
+    redis = RedisServer(tls=certs).start()
     results: dict = {}
     try:
         if args.only == "all":
@@ -299,8 +314,9 @@ def main() -> None:
             results["write_behind"] = [write_behind(redis, args.writes, bb, batch)
                                        for bb in (4096, 64 << 10) for batch in (256, 1)]
         if args.only in ("all", "raw"):  # 64 MiB of values per pass for either size
-            results["tier_vs_raw"] = [tier_vs_raw(redis, bb, (64 << 20) // bb, args.repeats)
-                                      for bb in (32 << 10, 2 << 20)]
+            results["tier_vs_raw_tls" if certs else "tier_vs_raw"] = [
+                tier_vs_raw(redis, bb, (64 << 20) // bb, args.repeats, certs.ca if certs else "")
+                for bb in (32 << 10, 2 << 20)]
         if args.only in ("all", "ttft"):
             results["ttft"] = ttft(redis, args)
     finally:
@@ -316,15 +332,19 @@ def main() -> None:
         print_table("write-behind to Redis (queue to stored)", ["block", "batch", "blocks/s", "MB/s", "seconds"],
                     [[f"{w['block_bytes'] >> 10} KiB", str(w["batch"]), f"{w['blocks_per_s']:.0f}",
                       f"{w['mb_per_s']:.0f}", f"{w['seconds']:.2f}"] for w in results["write_behind"]])
-    if "tier_vs_raw" in results:
+    for key in ("tier_vs_raw", "tier_vs_raw_tls"):
+        if key not in results:
+            continue
         rows = []
-        for r in results["tier_vs_raw"]:
+        for r in results[key]:
             size = f"{r['block_bytes'] >> 10} KiB" if r["block_bytes"] < 1 << 20 else f"{r['block_bytes'] >> 20} MiB"
             for way in ("write", "read"):
                 rows.append([size, str(r["blocks"]), way, f"{r[f'tier_{way}_gbps']:.2f}",
                              f"{r[f'raw_{way}_gbps']:.2f}", f"{r[f'{way}_ratio']:.2f}"])
-        print_table(f"the tier vs redis-py's pipelined SET/GET (payload GB/s, median of {args.repeats}, interleaved)",
-                    ["block", "blocks", "way", "tier GB/s", "raw GB/s", "tier/raw"], rows)
+        over = "TLS on localhost" if key.endswith("tls") else "a Unix socket"
+        print_table(f"the tier vs redis-py's pipelined SET/GET over {over} (payload GB/s, median of "
+                    f"{args.repeats}, interleaved)", ["block", "blocks", "way", "tier GB/s", "raw GB/s", "tier/raw"],
+                    rows)
     if "ttft" in results:
         t = results["ttft"]
         print_table(f"time to first token, {t['prompt_tokens']}-token prompt (median of {t['prompts']})",

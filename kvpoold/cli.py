@@ -99,6 +99,15 @@ def build_parser() -> argparse.ArgumentParser:
                                         "redis://[user:password@]host:6379/0, rediss://..., unix:///path "
                                         "(default: none)")
     p.add_argument("--remote-password-file", help="tier 3: read the server's password from this file")
+    p.add_argument("--remote-tls-ca", metavar="FILE",
+                   help="tier 3, rediss://: the CA certificates (PEM) the server's certificate must chain to "
+                        "(default: the system's trusted CAs)")
+    p.add_argument("--remote-tls-cert", metavar="FILE",
+                   help="tier 3, rediss://: a client certificate (PEM) for servers that require one "
+                        "(tls-auth-clients yes: mutual TLS)")
+    p.add_argument("--remote-tls-key", metavar="FILE",
+                   help="tier 3, rediss://: the client certificate's private key (PEM; default: in the "
+                        "--remote-tls-cert file)")
     p.add_argument("--remote-cluster", action="store_const", const=True,
                    help="tier 3: --remote-url names one node of a Redis Cluster")
     p.add_argument("--remote-prefix", help="tier 3: prefix of every key (default kvpool)")
@@ -126,6 +135,7 @@ FLAG_KEYS = (
     "cuda_memory", "release_after_seconds",  # elastic GPU memory
     "remote_url", "remote_password_file", "remote_cluster", "remote_prefix", "remote_ttl", "remote_timeout",
     "remote_write", "events_stream",  # remote tier, KV events
+    "remote_tls_ca", "remote_tls_cert", "remote_tls_key",  # the remote tier's TLS
 )
 
 

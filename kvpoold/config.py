@@ -164,6 +164,9 @@ class Config:
     # -- remote tier (3): Redis or Valkey shared by the daemons of several machines --
     remote_url: str = ""  # redis://host:6379/0, rediss://..., unix:///path; "": no remote tier
     remote_password_file: str = ""  # the password, read from this file (instead of the URL)
+    remote_tls_ca: str = ""  # rediss://: the CA certificates (PEM) the server's must chain to; "": the system's
+    remote_tls_cert: str = ""  # rediss://: this daemon's client certificate (PEM), for servers that require one
+    remote_tls_key: str = ""  # rediss://: the client certificate's private key (PEM); "": in remote_tls_cert's file
     remote_cluster: bool = False  # remote_url names one node of a Redis Cluster
     remote_prefix: str = "kvpool"  # every key starts with this (several deployments on one server)
     remote_ttl: float = 86400.0  # seconds a stored block lives; 0: no expiry (the server's maxmemory policy)
@@ -254,6 +257,9 @@ _PARSERS = {
     "release_after_seconds": _float,
     "remote_url": str,
     "remote_password_file": str,
+    "remote_tls_ca": str,
+    "remote_tls_cert": str,
+    "remote_tls_key": str,
     "remote_cluster": _bool,
     "remote_prefix": str,
     "remote_ttl": _float,
@@ -362,6 +368,7 @@ def _validate_remote(cfg: Config, bad) -> None:
         raise bad("events_stream", "needs remote_url (the stream lives on the remote tier's server)")
     if cfg.remote_password_file and not os.access(cfg.remote_password_file, os.R_OK):
         raise bad("remote_password_file", "cannot be read")
+    _validate_tls(cfg, bad)
     if not cfg.remote_prefix or any(c.isspace() for c in cfg.remote_prefix):
         raise bad("remote_prefix", "must be a non-empty string without spaces")
     if not 0 <= cfg.remote_ttl <= MAX_SECONDS:
@@ -370,6 +377,33 @@ def _validate_remote(cfg: Config, bad) -> None:
         raise bad("remote_timeout", "must be in (0, 60] seconds")
     if cfg.remote_write not in ("through", "evict"):
         raise bad("remote_write", "must be through or evict")
+
+
+def _validate_tls(cfg: Config, bad) -> None:
+    """The TLS files: only with a rediss:// URL, readable, and certificates and keys that load."""
+    import ssl
+
+    keys = [k for k in ("remote_tls_ca", "remote_tls_cert", "remote_tls_key") if getattr(cfg, k)]
+    if not keys:
+        return
+    if urllib.parse.urlsplit(cfg.remote_url).scheme != "rediss":
+        raise bad(keys[0], "needs a rediss:// remote_url (TLS)")
+    for key in keys:
+        if not os.access(getattr(cfg, key), os.R_OK):
+            raise bad(key, "cannot be read")
+    if cfg.remote_tls_key and not cfg.remote_tls_cert:
+        raise bad("remote_tls_key", "needs remote_tls_cert (the client certificate it belongs to)")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    if cfg.remote_tls_ca:
+        try:
+            context.load_verify_locations(cafile=cfg.remote_tls_ca)
+        except (ssl.SSLError, ValueError) as exc:
+            raise bad("remote_tls_ca", f"holds no PEM certificate ({exc})") from None
+    if cfg.remote_tls_cert:
+        try:
+            context.load_cert_chain(cfg.remote_tls_cert, cfg.remote_tls_key or None)
+        except (ssl.SSLError, ValueError) as exc:
+            raise bad("remote_tls_cert", f"no PEM certificate with its private key (remote_tls_key) ({exc})") from None
 
 
 def _redacted(url: str) -> str:

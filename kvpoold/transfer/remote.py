@@ -16,9 +16,16 @@ queue work (``put``) and hand a fetch to the worker pool (``submit_fetch``):
   pipelined batches (``batch_blocks`` per round trip); when the queue is full
   the oldest blocks are dropped and counted, so a slow or absent Redis never
   holds the daemon back;
-* a fetch (one pipelined ``EXISTS`` for the chain, then one pipelined ``GET``
-  of the prefix that exists) runs on a worker thread; the caller awaits it
-  with a deadline and counts the blocks as missing past it.
+* a fetch (``EXISTS`` to find where each chain stops, then one ``MGET`` of the
+  prefix that exists) runs on a worker thread; the caller awaits it with a
+  deadline and counts the blocks as missing past it.
+
+On one server both paths skip redis-py's per-command work: a write batch is
+packed here into the wire protocol with each payload sent from the pool's copy
+as it is (no value is assembled), and its answers are read on one connection;
+a fetch counts keys per chain (``EXISTS k1 k2 ...``) instead of asking key by
+key.  A Redis Cluster goes through the client's pipeline, which routes each key
+to its node.
 
 Faults put the store in *backoff*: fetches are skipped (a local miss, counted)
 until the retry time, writes wait in the queue; the backoff doubles up to
@@ -46,6 +53,7 @@ VERSION = 1
 _HEADER = struct.Struct("<4sBxxxQQH")  # magic, version, xxh3-64 of the payload, payload bytes, layout length
 EVENT_QUEUE = 10000  # KV events waiting for the stream; beyond, the oldest are dropped
 STREAM_MAXLEN = 100000  # the stream is capped (approximately) at this many entries
+READ_SIZE = 256 << 10  # bytes per socket read (redis-py's default, 64 KiB, costs a read and a parse per 64 KiB)
 MIN_BACKOFF = 0.2
 MAX_BACKOFF = 5.0
 
@@ -61,6 +69,9 @@ class RemoteSettings:
     batch_blocks: int = 256  # blocks per pipelined write round trip
     queue_bytes: int = 256 << 20  # bytes waiting to be written; beyond, the oldest are dropped
     socket_timeout: float = 2.0  # a stalled server frees the worker threads after this
+    tls_ca: str = ""  # rediss://: CA certificates (PEM file) to verify the server with; "": the system's
+    tls_cert: str = ""  # rediss://: client certificate (PEM file), for mutual TLS
+    tls_key: str = ""  # its private key (PEM file); "": in ``tls_cert``
 
     @classmethod
     def from_config(cls, config) -> "RemoteSettings":
@@ -69,7 +80,26 @@ class RemoteSettings:
             with open(config.remote_password_file) as f:
                 password = f.read().strip()
         return cls(config.remote_url, password, config.remote_cluster, config.remote_prefix, config.remote_ttl,
-                   config.remote_timeout)
+                   config.remote_timeout, tls_ca=config.remote_tls_ca, tls_cert=config.remote_tls_cert,
+                   tls_key=config.remote_tls_key)
+
+    @property
+    def tls(self) -> bool:
+        return self.url.startswith("rediss://")
+
+    def client_options(self) -> dict:
+        """redis-py's keyword arguments for this store (beyond the URL)."""
+        kw = dict(socket_timeout=self.socket_timeout, socket_connect_timeout=min(1.0, self.socket_timeout),
+                  socket_read_size=READ_SIZE)
+        if self.password is not None:
+            kw["password"] = self.password
+        if self.tls:  # the server's certificate is always verified, its name against the URL's host
+            kw.update(ssl_cert_reqs="required", ssl_check_hostname=True)
+            if self.tls_ca:
+                kw["ssl_ca_certs"] = self.tls_ca
+            if self.tls_cert:
+                kw.update(ssl_certfile=self.tls_cert, ssl_keyfile=self.tls_key or None)
+        return kw
 
 
 class Namespace:
@@ -92,11 +122,40 @@ def layout_string(geometry: dict) -> str:
     return "kvpool-block/1 " + " ".join(f"{k}={geometry[k]}" for k in sorted(geometry))
 
 
+def head(ns: Namespace, view: memoryview) -> bytes:
+    """What a stored value holds before its payload ``view`` (bytes): the header and the layout."""
+    return _HEADER.pack(MAGIC, VERSION, xxhash.xxh3_64_intdigest(view), len(view), len(ns.layout)) + ns.layout
+
+
 def encode(ns: Namespace, payload) -> bytes:
-    """A stored value: header, layout, payload."""
+    """A stored value: header, layout, payload (one copy of the payload; the single-server write path sends
+    the head and the payload as separate buffers instead, ``pack_sets``)."""
     view = memoryview(payload).cast("B")
-    return b"".join((_HEADER.pack(MAGIC, VERSION, xxhash.xxh3_64_intdigest(view), len(view), len(ns.layout)),
-                     ns.layout, view))
+    return head(ns, view) + view
+
+
+def pack_sets(batch: list, ttl: int) -> tuple[list, int]:
+    """``SET key value [EX ttl]`` for every (key, namespace, payload) of ``batch``, in the wire protocol (RESP),
+    without copying a payload: a list of buffers (bytes holding the protocol, each value's head and the
+    command's tail, and a view of each payload between them) and the value bytes it holds.
+
+    A value is exactly ``encode``'s: the server stores the head and the payload as one string.
+    """
+    tail = b"\r\n$2\r\nEX\r\n$%d\r\n%d\r\n" % (len(str(ttl)), ttl) if ttl > 0 else b"\r\n"
+    start = b"*5\r\n$3\r\nSET\r\n$" if ttl > 0 else b"*3\r\n$3\r\nSET\r\n$"
+    out = []
+    before = b""  # the previous command's tail goes with this one's start: one small buffer per block
+    sent = 0
+    for k, ns, payload in batch:
+        view = memoryview(payload).cast("B")
+        h = head(ns, view)
+        n = len(h) + len(view)
+        out.append(b"%s%s%d\r\n%s\r\n$%d\r\n%s" % (before, start, len(k), k, n, h))
+        out.append(view)
+        before = tail
+        sent += n
+    out.append(before)
+    return out, sent
 
 
 def decode(ns: Namespace, value: bytes) -> memoryview | None:
@@ -107,12 +166,48 @@ def decode(ns: Namespace, value: bytes) -> memoryview | None:
     start = _HEADER.size + nlayout
     if magic != MAGIC or version != VERSION or nbytes != ns.block_bytes or len(value) != start + nbytes:
         return None
-    if value[_HEADER.size:start] != ns.layout:
+    if nlayout != len(ns.layout) or not value.startswith(ns.layout, _HEADER.size):
         return None
     payload = memoryview(value)[start:]
     if xxhash.xxh3_64_intdigest(payload) != csum:
         return None
     return payload
+
+
+def redis_exceptions():
+    """``redis.exceptions`` (redis-py is imported only when a remote tier is configured)."""
+    import redis.exceptions
+
+    return redis.exceptions
+
+
+def _first_false(flags) -> int:
+    """The index of the first false flag (their number if none is)."""
+    return next((i for i, f in enumerate(flags) if not f), len(flags))
+
+
+def describe(exc: BaseException, settings: RemoteSettings) -> str:
+    """A fault of the store in one line; for a TLS fault, what to check first."""
+    text = f"{type(exc).__name__}: {exc}"
+    if not settings.tls:
+        return text
+    seen = f"{text} {exc.__context__!r} {exc.__cause__!r}"
+    if "Hostname mismatch" in seen or "IP address mismatch" in seen:
+        hint = "the server's certificate does not name the URL's host"
+    elif "CERTIFICATE_VERIFY_FAILED" in seen:
+        trusted = f"--remote-tls-ca {settings.tls_ca}" if settings.tls_ca else "the system's; see --remote-tls-ca"
+        hint = f"the server's certificate is not signed by a trusted CA ({trusted})"
+    elif any(m in seen for m in ("UNKNOWN_CA", "BAD_CERTIFICATE", "CERTIFICATE_REQUIRED")):
+        hint = f"the server refused this daemon's client certificate (--remote-tls-cert {settings.tls_cert})"
+    elif "SSLEOFError" in seen:  # what a server that wants a client certificate and got none (or none it
+        # trusts) does to a TLS 1.3 client: it closes the connection after the handshake
+        given = f"--remote-tls-cert {settings.tls_cert}" if settings.tls_cert else "none given: --remote-tls-cert"
+        hint = f"the server closed the connection: does it require a client certificate it trusts ({given})?"
+    elif any(m in seen for m in ("handshake operation timed out", "WRONG_VERSION_NUMBER", "record layer")):
+        hint = "no TLS handshake: is the server listening with TLS on that port (not a plain one behind rediss://)?"
+    else:
+        return text
+    return f"TLS: {hint}; {text}"
 
 
 @dataclass(frozen=True)
@@ -175,9 +270,7 @@ class RemoteStore:
     def client(self):
         if self._client is None:
             s = self.settings
-            kw = dict(socket_timeout=s.socket_timeout, socket_connect_timeout=min(1.0, s.socket_timeout))
-            if s.password is not None:
-                kw["password"] = s.password
+            kw = s.client_options()
             if s.cluster:
                 from redis.cluster import RedisCluster
 
@@ -194,7 +287,7 @@ class RemoteStore:
             self._backoff = min(MAX_BACKOFF, self._backoff * 2 or MIN_BACKOFF)
             self.retry_at = time.monotonic() + self._backoff
             was, self.state = self.state, "backoff"
-            self.last_error = f"{what}: {type(exc).__name__}: {exc}"[:300]
+            self.last_error = f"{what}: {describe(exc, self.settings)}"[:400]
         if was != "backoff":
             log.warning("remote tier %s: %s; serving from the local tiers, retrying in %.1f s",
                         redact(self.settings.url), self.last_error, self._backoff)
@@ -227,7 +320,7 @@ class RemoteStore:
         return self._fetches.submit(self.fetch, ns, chains, read)
 
     def fetch(self, ns: Namespace, chains: list[list[bytes]], read: bool = True) -> Fetched:
-        """The longest prefix of each chain the store holds: one pipelined EXISTS, one pipelined GET.
+        """The longest prefix of each chain the store holds: which blocks exist, then their values.
 
         Args:
             ns: the layout's namespace.
@@ -241,23 +334,26 @@ class RemoteStore:
         asked = sum(map(len, chains))
         try:
             keyed = [[(d, ns.key(d)) for d in chain] for chain in chains]
-            prefixes = []
-            for chain, flags in zip(keyed, self._each("exists", keyed)):
-                n = next((i for i, p in enumerate(flags) if not p), len(chain))
-                prefixes.append(chain[:n])
+            lengths = self._prefix_lengths([[k for _, k in chain] for chain in keyed])
+            prefixes = [chain[:n] for chain, n in zip(keyed, lengths)]
             payloads: dict = {}
             corrupt = 0
             if not read:
                 payloads = {d: None for prefix in prefixes for d, _ in prefix}
             elif any(prefixes):
-                bad = []
+                keys = list(dict.fromkeys(k for prefix in prefixes for _, k in prefix))  # once each
+                values = dict(zip(keys, self._values(keys)))
+                bad = set()
                 nread = 0
-                for prefix, got in zip(prefixes, self._each("get", prefixes)):
-                    for (d, k), v in zip(prefix, got):
-                        payload = decode(ns, v) if v is not None else None
+                for prefix in prefixes:
+                    for d, k in prefix:
+                        if d in payloads:
+                            continue  # another chain's block, read and checked already
+                        v = values[k]
+                        payload = decode(ns, v) if v is not None and k not in bad else None
                         if payload is None:
                             if v is not None:
-                                bad.append(k)
+                                bad.add(k)
                             break  # the chain stops at its first missing or bad block
                         nread += len(v)
                         payloads[d] = payload
@@ -279,11 +375,49 @@ class RemoteStore:
             self.corrupt_blocks += corrupt
         return Fetched(payloads, asked, corrupt)
 
-    def _each(self, command: str, chains: list[list[tuple[bytes, bytes]]]) -> list[list]:
-        """One pipelined round trip of ``command key`` for every (hash, key) of every chain; answers per chain."""
+    def _prefix_lengths(self, chains: list[list[bytes]]) -> list[int]:
+        """How many keys of each chain exist before its first missing one.
+
+        On one server, by counts, so that a whole chain costs one answer, not one per key: one ``EXISTS`` of
+        each chain's keys (all there, or none: done); for a chain with some, one ``EXISTS`` of as many keys
+        from its start (all there: they are its prefix); only a chain with a hole in that start is asked key
+        by key.  On a cluster (keys on several nodes), key by key.
+        """
+        if self.settings.cluster:
+            return [_first_false(flags) for flags in self._each("exists", chains)]
+        counts = self._counts(chains)
+        partial = [i for i, (c, chain) in enumerate(zip(counts, chains)) if 0 < c < len(chain)]
+        if partial:
+            starts = self._counts([chains[i][:counts[i]] for i in partial])
+            holes = [i for i, n in zip(partial, starts) if n != counts[i]]
+            for i, flags in zip(holes, self._each("exists", [chains[i] for i in holes])):
+                counts[i] = _first_false(flags)
+        return [min(c, len(chain)) for c, chain in zip(counts, chains)]
+
+    def _counts(self, chains: list[list[bytes]]) -> list[int]:
+        """``EXISTS`` of each chain's keys (one command per chain, one round trip): how many exist."""
         pipe = self.client.pipeline(transaction=False)
         for chain in chains:
-            for _, k in chain:
+            if chain:
+                pipe.exists(*chain)
+        answers = iter(pipe.execute())
+        return [next(answers) if chain else 0 for chain in chains]
+
+    def _values(self, keys: list[bytes]) -> list:
+        """The values of ``keys`` (None where missing), in one round trip: ``MGET`` on one server, a pipelined
+        ``GET`` per key on a cluster."""
+        if not self.settings.cluster:
+            return self.client.mget(keys)
+        pipe = self.client.pipeline(transaction=False)
+        for k in keys:
+            pipe.get(k)
+        return pipe.execute()
+
+    def _each(self, command: str, chains: list[list[bytes]]) -> list[list]:
+        """One pipelined round trip of ``command key`` for every key of every chain; answers per chain."""
+        pipe = self.client.pipeline(transaction=False)
+        for chain in chains:
+            for k in chain:
                 getattr(pipe, command)(k)
         answers = iter(pipe.execute())
         return [[next(answers) for _ in chain] for chain in chains]
@@ -351,23 +485,63 @@ class RemoteStore:
         """One pipelined round trip of ``SET key value [EX ttl]`` for (key, namespace, bytes) items, and
         ``XADD`` for (stream, fields) events.
 
+        On one server the commands are packed here (``pack_sets``: no copy of a payload) and sent on one
+        connection of the client's pool; on a cluster through the client's pipeline, which routes each key
+        to its node.
+
         Returns:
-            The bytes sent (raises the client's errors).
+            The value bytes sent (raises the client's errors).
         """
-        ttl = self.settings.ttl
-        pipe = self.client.pipeline(transaction=False)
-        sent = 0
-        for k, ns, row in batch:
-            v = encode(ns, row)
-            sent += len(v)
-            if ttl > 0:
-                pipe.set(k, v, ex=max(1, int(ttl)))
+        ttl = max(1, int(self.settings.ttl)) if self.settings.ttl > 0 else 0
+        xadds = [("XADD", stream, "MAXLEN", "~", STREAM_MAXLEN, "*", *(x for kv in fields.items() for x in kv))
+                 for stream, fields in events]
+        if self.settings.cluster:
+            pipe = self.client.pipeline(transaction=False)
+            sent = 0
+            for k, ns, row in batch:
+                v = encode(ns, row)
+                sent += len(v)
+                if ttl:
+                    pipe.set(k, v, ex=ttl)
+                else:
+                    pipe.set(k, v)
+            for args in xadds:
+                pipe.execute_command(*args)
+            pipe.execute()
+            return sent
+        buffers, sent = pack_sets(batch, ttl)
+        for attempt in (1, 2):  # a connection the server closed (a restart) is found on use: once more, anew
+            try:
+                self._send_all(buffers, len(batch), xadds)
+            except redis_exceptions().ConnectionError:
+                if attempt == 2:
+                    raise
             else:
-                pipe.set(k, v)
-        for stream, fields in events:
-            pipe.xadd(stream, fields, maxlen=STREAM_MAXLEN, approximate=True)
-        pipe.execute()
+                break
         return sent
+
+    def _send_all(self, buffers: list, commands: int, more: list) -> None:
+        """Send packed commands (``buffers``, holding ``commands``) and the commands ``more`` (argument
+        tuples) on one connection of the pool, and read every answer; raises the first error answer."""
+        pool = self.client.connection_pool
+        conn = pool.get_connection()
+        error = None
+        try:
+            if more:
+                buffers = buffers + conn.pack_commands(more)
+            conn.send_packed_command(buffers)
+            for _ in range(commands + len(more)):  # every answer is read: the connection stays in step
+                try:
+                    conn.read_response()
+                except redis_exceptions().ResponseError as exc:  # e.g. OOM: raised once all are read
+                    error = error or exc
+        except BaseException:
+            conn.disconnect()
+            raise
+        finally:
+            pool.release(conn)
+        if error is not None:
+            raise error
 
     def _write_forever(self) -> None:
         while True:

@@ -12,20 +12,34 @@ _TESTS = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(_TESTS / "tiers"))  # tierlib: the layout, block bytes
 sys.path.insert(0, str(_TESTS / "server"))  # procs: wait_for
 
-from redislib import RedisServer  # noqa: E402
+from redislib import Certs, RedisServer  # noqa: E402
 from tierlib import BLOCK  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def certs(tmp_path_factory):
+    """A throwaway CA with a server and a client certificate, and another CA (``redislib.Certs``)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command to make test certificates")
+    return Certs(str(tmp_path_factory.mktemp("certs")))
 
 
 @pytest.fixture
 def redis_server():
+    """``redis_server(*args, tls=None, clients="optional")`` -> a started ``RedisServer``."""
     if shutil.which("redis-server") is None:
         pytest.skip("needs redis-server (scripts/setup.sh installs it)")
     servers: list[RedisServer] = []
 
-    def make(*args: str) -> RedisServer:
-        s = RedisServer(*args).start()
+    def make(*args: str, **kw) -> RedisServer:
+        s = RedisServer(*args, **kw)
         servers.append(s)
-        return s
+        try:
+            return s.start()
+        except RuntimeError as exc:
+            if kw.get("tls") is None:
+                raise
+            pytest.skip(f"this redis-server does not start with TLS (built without it?): {exc}")
 
     yield make
     for s in servers:

@@ -10,14 +10,21 @@ import time
 
 
 class RedisServer:
-    """A redis-server of its own (no persistence) on a Unix socket in a temporary directory."""
+    """A redis-server of its own (no persistence) on a Unix socket in a temporary directory; with ``tls``, also
+    a TLS port on localhost (``url`` is then the ``rediss://`` one; the Unix socket stays plain)."""
 
-    def __init__(self, *args: str) -> None:
-        """``args``: more redis-server options (``--requirepass``...)."""
-        self.args = args
+    def __init__(self, *args: str, tls: "Certs | None" = None, clients: str = "optional") -> None:
+        """``args``: more redis-server options (``--requirepass``...); ``tls``: the server's certificates;
+        ``clients``: ``--tls-auth-clients`` (``yes``: a client certificate is required)."""
         self.dir = tempfile.mkdtemp(prefix="kvpool-redis-")
         self.socket = os.path.join(self.dir, "redis.sock")
         self.url = f"unix://{self.socket}"
+        if tls is not None:
+            port = free_port()
+            args = (*args, "--tls-port", str(port), "--tls-cert-file", tls.server_cert, "--tls-key-file",
+                    tls.server_key, "--tls-ca-cert-file", tls.ca, "--tls-auth-clients", clients)
+            self.url = f"rediss://localhost:{port}/0"
+        self.args = args
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> "RedisServer":
@@ -27,6 +34,8 @@ class RedisServer:
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server {' '.join(self.args)} exited with {self.proc.returncode}")
             try:
                 if self.client().ping():
                     return self
@@ -109,3 +118,35 @@ class RedisCluster:
         for p in self.procs:
             p.kill()
             p.wait()
+
+
+class Certs:
+    """A throwaway CA, a server certificate it signed (for localhost and 127.0.0.1), a client certificate it
+    signed, and another CA that signed nothing of these; PEM files in ``dir`` (made with the openssl CLI)."""
+
+    def __init__(self, dir: str) -> None:
+        self.dir = dir
+        self.ca, self.ca_key = self._path("ca.crt"), self._path("ca.key")
+        self.server_cert, self.server_key = self._path("server.crt"), self._path("server.key")
+        self.client_cert, self.client_key = self._path("client.crt"), self._path("client.key")
+        self.other_ca = self._path("other-ca.crt")
+        key = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes"]
+        self._openssl("req", "-x509", *key, "-keyout", self.ca_key, "-out", self.ca, "-days", "2",
+                      "-subj", "/CN=kvpool test CA")
+        self._openssl("req", "-x509", *key, "-keyout", self._path("other-ca.key"), "-out", self.other_ca,
+                      "-days", "2", "-subj", "/CN=kvpool other CA")
+        for name, cn, ext in (("server", "localhost", "subjectAltName=DNS:localhost,IP:127.0.0.1"),
+                              ("client", "kvpoold", "extendedKeyUsage=clientAuth")):
+            csr = self._path(f"{name}.csr")
+            self._openssl("req", *key, "-keyout", self._path(f"{name}.key"), "-out", csr, "-subj", f"/CN={cn}")
+            with open(self._path(f"{name}.ext"), "w") as f:
+                f.write(ext + "\n")
+            self._openssl("x509", "-req", "-in", csr, "-CA", self.ca, "-CAkey", self.ca_key, "-CAcreateserial",
+                          "-out", self._path(f"{name}.crt"), "-days", "2", "-extfile", self._path(f"{name}.ext"))
+
+    def _path(self, name: str) -> str:
+        return os.path.join(self.dir, name)
+
+    @staticmethod
+    def _openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)

@@ -73,18 +73,6 @@ def test_a_prompt_written_on_node_a_is_a_prefix_hit_on_node_b_of_its_tenant_only
     assert {k.split(b":")[1] for k in rc.keys("kvpool:*")} == tag  # nothing of C's written yet
 
 
-def test_a_password_from_a_file_reaches_a_server_that_requires_one(redis_server, node, tmp_path):
-    r = redis_server("--requirepass", "s3cret")
-    secret = tmp_path / "redis.password"
-    secret.write_text("s3cret\n")
-    a = node(r, "--remote-password-file", str(secret))
-    with kvpool.connect(a.socket, name="a", layout=LAYOUT) as ca:
-        write_prompt(ca, prompt(9, blocks=2))
-        assert wait_for(lambda: remote_stats(ca).blocks_written >= 2)
-        assert remote_stats(ca).failures == 0
-    assert "s3cret" not in a.output()
-
-
 def test_redis_killed_mid_run_keeps_serving_then_recovers(redis_server, node):
     import json
     import subprocess
