@@ -25,7 +25,7 @@ batch that mixes one long sequence with many short ones gives the long one many 
 each short one exactly one, in one launch that a CUDA graph replays with new lengths.
 
 Models: head_dim 64, 80, 96, 112, 128, 192, 256 (the generic kernel computes on the next of
-64/128/192/256 with zero pad dims, reading only the real ones); float16/bfloat16/float32
+64/128/256 with zero pad dims, reading only the real ones); float16/bfloat16/float32
 caches, and float8 e4m3 caches read by a 16-bit query (converted exactly as loaded, the K
 scale folded into the softmax scale and the V scale into the output); a sliding window
 (a tile's keys start at its first query's window) and a logit soft cap. The dedicated
@@ -70,10 +70,9 @@ HEAD_DIMS = (64, 80, 96, 112, 128, 192, 256)
 DECODE_ITEM_KEYS = 64
 
 
-def padded_dim(head_dim: int) -> int:
-    """The head_dim the generic kernel computes with (``Pad`` in the kernel source): whole
-    64-dim V chunks."""
-    return next(d for d in (64, 128, 192, 256) if head_dim <= d)
+def padded_dim(head_dim: int, kf: int = 0) -> int:
+    """The head_dim the generic kernel computes with (``Pad`` in the kernel source)."""
+    return next(d for d in ((128, 256) if kf else (64, 128, 256)) if head_dim <= d)
 
 
 def kv_format(dtype: torch.dtype) -> int:
@@ -206,20 +205,20 @@ def check_gpu_limits(a: AttentionArgs, q: torch.Tensor) -> None:
 def smem_bytes(dt: int, head_dim: int, rings: int, pipe: Pipeline = GENERIC_PREFILL, kf: int = 0) -> int:
     """Dynamic shared memory: ``rings`` cp.async rings of ``pipe.stages`` (K, V) stages of
     padded rows, reused after the loop by the epilogue's [4 warps][16 rows][D + 1] floats + m, l."""
-    d = padded_dim(head_dim)
+    d = padded_dim(head_dim, kf)
     stage = 2 * pipe.keys * d * kv_element_bytes(dt, kf)
     rows = WARPS * 16
     epilogue = (rows * (d + 1) + 2 * rows) * 4 + 16  # + the fused merge's flag
     return max(rings * pipe.stages * stage, epilogue)
 
 
-def pair_recv_bytes(smem: int, head_dim: int, warps_kv: int) -> int:
+def pair_recv_bytes(smem: int, head_dim: int, warps_kv: int, kf: int = 0) -> int:
     """Shared memory a pair CTA adds past its rings and epilogue (``smem`` bytes, the
     ``smem_bytes`` of its plan), 16-byte aligned: split 1's rows (16 per warp of a row
     tile) of ``head_dim`` floats and their log-sum-exps (``pair_recv_offset`` in the kernel
     source)."""
     rows = 16 * (WARPS // warps_kv)
-    return -smem % 16 + rows * (padded_dim(head_dim) + 1) * 4
+    return -smem % 16 + rows * (padded_dim(head_dim, kf) + 1) * 4
 
 
 def ctas_per_sm(smem: int) -> int:
@@ -362,7 +361,9 @@ def decode_items(seq_lens, *, target: int, capacity: int, window: int = 0, min_c
 
     A sequence's visible keys run from its window start (the last query's, rounded down to 8)
     to ``min(seq_len, capacity)``; ``chunk`` is their sum over ``target`` items in whole
-    64-key units, at least ``min_chunk``; each sequence gets ``max(1, ceil(visible / chunk))``.
+    64-key units (over ``target - B`` items when the batch's B sequences are at most half the
+    target, so that all items fit the wave the target fills), at least ``min_chunk``; each
+    sequence gets ``max(1, ceil(visible / chunk))``.
     """
     visible = []
     for n in seq_lens:
@@ -370,7 +371,8 @@ def decode_items(seq_lens, *, target: int, capacity: int, window: int = 0, min_c
         start = max(0, n - window) & ~7 if window else 0
         visible.append(max(0, min(n, capacity) - start))
     units = sum((v + 63) // 64 for v in visible)
-    chunk = max(min_chunk, -(-units // target) * 64)
+    aim = target - len(visible) if 2 * len(visible) <= target else target
+    chunk = max(min_chunk, -(-units // aim) * 64)
     return chunk, [max(1, -(-v // chunk)) for v in visible]
 
 
@@ -397,8 +399,8 @@ def plan_attention(
     kf = kv_format(geo.dtype)
     # The query's dtype (out has it); planners' shape-only args may carry no out: the cache's.
     dt = _DT_CODE[a.out.dtype if a.out is not None else torch.bfloat16 if kf else geo.dtype]
-    window = _window(a)
-    plain = not kf and window == 0 and _soft_cap(a) == 0.0
+    window = a.window
+    plain = not kf and window == 0 and a.soft_cap == 0.0
     pipe = pipeline_for(variant, prefill, dt, geo.head_dim, plain, kf)
     capacity = max_blocks * geo.block_size
     max_kv = capacity if max_seq_len is None else max(1, min(int(max_seq_len), capacity))
@@ -455,7 +457,7 @@ def plan_attention(
     # Two splits as a cluster pair where the extra shared memory seats as many CTAs per SM.
     pair = False
     if pipe.pair and pipe.fused and clusters and not prefill and num_splits == 2:
-        paired = smem + pair_recv_bytes(smem, geo.head_dim, warps_kv)
+        paired = smem + pair_recv_bytes(smem, geo.head_dim, warps_kv, kf)
         if paired <= SMEM_LIMIT and ctas_per_sm(paired) == ctas_per_sm(smem):
             pair, smem = True, paired
     return AttentionPlan(
@@ -473,22 +475,6 @@ def plan_attention(
         pair=pair,
         kf=kf,
     )
-
-
-def _k_scale(a: AttentionArgs) -> float:
-    return float(getattr(a, "k_scale", 1.0))
-
-
-def _v_scale(a: AttentionArgs) -> float:
-    return float(getattr(a, "v_scale", 1.0))
-
-
-def _window(a: AttentionArgs) -> int:
-    return int(getattr(a, "window", 0) or 0)
-
-
-def _soft_cap(a: AttentionArgs) -> float:
-    return float(getattr(a, "soft_cap", 0.0) or 0.0)
 
 
 _COUNTERS: dict = {}
@@ -572,7 +558,7 @@ def paged_attention(
         tiles = torch.div(q_lens + (plan.tokens_per_cta - 1), plan.tokens_per_cta, rounding_mode="floor")
         tile_cum = torch.cumsum(tiles, 0).to(torch.int32)
     part_o = part_lse = counters = None
-    d = padded_dim(plan.head_dim)
+    d = padded_dim(plan.head_dim, plan.kf)
     if plan.work_target:  # page-aware decode: partials by work item, counters by (sequence, KV head)
         counters = split_counters(q.device, a.num_seqs * geo.num_kv_heads)
         part_o = torch.empty((plan.num_splits, a.num_q_heads, d), dtype=torch.float32, device=q.device)
@@ -588,10 +574,10 @@ def paged_attention(
         np.int32(geo.num_blocks), np.int32(geo.num_kv_heads), np.int32(plan.bs_log2),
         ptr(block_tables), np.int64(block_tables.stride(0)), np.int32(block_tables.shape[1]),
         ptr(seq_lens), ptr(cu_seqlens_q), ptr(tile_cum),
-        np.int32(a.num_seqs), np.int32(a.group), np.float32(a.scale * _k_scale(a) * _LOG2E),
+        np.int32(a.num_seqs), np.int32(a.group), np.float32(a.scale * a.k_scale * _LOG2E),
         np.int32(plan.chunk), np.int32(plan.num_splits),
         ptr(out), ptr(part_o), ptr(part_lse), ptr(counters),
-        np.int32(_window(a)), np.float32(_soft_cap(a) * _LOG2E), np.float32(_v_scale(a)),
+        np.int32(a.window), np.float32(a.soft_cap * _LOG2E), np.float32(a.v_scale),
         np.int32(plan.work_target), np.int32(plan.min_chunk),
     )  # fmt: skip
     p = plan.pipe

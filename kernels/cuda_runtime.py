@@ -41,7 +41,7 @@ def module_kernels(module_key: tuple) -> dict[str, str]:
         kernel = "paged_attention_pair_kernel" if pair else "paged_attention_kernel"
         return {
             "attention": f"{kernel}<{dt},{d},{kf},{warps_kv},{stages},{keys}>",
-            "merge": f"merge_splits_kernel<{dt},{d}>",
+            "merge": f"merge_splits_kernel<{dt},{d},{kf}>",
         }
     if module_key[0] == "prefill":
         _, dt, d, mtiles, warps, stages = module_key

@@ -95,10 +95,12 @@ template <> struct Store<0> { typedef float T; };
 template <int DT, int KF> struct Kv { typedef typename Store<DT>::T T; };
 template <int DT> struct Kv<DT, 1> { typedef unsigned char T; };
 
-// The head_dim the generic kernel computes with: the model's DA rounded up to whole 64-dim
-// V chunks (64, 128, 192, 256). Pad dims are zero in Q and K, so they add nothing to a
-// score; their output columns are never written.
-template <int DA> struct Pad { static constexpr int D = DA <= 64 ? 64 : DA <= 128 ? 128 : DA <= 192 ? 192 : 256; };
+// The head_dim the generic kernel computes with: the model's DA rounded up to 64, 128 or 256,
+// whose rows of 16-byte chunks the ring's fill passes tile (192 would not: 24 chunks per
+// bfloat16 row against 32 threads), and at least 128 for a float8 cache (a 64-byte row
+// leaves a prefill ring's 128 threads more than a stage's chunks). Pad dims are zero in Q
+// and K, so they add nothing to a score; their output columns are never written.
+template <int DA, int KF = 0> struct Pad { static constexpr int D = DA <= 64 && !KF ? 64 : DA <= 128 ? 128 : 256; };
 
 // BEGIN PRIMITIVES (inline PTX; cuda_emulator.py swaps this region for host code)
 __device__ __forceinline__ uint4 ld16(const void* p) {
@@ -279,25 +281,15 @@ __device__ __forceinline__ void load8(const typename Store<DT>::T* p, bool ok, u
 // (rows 2t + {0,2,4,6} x 2 chunks per 8 lanes) then hit 8 distinct bank groups.
 __device__ __forceinline__ int swz(int r) { return (r & 6) ^ ((r & 1) << 2); }
 
-// The swizzled chunk of chunk j in row r of a tile whose rows have CPR 16-byte chunks:
-// whole groups of 8 chunks as swz; a trailing group of 4 (float8 rows of 64 or 192 dims)
-// permutes within itself, so every chunk stays in its row.
+// Chunk j of row r of a tile sits at chunk swz_chunk(j, r) (rows of 8 or more chunks).
 template <int CPR> __device__ __forceinline__ int swz_chunk(int j, int r) {
-    constexpr int TAIL = CPR % 8;
-    static_assert(TAIL == 0 || TAIL == 4, "rows of 8k or 8k + 4 chunks");
-    if constexpr (TAIL == 0) return j ^ swz(r);
-    else return j < CPR - TAIL ? j ^ swz(r) : j ^ (swz(r) & (TAIL - 1));
-}
-
-// Two float8 e4m3 values -> two DT values (16-bit) in one register, low first.
-template <int DT> __device__ __forceinline__ u32 e4m3x2_to(u32 x) {
-    const u32 h = e4m3x2_to_f16x2(x);
-    if constexpr (DT == 1) return h;
-    else return pack2<2>(half_to_float(h & 0xffffu), half_to_float(h >> 16));
+    static_assert(CPR % 8 == 0, "rows of 8k chunks");
+    return j ^ swz(r);
 }
 
 // Eight consecutive elements e .. e + 7 of tile row r (a ring stage holds D-dim rows of
-// KF's element type) as four registers of DT pairs (hi; float32 also lo, see split8).
+// KF's element type) as four registers of 16-bit pairs: DT's (hi; float32 also lo, see
+// split8), float16 from a float8 cache.
 template <int DT, int KF, int D>
 __device__ __forceinline__ void read8(const unsigned char* tile, int r, int e, u32 (&hi)[4], u32 (&lo)[4]) {
     constexpr int ES = KF ? 1 : DT == 0 ? 4 : 2;
@@ -306,8 +298,8 @@ __device__ __forceinline__ void read8(const unsigned char* tile, int r, int e, u
     if constexpr (KF) {
         // Eight bytes, half a chunk: e is a multiple of 8.
         const uint2 a = *reinterpret_cast<const uint2*>(row + (swz_chunk<CPR>(e >> 4, r) << 4) + (e & 8));
-        hi[0] = e4m3x2_to<DT>(a.x & 0xffffu); hi[1] = e4m3x2_to<DT>(a.x >> 16);
-        hi[2] = e4m3x2_to<DT>(a.y & 0xffffu); hi[3] = e4m3x2_to<DT>(a.y >> 16);
+        hi[0] = e4m3x2_to_f16x2(a.x & 0xffffu); hi[1] = e4m3x2_to_f16x2(a.x >> 16);
+        hi[2] = e4m3x2_to_f16x2(a.y & 0xffffu); hi[3] = e4m3x2_to_f16x2(a.y >> 16);
         return;
     }
     const int j = (e * ES) >> 4;
@@ -396,7 +388,10 @@ __device__ __forceinline__ bool locate_item(const int* seq_lens, int num_seqs, i
     for (int s0 = lane; s0 < num_seqs; s0 += 32) units += (visible(s0) + 63) >> 6;
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) units += __shfl_xor_sync(FULL_MASK, units, o);
-    chunk = max(min_chunk, (units + target - 1) / target * 64);
+    // A batch of few sequences leaves room in one wave for their items beyond the target (short
+    // ones cost a CTA each): aim at target - num_seqs so that target items fill it, not target + B.
+    const int t = 2 * num_seqs <= target ? target - num_seqs : target;
+    chunk = max(min_chunk, (units + t - 1) / t * 64);
     const int c = chunk;
     return locate_scan(num_seqs, x, [&](int j) { return max(1, (visible(j) + c - 1) / c); }, b, split, nsplit);
 }
@@ -535,7 +530,7 @@ template <int DT, int DA, int KF, int WKV, int NS, int KT, bool PAIR>
 __device__ __forceinline__ void attention_cta(ATTENTION_PARAMS_KV(typename Kv<DT, KF>::T))
 {
     using T = typename Store<DT>::T;
-    constexpr int D = Pad<DA>::D;              // head dims computed (DA of them are real)
+    constexpr int D = Pad<DA, KF>::D;          // head dims computed (DA of them are real)
     constexpr int warps_kv = WKV;              // warps splitting one row tile's keys (4 decode, 1 prefill)
     constexpr int warps_row = 4 / WKV;         // warps sharing one cp.async ring
     constexpr int GT = 32 * warps_row;         // threads that fill a ring
@@ -553,6 +548,10 @@ __device__ __forceinline__ void attention_cta(ATTENTION_PARAMS_KV(typename Kv<DT
     constexpr int NV = D / 64;                 // 64-dim V chunks (eight n-tiles each)
     constexpr int SROW = D + 1;                // padded epilogue row
     constexpr int RW = 16;                     // rows per warp (one m-tile)
+    // The MMAs' type: DT, but float16 for a float8 cache whatever DT (e4m3 -> float16 is one
+    // instruction per pair, -> bfloat16 four; Q and P in float16 keep more mantissa than
+    // bfloat16, and |q| stays far below float16's 65504 in attention).
+    constexpr int CT = KF ? 1 : DT;
     extern __shared__ uint4 smem4[];
     unsigned char* smem = reinterpret_cast<unsigned char*>(smem4);
 
@@ -631,7 +630,13 @@ __device__ __forceinline__ void attention_cta(ATTENTION_PARAMS_KV(typename Kv<DT
         lim_hi = max(lim_hi, lim[i]);
         const T* qp = q + (i64)(q_begin + tok0 + tok) * q_stride_t + (i64)(kvh * group + head) * q_stride_h + 8 * t4;
 #pragma unroll
-        for (int c = 0; c < NQ; ++c) load8<DT>(qp + 32 * c, valid && 32 * c + 8 * t4 < DA, qh[i][c], ql[i][c]);
+        for (int c = 0; c < NQ; ++c) {
+            load8<DT>(qp + 32 * c, valid && 32 * c + 8 * t4 < DA, qh[i][c], ql[i][c]);
+            if constexpr (CT != DT) {                        // bfloat16 q on a float8 cache
+#pragma unroll
+                for (int k = 0; k < 4; ++k) qh[i][c][k] = pack2<1>(bf16_low(qh[i][c][k]), bf16_high(qh[i][c][k]));
+            }
+        }
     }
     const int w_hi = __reduce_max_sync(FULL_MASK, lim_hi);
 
@@ -741,13 +746,13 @@ __device__ __forceinline__ void attention_cta(ATTENTION_PARAMS_KV(typename Kv<DT
             for (int c = 0; c < NQ; ++c) {
                 u32 kh[4], kl[4];
                 read8<DT, KF, D>(kt, 8 * nt + g, 32 * c + 8 * t4, kh, kl);
-                mma<DT>(s[nt], qh[0][c][0], qh[1][c][0], qh[0][c][1], qh[1][c][1], kh[0], kh[1]);
-                mma<DT>(s[nt], qh[0][c][2], qh[1][c][2], qh[0][c][3], qh[1][c][3], kh[2], kh[3]);
+                mma<CT>(s[nt], qh[0][c][0], qh[1][c][0], qh[0][c][1], qh[1][c][1], kh[0], kh[1]);
+                mma<CT>(s[nt], qh[0][c][2], qh[1][c][2], qh[0][c][3], qh[1][c][3], kh[2], kh[3]);
                 if constexpr (DT == 0) {
-                    mma<DT>(s[nt], qh[0][c][0], qh[1][c][0], qh[0][c][1], qh[1][c][1], kl[0], kl[1]);
-                    mma<DT>(s[nt], qh[0][c][2], qh[1][c][2], qh[0][c][3], qh[1][c][3], kl[2], kl[3]);
-                    mma<DT>(s[nt], ql[0][c][0], ql[1][c][0], ql[0][c][1], ql[1][c][1], kh[0], kh[1]);
-                    mma<DT>(s[nt], ql[0][c][2], ql[1][c][2], ql[0][c][3], ql[1][c][3], kh[2], kh[3]);
+                    mma<CT>(s[nt], qh[0][c][0], qh[1][c][0], qh[0][c][1], qh[1][c][1], kl[0], kl[1]);
+                    mma<CT>(s[nt], qh[0][c][2], qh[1][c][2], qh[0][c][3], qh[1][c][3], kl[2], kl[3]);
+                    mma<CT>(s[nt], ql[0][c][0], ql[1][c][0], ql[0][c][1], ql[1][c][1], kh[0], kh[1]);
+                    mma<CT>(s[nt], ql[0][c][2], ql[1][c][2], ql[0][c][3], ql[1][c][3], kh[2], kh[3]);
                 }
             }
         }
@@ -792,8 +797,8 @@ __device__ __forceinline__ void attention_cta(ATTENTION_PARAMS_KV(typename Kv<DT
             u32 ph[4], pl[4];
             const float (&s0)[4] = s[2 * kk];
             const float (&s1)[4] = s[2 * kk + 1];
-            ph[0] = pack2<DT>(s0[0], s0[1]); ph[1] = pack2<DT>(s0[2], s0[3]);
-            ph[2] = pack2<DT>(s1[0], s1[1]); ph[3] = pack2<DT>(s1[2], s1[3]);
+            ph[0] = pack2<CT>(s0[0], s0[1]); ph[1] = pack2<CT>(s0[2], s0[3]);
+            ph[2] = pack2<CT>(s1[0], s1[1]); ph[3] = pack2<CT>(s1[2], s1[3]);
             if constexpr (DT == 0) {
                 pl[0] = pack2<2>(s0[0] - bf16_low(ph[0]), s0[1] - bf16_high(ph[0]));
                 pl[1] = pack2<2>(s0[2] - bf16_low(ph[1]), s0[3] - bf16_high(ph[1]));
@@ -815,11 +820,11 @@ __device__ __forceinline__ void attention_cta(ATTENTION_PARAMS_KV(typename Kv<DT
                     const int k2 = j >> 1;
                     const u32 b0 = __byte_perm(vh[0][k2], vh[1][k2], sel);
                     const u32 b1 = __byte_perm(vh[2][k2], vh[3][k2], sel);
-                    mma<DT>(acc[8 * c + j], ph[0], ph[1], ph[2], ph[3], b0, b1);
+                    mma<CT>(acc[8 * c + j], ph[0], ph[1], ph[2], ph[3], b0, b1);
                     if constexpr (DT == 0) {
-                        mma<DT>(acc[8 * c + j], ph[0], ph[1], ph[2], ph[3],
+                        mma<CT>(acc[8 * c + j], ph[0], ph[1], ph[2], ph[3],
                                 __byte_perm(vl[0][k2], vl[1][k2], sel), __byte_perm(vl[2][k2], vl[3][k2], sel));
-                        mma<DT>(acc[8 * c + j], pl[0], pl[1], pl[2], pl[3], b0, b1);
+                        mma<CT>(acc[8 * c + j], pl[0], pl[1], pl[2], pl[3], b0, b1);
                     }
                 }
             }
@@ -1281,13 +1286,13 @@ __global__ void __launch_bounds__(32 * NW, 8 / NW) prefill_kernel(
 
 // One warp per (query token, head), when the attention kernel did not merge (never with a
 // sliding window: the host merges those in the attention kernel).
-template <int DT, int DA>
+template <int DT, int DA, int KF>
 __global__ void __launch_bounds__(128) merge_splits_kernel(
     const float* __restrict__ part_o, const float* __restrict__ part_lse, typename Store<DT>::T* __restrict__ out,
     const int* __restrict__ seq_lens, const int* __restrict__ cu_seqlens, int num_seqs, int num_tokens, int max_blocks,
     int bs_log2, int hq, int num_splits, int chunk)
 {
-    constexpr int D = Pad<DA>::D;
+    constexpr int D = Pad<DA, KF>::D;          // the attention kernel's partial rows
     const int lane = threadIdx.x & 31;
     const i64 row = (i64)blockIdx.x * 4 + (threadIdx.x >> 5);  // = token * hq + head
     if (row >= (i64)num_tokens * hq) return;
