@@ -29,6 +29,21 @@ How it hooks in (no model code is copied or patched):
   right for mixed lengths and for prompts whose first ``num_cached_tokens``
   were found in the pool (their prefill starts at that position).  Logits are
   computed for each sequence's last token only (``logits_to_keep``).
+* **Per-layer attention.**  Each layer hands its own ``scaling``,
+  ``sliding_window`` (``None`` on full-attention layers) and ``softcap`` to the
+  attention function, as transformers does for every implementation; they go
+  to the kernels unchanged, so Mistral, Qwen2 with ``use_sliding_window``,
+  Gemma 2 (alternating windows, logit soft cap) and Gemma 3 (``layer_types``)
+  run without knowing their configs.  What transformers computes itself
+  (final logit soft cap, RoPE per layer type) stays there.  Refused: layer
+  types other than full / sliding attention, bidirectional attention, sinks.
+* **Windows keep their blocks.**  A sequence holds all its blocks for its
+  whole life, also those that have left every layer's window: nothing is
+  freed early, so a sliding-window model takes as many pool blocks as a
+  full-attention one of the same geometry.
+* **fp8 KV.**  A ``float8_e4m3fn`` layout stores K/V quantized by ``write_kv``
+  (``x / scale``, per-layer ``kv_scales``, default 1.0); attention reads it
+  with the query in the model's own dtype.
 * **Prefix hits.** A prompt whose whole length is cached still needs the last
   token's logits: that token is recomputed as a query at its position, but its
   K/V is not written again (slot -1), so blocks shared with other sequences or

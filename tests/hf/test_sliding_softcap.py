@@ -15,9 +15,10 @@ within ``atol=rtol=1e-4`` (as in test_generate.py).
 
 fp8: a ``float8_e4m3fn`` pool for a float32 model (Gemma 2, so the window and
 soft cap run on dequantized keys) is teacher-forced along the float32 pool's
-greedy tokens; each step's logits stay within 0.15 * the logits' range of the float32
-pool's (e4m3 keeps 3 mantissa bits, ~6% relative error per element) and
-the first token, chosen from the prefill, is the same.
+greedy tokens; each step's logits stay within 0.05 * the spread (max - min)
+of the float32 pool's logits (seen ~0.014: e4m3 keeps 3 mantissa bits, up to
+~6% error per element, which attention averages down), and the first token,
+chosen from the prefill, is the same.
 """
 
 from __future__ import annotations
@@ -134,7 +135,7 @@ def test_fp8_pool_close_to_float32_pool(pool):
     for i, w in enumerate(want.logits):
         assert int(got[i, 0].argmax()) == want.tokens[i][0]
         err = (got[i] - w).abs().max().item()
-        assert err <= 0.15 * (w.max() - w.min()).item(), err
+        assert err <= 0.05 * (w.max() - w.min()).item(), err
 
 
 def test_fp8_scales_and_dtype_checks(pool):
