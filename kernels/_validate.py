@@ -7,16 +7,26 @@ arguments here first and raises ``TypeError`` (wrong kind or dtype) or
 ``ValueError`` (wrong shape, stride, device or value) naming the argument,
 what was expected and what was given. None of these checks reads device
 memory, so they never synchronize a CUDA stream.
+
+Caches are float16, bfloat16, float32 or float8_e4m3fn. An fp8 cache holds
+``x / scale`` (per layer and K|V, ``k_scale`` / ``v_scale``); its queries,
+outputs and written keys/values are float16, bfloat16 or float32, and a
+scale other than 1.0 is refused on any other cache, where it would be
+meaningless.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
 
-CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FP8 = torch.float8_e4m3fn
+COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+CACHE_DTYPES = (*COMPUTE_DTYPES, FP8)
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn; write_kv clamps to +-FP8_MAX
 
 
 @dataclass(frozen=True)
@@ -107,6 +117,10 @@ class AttentionArgs:
     group: int
     scale: float
     out: torch.Tensor
+    window: int = 0  # sliding window in keys, the query's own included; 0: no window
+    soft_cap: float = 0.0  # logits soft cap c (s -> c * tanh(s / c)); 0.0: none
+    k_scale: float = 1.0  # dequantized key = stored key * k_scale (1.0 unless the cache is fp8)
+    v_scale: float = 1.0  # dequantized value = stored value * v_scale
 
 
 def check_attention(
@@ -118,12 +132,16 @@ def check_attention(
     cu_seqlens_q: object | None,
     scale: float | None,
     out: object | None,
+    *,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> AttentionArgs:
     """Checks for both decode (``cu_seqlens_q is None``) and prefill."""
     geo = check_kv_cache(k_cache, v_cache)
     q = require_tensor("q", q, 3)
-    if q.dtype != geo.dtype:
-        raise TypeError(f"q dtype {q.dtype} must match the KV cache dtype {geo.dtype}")
+    require_compute_dtype("q", q, geo)
     require_device("q", q, geo.device)
     t, hq, d = q.shape
     if d != geo.head_dim:
@@ -179,18 +197,82 @@ def check_attention(
             raise ValueError(f"out must have shape {(t, hq, d)}; got {tuple(out.shape)}")
         if not out.is_contiguous():
             raise ValueError(f"out must be contiguous; got strides {tuple(out.stride())}")
-    return AttentionArgs(geo, b, t, hq, hq // geo.num_kv_heads, float(scale), out)
+    window = check_sliding_window(sliding_window)
+    soft_cap = check_soft_cap(logits_soft_cap)
+    k_scale, v_scale = check_kv_scales(geo, k_scale, v_scale)
+    return AttentionArgs(
+        geo, b, t, hq, hq // geo.num_kv_heads, float(scale), out, window, soft_cap, k_scale, v_scale
+    )
+
+
+def require_compute_dtype(name: str, x: torch.Tensor, geo: CacheGeometry) -> None:
+    """q, key and value: the cache's dtype, or any of ``COMPUTE_DTYPES`` for an fp8 cache."""
+    if geo.dtype == FP8:
+        require_dtype(name, x, COMPUTE_DTYPES)
+    elif x.dtype != geo.dtype:
+        raise TypeError(f"{name} dtype {x.dtype} must match the KV cache dtype {geo.dtype}")
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def check_sliding_window(sliding_window: object) -> int:
+    """``None`` → 0 (no window); otherwise an int >= 1 (the query's own key counts)."""
+    if sliding_window is None:
+        return 0
+    if not _is_int(sliding_window):
+        raise TypeError(f"sliding_window must be an int >= 1 or None; got {sliding_window!r}")
+    if sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 (it counts the query's own key); got {sliding_window}")
+    return int(sliding_window)
+
+
+def check_soft_cap(logits_soft_cap: object) -> float:
+    """``None`` → 0.0 (no cap); otherwise a finite float > 0."""
+    if logits_soft_cap is None:
+        return 0.0
+    if not _is_real(logits_soft_cap):
+        raise TypeError(f"logits_soft_cap must be a float > 0 or None; got {logits_soft_cap!r}")
+    if not (math.isfinite(logits_soft_cap) and logits_soft_cap > 0):
+        raise ValueError(f"logits_soft_cap must be finite and > 0; got {logits_soft_cap}")
+    return float(logits_soft_cap)
+
+
+def check_kv_scales(geo: CacheGeometry, k_scale: object, v_scale: object) -> tuple[float, float]:
+    """Finite and > 0; other than 1.0 only for an fp8 cache."""
+    for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if not _is_real(x):
+            raise TypeError(f"{name} must be a float; got {x!r}")
+        if not (math.isfinite(x) and x > 0):
+            raise ValueError(f"{name} must be finite and > 0; got {x}")
+        if x != 1.0 and geo.dtype != FP8:
+            raise ValueError(
+                f"{name} = {x} needs a float8_e4m3fn cache; a {geo.dtype} cache holds the "
+                f"values themselves, so {name} must be 1.0"
+            )
+    return float(k_scale), float(v_scale)
 
 
 def check_write_kv(
-    key: object, value: object, k_cache: object, v_cache: object, slot_mapping: object
+    key: object,
+    value: object,
+    k_cache: object,
+    v_cache: object,
+    slot_mapping: object,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> CacheGeometry:
     geo = check_kv_cache(k_cache, v_cache)
     shape = None
     for name, x in (("key", key), ("value", value)):
         x = require_tensor(name, x, 3)
-        if x.dtype != geo.dtype:
-            raise TypeError(f"{name} dtype {x.dtype} must match the KV cache dtype {geo.dtype}")
+        require_compute_dtype(name, x, geo)
         require_device(name, x, geo.device)
         if x.shape[1:] != (geo.num_kv_heads, geo.head_dim):
             raise ValueError(
@@ -208,4 +290,5 @@ def check_write_kv(
     require_contiguous_1d("slot_mapping", sm)
     if sm.shape[0] != shape[0]:
         raise ValueError(f"slot_mapping has {sm.shape[0]} entries but key has {shape[0]} tokens")
+    check_kv_scales(geo, k_scale, v_scale)
     return geo

@@ -6,8 +6,17 @@ path never imports CuPy). Both compute the same thing; ``reference`` is the
 float64 definition they are tested against:
 
     query i of sequence b sits at position p = seq_lens[b] - q_len_b + i and
-    attends (softmax(scale * q . k) v, fp32 accumulation) to the keys at
-    positions 0..p of its sequence, read through block_tables[b].
+    attends to the keys j of its sequence (read through block_tables[b]) with
+    p - sliding_window < j <= p (0 <= j <= p without a window; the window
+    counts the query's own key, as transformers' kv_idx > q_idx - window):
+
+        k_j = stored_k_j * k_scale,  v_j = stored_v_j * v_scale
+        s_j = scale * (q . k_j);  s_j = c * tanh(s_j / c) with logits_soft_cap c
+        out = sum_j softmax(s)_j v_j   (softmax and accumulation in fp32)
+
+Caches are float16, bfloat16, float32 or float8_e4m3fn. With an fp8 cache q
+(and out) may be float16, bfloat16 or float32 and the scales dequantize it;
+otherwise q has the cache's dtype and the scales are 1.0.
 
 Rows with no key (seq_len 0, or p < 0 when seq_len < q_len) produce zeros.
 Validation that needs the *values* of the index tensors (block ids within
@@ -19,11 +28,13 @@ out-of-range block ids as empty blocks and clamps lengths to the table.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
 from . import cpu_attention
-from ._validate import AttentionArgs, check_attention
+from ._validate import FP8, AttentionArgs, check_attention
 
 __all__ = ["paged_decode_attention", "paged_prefill_attention"]
 
@@ -38,6 +49,10 @@ def paged_decode_attention(
     scale: float | None = None,
     out: torch.Tensor | None = None,
     max_seq_len: int | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """One decode step: ``q [B, Hq, D]`` attends to each sequence's cached keys.
 
@@ -49,8 +64,19 @@ def paged_decode_attention(
     optional upper bound on ``seq_lens`` that lets the GPU size its split-KV
     for the lengths actually in use rather than the table's capacity.
     Returns ``out [B, Hq, D]`` in q's dtype.
+
+    ``sliding_window`` W: the query at position p sees keys p - W < j <= p (its own
+    key counts; None: all of 0..p). ``logits_soft_cap`` c: each score s becomes
+    ``c * tanh(s / c)`` before the softmax (None: no cap). ``k_scale``/``v_scale``:
+    an fp8 cache (float8_e4m3fn) holds K / k_scale and V / v_scale (as ``write_kv``
+    stores them); the kernel attends to the dequantized ``stored * scale``. With an
+    fp8 cache q is float16, bfloat16 or float32 (out has q's dtype); otherwise q has
+    the cache's dtype and both scales must be 1.0.
     """
-    a = check_attention(q, k_cache, v_cache, block_tables, seq_lens, None, scale, out)
+    a = check_attention(
+        q, k_cache, v_cache, block_tables, seq_lens, None, scale, out,
+        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, k_scale=k_scale, v_scale=v_scale,
+    )  # fmt: skip
     return _dispatch(a, q, k_cache, v_cache, block_tables, seq_lens, None, max_seq_len)
 
 
@@ -65,14 +91,23 @@ def paged_prefill_attention(
     scale: float | None = None,
     out: torch.Tensor | None = None,
     max_seq_len: int | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Prefill / chunked-prefill / extend: packed ``q [T, Hq, D]``, causal.
 
     Sequence ``b``'s queries are ``q[cu_seqlens_q[b]:cu_seqlens_q[b+1]]``: its
     last ``q_len`` positions, whose K/V are already in the pool (``write_kv``
     first). ``seq_lens[b]`` counts all its cached tokens, new ones included.
+    The other arguments are those of ``paged_decode_attention``; a sliding window
+    applies to each query at its own position.
     """
-    a = check_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, out)
+    a = check_attention(
+        q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, out,
+        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, k_scale=k_scale, v_scale=v_scale,
+    )  # fmt: skip
     return _dispatch(a, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_seq_len)
 
 
@@ -89,13 +124,24 @@ def _dispatch(a: AttentionArgs, q, k_cache, v_cache, block_tables, seq_lens, cu_
     return _cpu(a, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q)
 
 
+_MODES = {
+    torch.float32: cpu_attention.MODE_F32,
+    torch.float16: cpu_attention.MODE_F16,
+    torch.bfloat16: cpu_attention.MODE_BF16,
+    FP8: cpu_attention.MODE_FP8,
+}
+_STORAGE = {torch.float16: np.uint16, torch.bfloat16: np.uint16, FP8: np.uint8}
+
+
 def storage_as_numpy(t: torch.Tensor) -> np.ndarray:
     """A NumPy view of a contiguous tensor as the CPU kernel takes it: float32 stays
-    float32; float16 and bfloat16 come as raw uint16 bits (NumPy has no bfloat16 and
-    Numba no float16), converted inside the kernel."""
+    float32; float16 and bfloat16 come as raw uint16 bits and float8_e4m3fn as raw
+    uint8 codes (NumPy has no bfloat16 or fp8, Numba no float16), converted inside
+    the kernel."""
     if t.dtype == torch.float32:
         return t.numpy()
-    return t.view(torch.int16).numpy().view(np.uint16)
+    raw = _STORAGE[t.dtype]
+    return t.view(torch.int16 if raw == np.uint16 else torch.uint8).numpy().view(raw)
 
 
 def cache_as_numpy(cache: torch.Tensor, block_stride: int, block_elems: int) -> np.ndarray:
@@ -103,6 +149,22 @@ def cache_as_numpy(cache: torch.Tensor, block_stride: int, block_elems: int) -> 
     end of the last block."""
     span = (cache.shape[0] - 1) * block_stride + block_elems
     return storage_as_numpy(torch.as_strided(cache.detach(), (span,), (1,)))
+
+
+@functools.lru_cache(maxsize=1)
+def fp8_values() -> np.ndarray:
+    """float32 value of each of the 256 float8_e4m3fn codes (exact; 0x7F and 0xFF are NaN)."""
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8).float().numpy()
+
+
+def _cache_source(cache: torch.Tensor, block_stride: int, block_elems: int) -> tuple:
+    """The kernel's ``(uint8, uint16, float32, fp8 values)`` view of one layer's cache: the
+    cache in the array of its storage type, the other two empty (one Numba
+    specialization for every cache dtype)."""
+    flat = cache_as_numpy(cache, block_stride, block_elems)
+    arrays = [np.zeros(0, np.uint8), np.zeros(0, np.uint16), np.zeros(0, np.float32)]
+    arrays[(np.uint8, np.uint16, np.float32).index(flat.dtype.type)] = flat
+    return (*arrays, fp8_values())
 
 
 def _cpu(a: AttentionArgs, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q) -> torch.Tensor:
@@ -115,25 +177,23 @@ def _cpu(a: AttentionArgs, q, k_cache, v_cache, block_tables, seq_lens, cu_seqle
         cu = np.ascontiguousarray(cu_seqlens_q.numpy())
     _check_index_values(geo, tables, lens, cu, a.num_tokens)
 
-    mode = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}[geo.dtype]
     block_elems = geo.num_kv_heads * geo.block_size * geo.head_dim
-    kc = cache_as_numpy(k_cache, geo.k_block_stride, block_elems)
-    vc = cache_as_numpy(v_cache, geo.v_block_stride, block_elems)
-    empty16, empty32 = np.zeros(0, np.uint16), np.zeros(0, np.float32)
-    k16, k32 = (empty16, kc) if mode == 0 else (kc, empty32)
-    v16, v32 = (empty16, vc) if mode == 0 else (vc, empty32)
+    k_src = _cache_source(k_cache, geo.k_block_stride, block_elems)
+    v_src = _cache_source(v_cache, geo.v_block_stride, block_elems)
 
-    qn = storage_as_numpy(q.detach().contiguous())  # q has the cache's dtype (checked): passed the same way
+    q_mode = _MODES[q.dtype]
+    qn = storage_as_numpy(q.detach().contiguous())
     no16, no32 = np.zeros((0, 0, 0), np.uint16), np.zeros((0, 0, 0), np.float32)
-    q16, q32 = (no16, qn) if mode == 0 else (qn, no32)
+    q16, q32 = (no16, qn) if q_mode == cpu_attention.MODE_F32 else (qn, no32)
     out = a.out
     direct = out.dtype == torch.float32  # out is contiguous (checked): write into it
     out32 = out.detach().numpy() if direct else np.empty(out.shape, np.float32)
     q_tile = 1 if cu_seqlens_q is None else cpu_attention.q_tile(a.group)
-    items = cpu_attention.work_items(cu, geo.num_kv_heads, q_tile, lens)
+    items = cpu_attention.work_items(cu, geo.num_kv_heads, q_tile, lens, window=a.window)
     cpu_attention.paged_attention_cpu(
-        q16, q32, k16, k32, v16, v32, mode, geo.k_block_stride, geo.v_block_stride,
-        geo.num_kv_heads, geo.block_size, tables, lens, cu, items, np.float32(a.scale), out32,
+        q16, q32, q_mode, k_src, v_src, _MODES[geo.dtype], geo.k_block_stride, geo.v_block_stride,
+        geo.num_kv_heads, geo.block_size, tables, lens, cu, items,
+        np.float32(a.scale * a.k_scale), np.float32(a.soft_cap), np.int64(a.window), np.float32(a.v_scale), out32,
     )  # fmt: skip
     if not direct:
         out.copy_(torch.from_numpy(out32))

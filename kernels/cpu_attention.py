@@ -57,7 +57,7 @@ from numba.extending import intrinsic
 
 from ._numba_compat import numba
 
-MODE_F32, MODE_F16, MODE_BF16 = 0, 1, 2
+MODE_F32, MODE_F16, MODE_BF16, MODE_FP8 = 0, 1, 2, 3
 _FASTMATH = {"nsz", "arcp", "contract", "afn", "reassoc"}
 Q_TILE = 16  # query tokens per work item in prefill, at least (see q_tile)
 TILE_ROWS = 128  # query rows (tokens x GQA group) per prefill work item, about
@@ -73,7 +73,11 @@ _EXP_MIN = np.float32(-87.3)  # below: 2^n would be subnormal; the result is 0 (
 _EXP_MAX = np.float32(88.0)  # above: clamped (callers pass x <= 0; masked lanes may hold anything)
 _P0, _P1, _P2 = np.float32(1.9875691500e-4), np.float32(1.3981999507e-3), np.float32(8.3334519073e-3)
 _P3, _P4, _P5 = np.float32(4.1665795894e-2), np.float32(1.6666665459e-1), np.float32(5.0000001201e-1)
-_HALF, _ONE, _ZERO = np.float32(0.5), np.float32(1.0), np.float32(0.0)
+_HALF, _ONE, _TWO, _ZERO = np.float32(0.5), np.float32(1.0), np.float32(2.0), np.float32(0.0)
+# tanh (Cephes tanhf): odd polynomial below _TANH_SMALL; 1 in float32 from _TANH_SAT on
+_TANH_SMALL, _TANH_SAT = np.float32(0.625), np.float32(10.0)
+_T0, _T1, _T2 = np.float32(-5.70498872745e-3), np.float32(2.06390887954e-2), np.float32(-5.37397155531e-2)
+_T3, _T4 = np.float32(1.33314422036e-1), np.float32(-3.33332819422e-1)
 _TWO_M24 = np.float32(2.0**-24)  # float16's smallest subnormal
 
 
@@ -137,35 +141,61 @@ def _exp(x):
 
 
 @numba.njit(inline="always", fastmath=_FASTMATH)
-def _load(src16, src32, mode, base, n, dst, dst_bits, at):
+def _tanh(x):
+    """tanh(x) in float32 within a few ulp, in plain arithmetic so that loops over it vectorize.
+
+    Cephes ``tanhf``: an odd polynomial below |x| = 0.625 (where ``1 - 2 / (e^2x + 1)``
+    would cancel), that formula above; both are computed and one is selected, which
+    keeps the loop free of branches.
+    """
+    a = min(abs(x), _TANH_SAT)
+    big = _ONE - _TWO / (_exp(a + a) + _ONE)
+    z = x * x
+    small = ((((_T0 * z + _T1) * z + _T2) * z + _T3) * z + _T4) * z * a + a
+    t = small if a < _TANH_SMALL else big
+    return t if x >= _ZERO else -t
+
+
+@numba.njit(inline="always", fastmath=_FASTMATH)
+def _load(src8, src16, src32, fp8_values, mode, base, n, dst, dst_bits, at):
     """Convert ``n`` cache elements starting at ``base`` into ``dst[at:at+n]`` (float32).
 
     (Slices first: indices that LLVM knows are >= 0 keep Numba's negative-index
     wraparound out of the loop, which would otherwise block vectorization.)
     """
-    if mode == 0:
+    if mode == MODE_F32:
         s32, d32 = src32[base : base + n], dst[at : at + n]
         for i in range(n):
             d32[i] = s32[i]
-    elif mode == 1:
+    elif mode == MODE_F16:
         s16, d32 = src16[base : base + n], dst[at : at + n]
         for i in range(n):
             d32[i] = _f16_to_f32(s16[i])
-    else:
+    elif mode == MODE_BF16:
         s16, dbits = src16[base : base + n], dst_bits[at : at + n]
         for i in range(n):
             dbits[i] = np.uint32(s16[i]) << np.uint32(16)
+    else:
+        s8, d32 = src8[base : base + n], dst[at : at + n]
+        for i in range(n):
+            d32[i] = fp8_values[np.uint64(s8[i])]
 
 
 @numba.njit(inline="always", fastmath=_FASTMATH)
-def _load_chunk(src16, src32, mode, table, b, stride, h, bs, d, key0, n, n4, dst, dst_bits):
-    """Keys ``key0 .. key0+n`` of (sequence b, head h) into flat ``dst [n4 * d]``, keys past n zeroed."""
+def _load_chunk(src, mode, table, b, stride, h, bs, d, key0, n, n4, dst, dst_bits):
+    """Keys ``key0 .. key0+n`` of (sequence b, head h) into flat ``dst [n4 * d]``, keys past n zeroed.
+
+    ``src`` is ``(uint8, uint16, float32, fp8 values)``: the cache in the array of its
+    storage type (the others empty) and the 256 float32 values of the fp8 codes.
+    """
+    src8, src16, src32, fp8_values = src
     key, row = key0, 0
     while row < n:
         j = key // bs
         off = key - j * bs
         cnt = min(bs - off, n - row)
-        _load(src16, src32, mode, table[b, j] * stride + (h * bs + off) * d, cnt * d, dst, dst_bits, row * d)
+        base = table[b, j] * stride + (h * bs + off) * d
+        _load(src8, src16, src32, fp8_values, mode, base, cnt * d, dst, dst_bits, row * d)
         key += cnt
         row += cnt
     for i in range(n * d, n4 * d):
@@ -196,45 +226,56 @@ def _add_4x4(out, w, a, k, x, lo, hi):
 
 
 @numba.njit(fastmath=_FASTMATH, cache=True)
-def _scores_rows_in_lanes(kb, qt, st, nk, d, r0, rp):
-    """``st[c, r] = sum_i kb[c, i] * qt[i, r]`` for keys c < nk (a multiple of 4), rows r0 <= r < rp.
+def _scores_rows_in_lanes(kb, qt, st, c0, nk, d, r0, r1):
+    """``st[c, r] = sum_i kb[c, i] * qt[i, r]`` for keys c0 <= c < nk (multiples of 4), rows r0 <= r < r1.
 
     4 keys x 4 dims per pass (``_add_4x4``): 16 values of K hoisted, the row loop innermost.
     """
     d4 = d - d % 4
-    for c in range(0, nk, 4):
-        c0, c1, c2, c3 = np.uint64(c), np.uint64(c + 1), np.uint64(c + 2), np.uint64(c + 3)
-        for r in range(r0, rp):
+    for c in range(c0, nk, 4):
+        c_0, c_1, c_2, c_3 = np.uint64(c), np.uint64(c + 1), np.uint64(c + 2), np.uint64(c + 3)
+        for r in range(r0, r1):
             u = np.uint64(r)
-            st[c0, u] = _ZERO
-            st[c1, u] = _ZERO
-            st[c2, u] = _ZERO
-            st[c3, u] = _ZERO
+            st[c_0, u] = _ZERO
+            st[c_1, u] = _ZERO
+            st[c_2, u] = _ZERO
+            st[c_3, u] = _ZERO
         for i in range(0, d4, 4):
-            _add_4x4(st, kb, c, i, qt, r0, rp)
+            _add_4x4(st, kb, c, i, qt, r0, r1)
         for i in range(d4, d):
-            a0, a1, a2, a3 = kb[c0, i], kb[c1, i], kb[c2, i], kb[c3, i]
-            for r in range(r0, rp):
+            a0, a1, a2, a3 = kb[c_0, i], kb[c_1, i], kb[c_2, i], kb[c_3, i]
+            for r in range(r0, r1):
                 u = np.uint64(r)
                 x0 = qt[i, u]
-                st[c0, u] += a0 * x0
-                st[c1, u] += a1 * x0
-                st[c2, u] += a2 * x0
-                st[c3, u] += a3 * x0
+                st[c_0, u] += a0 * x0
+                st[c_1, u] += a1 * x0
+                st[c_2, u] += a2 * x0
+                st[c_3, u] += a3 * x0
 
 
 @numba.njit(fastmath=_FASTMATH, cache=True)
-def _softmax_rows_in_lanes(st, nk, rp, lim_row, m, den, corr):
+def _soft_cap(s, i0, i1, j0, j1, cap):
+    """``s[i, j] = cap * tanh(s[i, j] / cap)`` for i0 <= i < i1, j0 <= j < j1."""
+    inv = _ONE / cap
+    for i in range(i0, i1):
+        iu = np.uint64(i)
+        for j in range(j0, j1):
+            ju = np.uint64(j)
+            s[iu, ju] = cap * _tanh(s[iu, ju] * inv)
+
+
+@numba.njit(fastmath=_FASTMATH, cache=True)
+def _softmax_rows_in_lanes(st, nk, rp, lo_row, lim_row, m, den, corr):
     """One online-softmax step on ``st [nk, rp]`` (rows in lanes): scores → probabilities.
 
-    Row r sees the chunk's keys before ``lim_row[r]``; the others get probability 0.
+    Row r sees the chunk's keys ``lo_row[r] <= c < lim_row[r]``; the others get probability 0.
     Sets ``corr[r]`` (the factor for the row's accumulator) and updates m, den.
     """
     for r in range(rp):
         corr[r] = m[r]  # the new max, for now
     for c in range(nk):
         for r in range(rp):
-            x = st[c, r] if c < lim_row[r] else _NEG
+            x = st[c, r] if (c >= lo_row[r]) & (c < lim_row[r]) else _NEG
             corr[r] = max(corr[r], x)
     for r in range(rp):
         mx = corr[r]
@@ -244,22 +285,23 @@ def _softmax_rows_in_lanes(st, nk, rp, lim_row, m, den, corr):
     for c in range(nk):
         for r in range(rp):
             p = _exp(st[c, r] - m[r])
-            p = p if c < lim_row[r] else _ZERO
+            p = p if (c >= lo_row[r]) & (c < lim_row[r]) else _ZERO
             st[c, r] = p
             den[r] += p
 
 
 @numba.njit(fastmath=_FASTMATH, cache=True)
-def _scores_keys_in_lanes(kb, qs, s, rows, d, lim_row):
-    """``s[r, c] = sum_i qs[r, i] * kb[c, i]`` for c < lim_row[r] (or a few more): dot products.
+def _scores_keys_in_lanes(kb, qs, s, rows, d, lo_row, lim_row):
+    """``s[r, c] = sum_i qs[r, i] * kb[c, i]`` for lo_row[r] <= c < lim_row[r] (or a few more).
 
     4 rows x 2 keys per pass (8 dot products sharing their loads), then 1 row x 4 keys.
     """
     rows4 = rows - rows % 4
     for r in range(0, rows4, 4):
+        lo = min(lo_row[r], lo_row[r + 1], lo_row[r + 2], lo_row[r + 3]) // 2 * 2
         n = max(lim_row[r], lim_row[r + 1], lim_row[r + 2], lim_row[r + 3])
         r0, r1, r2, r3 = np.uint64(r), np.uint64(r + 1), np.uint64(r + 2), np.uint64(r + 3)
-        for c in range(0, n, 2):
+        for c in range(lo, n, 2):
             ca, cb = np.uint64(c), np.uint64(c + 1)
             t0 = t1 = t2 = t3 = u0 = u1 = u2 = u3 = _ZERO
             for i in range(d):
@@ -277,7 +319,7 @@ def _scores_keys_in_lanes(kb, qs, s, rows, d, lim_row):
             s[r0, cb], s[r1, cb], s[r2, cb], s[r3, cb] = u0, u1, u2, u3
     for r in range(rows4, rows):
         ru = np.uint64(r)
-        for c in range(0, lim_row[r], 4):
+        for c in range(lo_row[r] // 4 * 4, lim_row[r], 4):
             ca, cb, cc, cd = np.uint64(c), np.uint64(c + 1), np.uint64(c + 2), np.uint64(c + 3)
             t0 = t1 = t2 = t3 = _ZERO
             for i in range(d):
@@ -290,40 +332,46 @@ def _scores_keys_in_lanes(kb, qs, s, rows, d, lim_row):
 
 
 @numba.njit(fastmath=_FASTMATH, cache=True)
-def _softmax_keys_in_lanes(s, rows, nk, lim_row, m, den, corr):
-    """One online-softmax step on ``s [rows, nk]`` (keys in lanes); row r sees keys < lim_row[r]."""
+def _softmax_keys_in_lanes(s, rows, nk, lo_row, lim_row, m, den, corr):
+    """One online-softmax step on ``s [rows, nk]`` (keys in lanes); row r sees keys lo_row[r] <= c < lim_row[r]."""
     for r in range(rows):
-        n = lim_row[r]
+        ru = np.uint64(r)
+        lo, n = lo_row[r], lim_row[r]
         mx = m[r]
-        for c in range(n):
-            mx = max(mx, s[r, c])
+        for c in range(lo, n):
+            mx = max(mx, s[ru, np.uint64(c)])
         corr[r] = _exp(m[r] - mx)
         m[r] = mx
         tot = _ZERO
-        for c in range(n):
-            p = _exp(s[r, c] - mx)
-            s[r, c] = p
+        for c in range(lo, n):
+            cu = np.uint64(c)
+            p = _exp(s[ru, cu] - mx)
+            s[ru, cu] = p
             tot += p
+        for c in range(lo):
+            s[ru, c] = _ZERO
         for c in range(n, nk):
-            s[r, c] = _ZERO
+            s[ru, np.uint64(c)] = _ZERO
         den[r] = den[r] * corr[r] + tot
 
 
 @numba.njit(fastmath=_FASTMATH, cache=True)
-def _accumulate(p, vb, acc, rows, nk_row, d):
-    """``acc[r, :] += sum_c p[r, c] * vb[c, :]``, row r over keys < nk_row[r] rounded up to 4.
+def _accumulate(p, vb, acc, rows, lo_row, nk_row, d):
+    """``acc[r, :] += sum_c p[r, c] * vb[c, :]``, row r over keys lo_row[r] <= c < nk_row[r], widened to 4.
 
-    (The probabilities past a row's limit are 0 up to the chunk's multiple of 4.)
+    (The probabilities outside a row's keys are 0 from lo_row rounded down to a
+    multiple of 4 up to the chunk's multiple of 4.)
     4 rows x 4 keys per pass (``_add_4x4``): 16 probabilities hoisted, head_dim innermost.
     """
     rows4 = rows - rows % 4
     for r in range(0, rows4, 4):
+        lo = min(lo_row[r], lo_row[r + 1], lo_row[r + 2], lo_row[r + 3]) // 4 * 4
         n = max(nk_row[r], nk_row[r + 1], nk_row[r + 2], nk_row[r + 3])
-        for c in range(0, n, 4):
+        for c in range(lo, n, 4):
             _add_4x4(acc, p, r, c, vb, 0, d)
     for r in range(rows4, rows):
         ru = np.uint64(r)
-        for c in range(0, nk_row[r], 4):
+        for c in range(lo_row[r] // 4 * 4, nk_row[r], 4):
             c_0, c_1, c_2, c_3 = np.uint64(c), np.uint64(c + 1), np.uint64(c + 2), np.uint64(c + 3)
             p00, p01, p02, p03 = p[ru, c_0], p[ru, c_1], p[ru, c_2], p[ru, c_3]
             for i in range(d):
@@ -332,26 +380,30 @@ def _accumulate(p, vb, acc, rows, nk_row, d):
 
 @numba.njit(parallel=True, fastmath=_FASTMATH, cache=True)
 def paged_attention_cpu(
-    q16, q32, k16, k32, v16, v32, mode, k_stride, v_stride, num_kv_heads, block_size,
-    block_tables, seq_lens, cu_seqlens, items, scale, out,
+    q16, q32, q_mode, k_src, v_src, kv_mode, k_stride, v_stride, num_kv_heads, block_size,
+    block_tables, seq_lens, cu_seqlens, items, qk_scale, soft_cap, window, v_scale, out,
 ):  # fmt: skip
     """``out[T, Hq, D]`` (float32) for every work item ``(seq, kv_head, tok0, ntok)``.
 
-    ``q16/q32`` is ``q [T, Hq, D]`` in the cache's storage type (the other one empty);
-    ``k16/k32`` (and v) are flat views of one layer's cache starting at block 0,
-    block ``i`` at ``i * k_stride``.
+    ``q16/q32`` is ``q [T, Hq, D]`` in its storage type (``q_mode``; the other one empty).
+    ``k_src`` (and ``v_src``) is ``(uint8, uint16, float32, fp8 values)``: a flat view of
+    one layer's cache from block 0 (block ``i`` at ``i * k_stride``) in the array of its
+    storage type (``kv_mode``), the others empty, and the float32 value of each fp8 code.
+    ``qk_scale`` is the softmax scale times ``k_scale``; ``soft_cap`` 0 and ``window`` 0
+    mean none; ``v_scale`` multiplies the output.
     """
     for w in numba.prange(items.shape[0]):
         _item(
-            q16, q32, k16, k32, v16, v32, mode, k_stride, v_stride, num_kv_heads, block_size,
-            block_tables, seq_lens, cu_seqlens, items[w, 0], items[w, 1], items[w, 2], items[w, 3], scale, out,
+            q16, q32, q_mode, k_src, v_src, kv_mode, k_stride, v_stride, num_kv_heads, block_size,
+            block_tables, seq_lens, cu_seqlens, items[w, 0], items[w, 1], items[w, 2], items[w, 3],
+            qk_scale, soft_cap, window, v_scale, out,
         )  # fmt: skip
 
 
 @numba.njit(fastmath=_FASTMATH, cache=True)
 def _item(
-    q16, q32, k16, k32, v16, v32, mode, k_stride, v_stride, num_kv_heads, block_size,
-    block_tables, seq_lens, cu_seqlens, b, h, tok0, ntok, scale, out,
+    q16, q32, q_mode, k_src, v_src, kv_mode, k_stride, v_stride, num_kv_heads, block_size,
+    block_tables, seq_lens, cu_seqlens, b, h, tok0, ntok, qk_scale, soft_cap, window, v_scale, out,
 ):  # fmt: skip
     """One work item: sequence b, KV head h, query tokens tok0 .. tok0+ntok of the sequence.
 
@@ -365,30 +417,34 @@ def _item(
     q_len = cu_seqlens[b + 1] - q0
     kv_len = seq_lens[b]
     first_pos = kv_len - q_len  # position of this sequence's query 0
+    tile_pos = first_pos + tok0  # position of the item's first query
     rows = ntok * group
     lanes = rows >= LANES  # rows in vector lanes (prefill tiles) or keys (decode)
     rp = (rows + LANES - 1) // LANES * LANES if lanes else rows
     m = np.full(rp, _NEG, dtype=np.float32)
     den = np.zeros(rp, dtype=np.float32)
     corr = np.empty(rp, dtype=np.float32)
-    lim = np.zeros(rp, dtype=np.int64)  # row r sees keys < lim[r]; padding rows none
-    lim_row = np.zeros(rp, dtype=np.int64)  # the same, within the current chunk
+    lo = np.zeros(rp, dtype=np.int64)  # row r sees keys lo[r] <= j < lim[r]; padding rows none
+    lim = np.zeros(rp, dtype=np.int64)
+    lo_row = np.zeros(rp, dtype=np.int64)  # the same, within the current chunk
+    lim_row = np.zeros(rp, dtype=np.int64)
     acc = np.zeros((rows, d), dtype=np.float32)
     # scaled queries: [D, rp] with rows in lanes, else [rows, D]
     qs = np.zeros((d, rp), dtype=np.float32) if lanes else np.empty((rows, d), dtype=np.float32)
     for tt in range(ntok):
         for g in range(group):
             r = tt * group + g
-            lim[r] = first_pos + tok0 + tt + 1
+            lim[r] = tile_pos + tt + 1
+            lo[r] = max(lim[r] - window, 0) if window > 0 else 0
             t, hq = q0 + tok0 + tt, h * group + g
             for i in range(d):
-                if mode == 0:
+                if q_mode == MODE_F32:
                     x = q32[t, hq, i]
-                elif mode == 1:
+                elif q_mode == MODE_F16:
                     x = _f16_to_f32(q16[t, hq, i])
                 else:
                     x = _bits_to_f32(np.uint32(q16[t, hq, i]) << np.uint32(16))
-                x *= scale
+                x *= qk_scale
                 if lanes:
                     qs[i, r] = x
                 else:
@@ -400,36 +456,49 @@ def _item(
     kbuf = kflat.reshape((CHUNK, d))
     vbuf = vflat.reshape((CHUNK, d))
     s = np.zeros((CHUNK, rp) if lanes else (rp, CHUNK), dtype=np.float32)
-    hi = min(kv_len, first_pos + tok0 + ntok)  # keys the last token of the tile sees
-    for key0 in range(0, max(hi, 0), CHUNK):
+    hi = min(kv_len, tile_pos + ntok)  # keys the last token of the tile sees
+    first_key = max(tile_pos + 1 - window, 0) if window > 0 else 0  # the first token's first key
+    for key0 in range(first_key, max(hi, 0), CHUNK):
         n = min(CHUNK, hi - key0)
         n4 = (n + 3) // 4 * 4
-        _load_chunk(k16, k32, mode, block_tables, b, k_stride, h, bs, d, key0, n, n4, kflat, kbits)
-        _load_chunk(v16, v32, mode, block_tables, b, v_stride, h, bs, d, key0, n, n4, vflat, vbits)
+        _load_chunk(k_src, kv_mode, block_tables, b, k_stride, h, bs, d, key0, n, n4, kflat, kbits)
+        _load_chunk(v_src, kv_mode, block_tables, b, v_stride, h, bs, d, key0, n, n4, vflat, vbits)
         for r in range(rp):
+            lo_row[r] = min(max(lo[r] - key0, 0), n)
             lim_row[r] = min(max(lim[r] - key0, 0), n)
         if lanes:
             # rows (token-major) whose token comes before every key of the chunk see none of
-            # it: skip their scores (whole vectors; their stale scores are masked below)
-            r0 = max(key0 - first_pos - tok0, 0) * group // LANES * LANES
-            _scores_rows_in_lanes(kbuf, qs, s, n4, d, min(r0, rp), rp)
-            _softmax_rows_in_lanes(s, n4, rp, lim_row, m, den, corr)
+            # it, nor do those whose window starts after it: skip their scores (whole
+            # vectors; their stale scores are masked below), and the keys before the
+            # window of the first row scored
+            r0 = min(max(key0 - tile_pos, 0) * group // LANES * LANES, rp)
+            r1 = rp
+            if window > 0:
+                r1 = min(max(key0 + n - 1 - tile_pos + window, 0) * group, rp)
+                r1 = (r1 + LANES - 1) // LANES * LANES
+            c0 = lo_row[r0] // 4 * 4 if r0 < r1 else 0
+            _scores_rows_in_lanes(kbuf, qs, s, c0, n4, d, r0, r1)
+            if soft_cap > 0:
+                _soft_cap(s, c0, n4, r0, r1, soft_cap)
+            _softmax_rows_in_lanes(s, n4, rp, lo_row, lim_row, m, den, corr)
         else:
-            _scores_keys_in_lanes(kbuf, qs, s, rows, d, lim_row)
-            _softmax_keys_in_lanes(s, rows, n4, lim_row, m, den, corr)
+            _scores_keys_in_lanes(kbuf, qs, s, rows, d, lo_row, lim_row)
+            if soft_cap > 0:
+                _soft_cap(s, 0, rows, 0, n4, soft_cap)
+            _softmax_keys_in_lanes(s, rows, n4, lo_row, lim_row, m, den, corr)
         for r in range(rows):
             c = corr[r]
             if c != _ONE:
                 for i in range(d):
                     acc[r, i] *= c
         if lanes:
-            _accumulate(s.T, vbuf, acc, rows, lim_row, d)
+            _accumulate(s.T, vbuf, acc, rows, lo_row, lim_row, d)
         else:
-            _accumulate(s, vbuf, acc, rows, lim_row, d)
+            _accumulate(s, vbuf, acc, rows, lo_row, lim_row, d)
     for tt in range(ntok):
         for g in range(group):
             r = tt * group + g
-            inv = _ONE / den[r] if den[r] > 0 else _ZERO
+            inv = v_scale / den[r] if den[r] > 0 else _ZERO
             for i in range(d):
                 out[q0 + tok0 + tt, h * group + g, i] = acc[r, i] * inv
 
@@ -446,15 +515,21 @@ def q_tile(group: int) -> int:
 
 
 def work_items(
-    cu_seqlens: np.ndarray, num_kv_heads: int, q_tile: int = Q_TILE, seq_lens: np.ndarray | None = None
+    cu_seqlens: np.ndarray,
+    num_kv_heads: int,
+    q_tile: int = Q_TILE,
+    seq_lens: np.ndarray | None = None,
+    *,
+    window: int = 0,
 ) -> np.ndarray:
     """``[N, 4]`` int64 rows (seq, kv_head, first token in seq, tokens) covering every query.
 
     With ``seq_lens`` the items come in the order heaviest, lightest, 2nd heaviest,
-    2nd lightest, ... (work: tokens x keys they see): ``prange`` gives each thread
-    an equal contiguous run of items, and causal prefill tiles differ up to
-    ``q_len / q_tile``-fold, so a run of such pairs balances where tile order
-    would leave the thread with the last tiles doing most of the work.
+    2nd lightest, ... (work: tokens x keys they see, at most ``window + tokens - 1``
+    keys with a sliding window): ``prange`` gives each thread an equal contiguous run
+    of items, and causal prefill tiles differ up to ``q_len / q_tile``-fold, so a run
+    of such pairs balances where tile order would leave the thread with the last
+    tiles doing most of the work.
     """
     q_lens = np.diff(cu_seqlens)
     seqs, starts, counts = [], [], []
@@ -466,7 +541,10 @@ def work_items(
     base = np.array([seqs, starts, counts], dtype=np.int64).reshape(3, -1).T  # [tiles, 3]
     if seq_lens is not None and base.shape[0] > 1:
         first = np.asarray(seq_lens, dtype=np.int64)[base[:, 0]] - q_lens[base[:, 0]]
-        work = base[:, 2] * np.maximum(first + base[:, 1] + base[:, 2], 0) + 64  # + per-item overhead
+        keys = np.maximum(first + base[:, 1] + base[:, 2], 0)
+        if window > 0:
+            keys = np.minimum(keys, window + base[:, 2] - 1)
+        work = base[:, 2] * keys + 64  # + per-item overhead
         by_work = np.argsort(-work, kind="stable")
         order = np.empty_like(by_work)
         half = (by_work.size + 1) // 2
