@@ -108,6 +108,21 @@ def test_windowed_batch_matches_eager(pool, arch):
         torch.testing.assert_close(got_logits, want_logits, atol=ATOL, rtol=RTOL)
 
 
+def test_cached_prefix_with_windows(pool):
+    """A prefill that starts at num_cached_tokens, past the window: its queries still see their windows."""
+    model = make("gemma2")
+    ref = eager_copy(model)
+    first = tokens(27, seed=20)
+    other = first[:24] + tokens(5, seed=21)
+    with paged(model, pool, "gemma2-prefix") as pm:
+        pm.generate([first], max_new_tokens=1)
+        gen = pm.generate([other], max_new_tokens=6, output_logits=True)
+    assert gen.num_cached_tokens == [24]
+    want_tokens, want_logits = reference_generate(ref, other, 6)
+    assert gen.tokens[0] == want_tokens
+    torch.testing.assert_close(gen.logits[0], want_logits, atol=ATOL, rtol=RTOL)
+
+
 def test_window_really_cuts():
     """The same Mistral with a window past every length generates other tokens: the window decides."""
     prompt = tokens(30, seed=0)
