@@ -16,7 +16,7 @@ within ``atol=rtol=1e-4`` (as in test_generate.py).
 fp8: a ``float8_e4m3fn`` pool for a float32 model (Gemma 2, so the window and
 soft cap run on dequantized keys) is teacher-forced along the float32 pool's
 greedy tokens; each step's logits stay within 0.05 * the spread (max - min)
-of the float32 pool's logits (seen ~0.014: e4m3 keeps 3 mantissa bits, up to
+of the float32 pool's logits (seen up to 0.014: e4m3 keeps 3 mantissa bits, up to
 ~6% error per element, which attention averages down), and the first token,
 chosen from the prefill, is the same.
 """
