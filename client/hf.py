@@ -29,6 +29,22 @@ How it hooks in (no model code is copied or patched):
   right for mixed lengths and for prompts whose first ``num_cached_tokens``
   were found in the pool (their prefill starts at that position).  Logits are
   computed for each sequence's last token only (``logits_to_keep``).
+* **Per-layer attention.**  Each layer hands its own ``scaling``,
+  ``sliding_window`` (``None`` on full-attention layers) and ``softcap`` to the
+  attention function, as transformers does for every implementation; they go
+  to the kernels unchanged, so Mistral, Qwen2 with ``use_sliding_window``,
+  Gemma 2 (alternating windows, logit soft cap) and Gemma 3 (``layer_types``)
+  run without knowing their configs.  What transformers computes itself
+  (final logit soft cap, RoPE per layer type) stays there.  Refused: layer
+  types other than full / sliding attention, bidirectional attention, sinks;
+  on a CUDA pool also windows, soft caps and fp8 (its kernel lacks them).
+* **Windows keep their blocks.**  A sequence holds all its blocks for its
+  whole life, also those that have left every layer's window: nothing is
+  freed early, so a sliding-window model takes as many pool blocks as a
+  full-attention one of the same geometry.
+* **fp8 KV.**  A ``float8_e4m3fn`` layout stores K/V quantized by ``write_kv``
+  (``x / scale``, per-layer ``kv_scales``, default 1.0); attention reads it
+  with the query in the model's own dtype.
 * **Prefix hits.** A prompt whose whole length is cached still needs the last
   token's logits: that token is recomputed as a query at its position, but its
   K/V is not written again (slot -1), so blocks shared with other sequences or
@@ -37,7 +53,7 @@ How it hooks in (no model code is copied or patched):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable, Sequence as Seq
 
 import numpy as np
@@ -65,6 +81,10 @@ __all__ = [
 ATTN_IMPLEMENTATION = "kvpool"
 
 _TORCH_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+#: pool dtypes the model may store its K/V in besides its own (quantized by write_kv)
+_KV_ONLY_DTYPES = {torch.float8_e4m3fn: "float8_e4m3fn"}
+#: the attention layer types kvpool.hf runs (transformers' config.layer_types names)
+_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclass
@@ -78,6 +98,8 @@ class PagedBatch:
     in the pool after this forward, the new ones included) and
     ``cu_seqlens_q`` (int32 ``[B+1]``, where each sequence's new tokens start
     in the packed row).  ``decode``: every sequence brings exactly one token.
+    ``kv_scales``: per layer ``(k_scale, v_scale)`` of an fp8 pool (``None``:
+    all 1.0; ``PagedModel.run_batch`` fills in the model's).
     """
 
     kv: torch.Tensor
@@ -87,6 +109,7 @@ class PagedBatch:
     cu_seqlens_q: torch.Tensor
     max_seq_len: int
     decode: bool
+    kv_scales: Seq[tuple[float, float]] | None = None
 
 
 def kvpool_attention(
@@ -98,12 +121,17 @@ def kvpool_attention(
     scaling: float | None = None,
     dropout: float = 0.0,
     kvpool_batch: PagedBatch | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function: write the new K/V into the pool, attend over its blocks.
 
     ``query [1, Hq, T, D]``, ``key``/``value [1, Hkv, T, D]`` (the packed new
     tokens, RoPE applied); returns ``[1, T, Hq, D]`` as transformers expects.
+    Each layer passes its own ``scaling``, ``sliding_window`` (``None`` on
+    full-attention layers) and ``softcap`` (Gemma 2's attention logit cap);
+    they go to the kernels as ``scale``, ``sliding_window`` and ``logits_soft_cap``.
     """
     b = kvpool_batch
     if b is None:
@@ -111,28 +139,33 @@ def kvpool_attention(
             "the 'kvpool' attention runs inside kvpool.hf.PagedModel only (no kvpool_batch was passed); "
             "use PagedModel.forward / generate, or switch the model back with set_attn_implementation('eager')"
         )
-    if kwargs.get("sliding_window") is not None:
-        raise NotImplementedError("kvpool.hf does not support sliding-window attention layers")
-    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
-        raise NotImplementedError("kvpool.hf does not support attention soft-capping or sinks")
+    if kwargs.get("s_aux") is not None:
+        raise NotImplementedError("kvpool.hf does not support attention sinks (s_aux)")
     if query.shape[0] != 1:
         raise ValueError(f"kvpool.hf packs a batch into one row; got query batch {query.shape[0]}")
     layer = module.layer_idx
     k_cache, v_cache = b.kv[:, layer, 0], b.kv[:, layer, 1]
+    if k_cache.is_cuda and (sliding_window is not None or softcap is not None or k_cache.dtype in _KV_ONLY_DTYPES):
+        # the CUDA kernel accepts these arguments but does not apply them yet: refuse rather than compute wrong
+        raise NotImplementedError(
+            "kvpool.hf on a CUDA pool runs full attention without soft cap on a float16/bfloat16/float32 cache; "
+            "sliding windows, soft caps and fp8 caches run on the CPU kernels only"
+        )
+    k_scale, v_scale = (1.0, 1.0) if b.kv_scales is None else b.kv_scales[layer]
     q = query[0].transpose(0, 1).contiguous()  # [T, Hq, D]
     k = key[0].transpose(0, 1).contiguous()
     v = value[0].transpose(0, 1).contiguous()
-    write_kv(k, v, k_cache, v_cache, b.slot_mapping)
+    # an fp8 pool: write_kv quantizes (x / scale); attention dequantizes with q in the model's dtype
+    write_kv(k, v, k_cache, v_cache, b.slot_mapping, k_scale=k_scale, v_scale=v_scale)
+    if sliding_window is not None and sliding_window >= b.max_seq_len:
+        sliding_window = None  # no sequence is long enough for the window to hide a key
+    extra = dict(scale=scaling, sliding_window=sliding_window, logits_soft_cap=softcap,
+                 k_scale=k_scale, v_scale=v_scale, max_seq_len=b.max_seq_len)
     out = torch.empty_like(q)
     if b.decode:
-        paged_decode_attention(
-            q, k_cache, v_cache, b.block_tables, b.seq_lens, scale=scaling, out=out, max_seq_len=b.max_seq_len
-        )
+        paged_decode_attention(q, k_cache, v_cache, b.block_tables, b.seq_lens, out=out, **extra)
     else:
-        paged_prefill_attention(
-            q, k_cache, v_cache, b.block_tables, b.seq_lens, b.cu_seqlens_q,
-            scale=scaling, out=out, max_seq_len=b.max_seq_len,
-        )  # fmt: skip
+        paged_prefill_attention(q, k_cache, v_cache, b.block_tables, b.seq_lens, b.cu_seqlens_q, out=out, **extra)
     return out.unsqueeze(0), None
 
 
@@ -144,22 +177,50 @@ def _text_config(config):
     return get() if get is not None else config
 
 
-def layout_for(model, model_id: str, *, revision: str = "", block_size: int = 16) -> Layout:
+def layout_for(
+    model, model_id: str, *, revision: str = "", block_size: int = 16, kv_dtype: str | torch.dtype | None = None
+) -> Layout:
     """The pool layout of a transformers causal LM (layers, KV heads, head dim, dtype).
 
     ``model_id`` (and ``revision``) must name the *weights*: blocks are shared
     between processes whose layouts have the same id, so two processes with
-    different weights under one id would read each other's K/V.
+    different weights under one id would read each other's K/V.  ``kv_dtype``:
+    the pool's dtype when it is not the model's, i.e. ``"float8_e4m3fn"``
+    (K/V quantized on write, attention still in the model's dtype).
     """
     cfg = _text_config(model.config)
     dtype = _TORCH_DTYPES.get(model.dtype)
     if dtype is None:
         raise InvalidArgument(f"kvpool.hf supports float16, bfloat16 and float32 models; got {model.dtype}")
+    if kv_dtype is not None:
+        names = {**_TORCH_DTYPES, **_KV_ONLY_DTYPES}
+        name = names.get(kv_dtype, kv_dtype)
+        if name not in names.values():
+            raise InvalidArgument(f"kv_dtype must be one of {sorted(names.values())}; got {kv_dtype!r}")
+        if name != dtype and name in _TORCH_DTYPES.values():
+            raise InvalidArgument(f"a {dtype} model keeps a {dtype} or float8_e4m3fn KV cache; got {name}")
+        dtype = name
     heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     return Layout(model_id, num_layers=cfg.num_hidden_layers, num_kv_heads=kv_heads, head_dim=head_dim,
                   dtype=dtype, block_size=block_size, revision=revision)
+
+
+def _layer_scales(scales, num_layers: int, fp8: bool) -> list[tuple[float, float]] | None:
+    """``kv_scales`` as one ``(k_scale, v_scale)`` per layer; ``None`` when every scale is 1.0."""
+    if scales is None:
+        return None
+    if not fp8:
+        raise InvalidArgument("kv_scales apply to a float8_e4m3fn pool only")
+    arr = np.asarray(scales, dtype=np.float64)
+    if arr.shape == (2,):
+        arr = np.broadcast_to(arr, (num_layers, 2))
+    if arr.shape != (num_layers, 2):
+        raise InvalidArgument(f"kv_scales must be one (k_scale, v_scale) pair or {num_layers} of them")
+    if not np.all(np.isfinite(arr) & (arr > 0)):
+        raise InvalidArgument("kv_scales must be finite and > 0")
+    return None if np.all(arr == 1.0) else [(float(k), float(v)) for k, v in arr]
 
 
 @dataclass
@@ -188,22 +249,38 @@ class PagedModel:
     sit on the pool's device (CPU shared memory or the CUDA device).  Making a
     ``PagedModel`` switches the model's attention to ``"kvpool"``; switch back
     with ``model.set_attn_implementation("eager")`` (or ``"sdpa"``).
+
+    A ``float8_e4m3fn`` layout stores K/V quantized (``x / scale``) for a
+    float16 / bfloat16 / float32 model.  ``kv_scales``: ``(k_scale, v_scale)``
+    for every layer or a list of one pair per layer (default 1.0).  They are
+    part of what the blocks mean: processes sharing a ``model_id`` must use the
+    same scales.
     """
 
-    def __init__(self, model, client: Client, *, owns_client: bool = False) -> None:
+    def __init__(
+        self,
+        model,
+        client: Client,
+        *,
+        kv_scales: tuple[float, float] | Seq[tuple[float, float]] | None = None,
+        owns_client: bool = False,
+    ) -> None:
         self.model = model
         self.client = client
         self.layout = client.layout
         self._owns_client = owns_client
         cfg = _text_config(model.config)
+        fp8 = self.layout.dtype in _KV_ONLY_DTYPES.values()
         want = layout_for(model, self.layout.model_id, revision=self.layout.revision,
-                          block_size=self.layout.block_size)
+                          block_size=self.layout.block_size, kv_dtype=self.layout.dtype if fp8 else None)
         if want != self.layout:
             raise InvalidArgument(f"the client's layout {self.layout} does not match the model ({want})")
-        if getattr(cfg, "use_sliding_window", False) or any(
-            t != "full_attention" for t in (getattr(cfg, "layer_types", None) or ())
-        ):
-            raise NotImplementedError("kvpool.hf supports full-attention models only (no sliding window)")
+        other = sorted(set(getattr(cfg, "layer_types", None) or ()) - set(_LAYER_TYPES))
+        if other:
+            raise NotImplementedError(f"kvpool.hf runs {' and '.join(_LAYER_TYPES)} layers; this model has {other}")
+        if getattr(cfg, "use_bidirectional_attention", False):
+            raise NotImplementedError("kvpool.hf runs causal attention only (use_bidirectional_attention is set)")
+        self.kv_scales = _layer_scales(kv_scales, cfg.num_hidden_layers, fp8)
         self.kv = client.kv_cache()
         device = next(model.parameters()).device
         if device != self.kv.device:
@@ -228,16 +305,22 @@ class PagedModel:
         model_id: str,
         revision: str = "",
         block_size: int = 16,
+        kv_dtype: str | torch.dtype | None = None,
+        kv_scales: tuple[float, float] | Seq[tuple[float, float]] | None = None,
         **connect_kwargs,
     ) -> "PagedModel":
-        """Attach to kvpoold with the model's layout; ``close()`` detaches."""
-        layout = layout_for(model, model_id, revision=revision, block_size=block_size)
+        """Attach to kvpoold with the model's layout; ``close()`` detaches.
+
+        ``kv_dtype="float8_e4m3fn"`` keeps the cache in fp8 (see ``layout_for``),
+        with ``kv_scales`` as in the constructor.
+        """
+        layout = layout_for(model, model_id, revision=revision, block_size=block_size, kv_dtype=kv_dtype)
         device = next(model.parameters()).device
         if device.type == "cuda":  # the pool of the model's own GPU, whatever the current device is
             connect_kwargs.setdefault("device", device)
         client = connect(address, name=name, layout=layout, **connect_kwargs)
         try:
-            return cls(model, client, owns_client=True)
+            return cls(model, client, kv_scales=kv_scales, owns_client=True)
         except BaseException:
             client.close()
             raise
@@ -299,6 +382,8 @@ class PagedModel:
         Returns:
             The logits of those rows, ``[N, vocab]``.
         """
+        if batch.kv_scales is None and self.kv_scales is not None:
+            batch = replace(batch, kv_scales=self.kv_scales)
         out = self.model(
             input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
             logits_to_keep=logits_index, kvpool_batch=batch,

@@ -130,25 +130,15 @@ _MODES = {
     torch.bfloat16: cpu_attention.MODE_BF16,
     FP8: cpu_attention.MODE_FP8,
 }
-_STORAGE = {torch.float16: np.uint16, torch.bfloat16: np.uint16, FP8: np.uint8}
 
 
 def storage_as_numpy(t: torch.Tensor) -> np.ndarray:
-    """A NumPy view of a contiguous tensor as the CPU kernel takes it: float32 stays
-    float32; float16 and bfloat16 come as raw uint16 bits and float8_e4m3fn as raw
-    uint8 codes (NumPy has no bfloat16 or fp8, Numba no float16), converted inside
-    the kernel."""
+    """A NumPy view of a contiguous q as the CPU kernel takes it: float32 stays float32;
+    float16 and bfloat16 come as raw uint16 bits (NumPy has no bfloat16 and Numba no
+    float16), converted inside the kernel."""
     if t.dtype == torch.float32:
         return t.numpy()
-    raw = _STORAGE[t.dtype]
-    return t.view(torch.int16 if raw == np.uint16 else torch.uint8).numpy().view(raw)
-
-
-def cache_as_numpy(cache: torch.Tensor, block_stride: int, block_elems: int) -> np.ndarray:
-    """A flat NumPy view (``storage_as_numpy``) of one layer's cache from block 0 to the
-    end of the last block."""
-    span = (cache.shape[0] - 1) * block_stride + block_elems
-    return storage_as_numpy(torch.as_strided(cache.detach(), (span,), (1,)))
+    return t.view(torch.int16).numpy().view(np.uint16)
 
 
 @functools.lru_cache(maxsize=1)
@@ -157,14 +147,10 @@ def fp8_values() -> np.ndarray:
     return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8).float().numpy()
 
 
-def _cache_source(cache: torch.Tensor, block_stride: int, block_elems: int) -> tuple:
-    """The kernel's ``(uint8, uint16, float32, fp8 values)`` view of one layer's cache: the
-    cache in the array of its storage type, the other two empty (one Numba
-    specialization for every cache dtype)."""
-    flat = cache_as_numpy(cache, block_stride, block_elems)
-    arrays = [np.zeros(0, np.uint8), np.zeros(0, np.uint16), np.zeros(0, np.float32)]
-    arrays[(np.uint8, np.uint16, np.float32).index(flat.dtype.type)] = flat
-    return (*arrays, fp8_values())
+def cache_bytes(cache: torch.Tensor, block_stride: int, block_elems: int) -> np.ndarray:
+    """A flat uint8 NumPy view of one layer's cache from block 0 to the end of the last block."""
+    span = (cache.shape[0] - 1) * block_stride + block_elems
+    return torch.as_strided(cache.detach(), (span,), (1,)).view(torch.uint8).numpy()
 
 
 def _cpu(a: AttentionArgs, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q) -> torch.Tensor:
@@ -178,8 +164,8 @@ def _cpu(a: AttentionArgs, q, k_cache, v_cache, block_tables, seq_lens, cu_seqle
     _check_index_values(geo, tables, lens, cu, a.num_tokens)
 
     block_elems = geo.num_kv_heads * geo.block_size * geo.head_dim
-    k_src = _cache_source(k_cache, geo.k_block_stride, block_elems)
-    v_src = _cache_source(v_cache, geo.v_block_stride, block_elems)
+    k_bytes = cache_bytes(k_cache, geo.k_block_stride, block_elems)
+    v_bytes = cache_bytes(v_cache, geo.v_block_stride, block_elems)
 
     q_mode = _MODES[q.dtype]
     qn = storage_as_numpy(q.detach().contiguous())
@@ -191,8 +177,8 @@ def _cpu(a: AttentionArgs, q, k_cache, v_cache, block_tables, seq_lens, cu_seqle
     q_tile = 1 if cu_seqlens_q is None else cpu_attention.q_tile(a.group)
     items = cpu_attention.work_items(cu, geo.num_kv_heads, q_tile, lens, window=a.window)
     cpu_attention.paged_attention_cpu(
-        q16, q32, q_mode, k_src, v_src, _MODES[geo.dtype], geo.k_block_stride, geo.v_block_stride,
-        geo.num_kv_heads, geo.block_size, tables, lens, cu, items,
+        q16, q32, q_mode, k_bytes, v_bytes, _MODES[geo.dtype], fp8_values(), geo.k_block_stride,
+        geo.v_block_stride, geo.num_kv_heads, geo.block_size, tables, lens, cu, items,
         np.float32(a.scale * a.k_scale), np.float32(a.soft_cap), np.int64(a.window), np.float32(a.v_scale), out32,
     )  # fmt: skip
     if not direct:

@@ -33,15 +33,28 @@ their speed, in per-pass overhead).
   arithmetic so that it vectorizes: Numba's ``np.exp`` is a scalar libm call
   here (no SVML).
 
-Storage types: NumPy has no bfloat16 and Numba no float16, so the caches (and
-q, which has their dtype) arrive as raw uint16 bits and are converted to
-float32 when loaded: bfloat16 by a 16-bit shift, float16 by moving its
-exponent and mantissa bits (both exact, subnormals and infinities included).
-float32 comes as float32. Passing both a uint16 and a float32 array (the
-unused one empty) keeps the kernel to ONE Numba specialization for all three
-dtypes, which keeps the first-call compile (and the test suite) short; so does
-keeping the item's work in functions of their own rather than in the
-``prange`` body (see ``_item``).
+Sliding window, soft cap and scales: a row's keys are ``lo[r] <= j < lim[r]``;
+with a window the item's key loop starts at its first token's first visible
+key (invisible keys are never loaded), and in a chunk only the rows and keys
+that some row sees are scored; keys before a row's window are masked to
+``_BEFORE_WINDOW`` (rows in lanes) or skipped by the loop bounds (keys in
+lanes), so the no-window path does no extra work per score. ``k_scale`` is
+folded into the query scale and ``v_scale`` into the final ``1 / den``; the
+soft cap is applied to a chunk's scores before its softmax step, with a
+polynomial ``tanh`` (Cephes ``tanhf``) that vectorizes.
+
+Storage types: NumPy has no bfloat16 or float8 and Numba no float16, so q
+arrives as float32 or raw uint16 bits, and the caches as raw bytes that the
+kernel reinterprets by ``kv_mode``: float32; uint16 bits converted when loaded
+(bfloat16 by a 16-bit shift, float16 by moving its exponent and mantissa bits,
+both exact, subnormals and infinities included); or float8_e4m3fn codes,
+looked up in a 256-entry float32 table (exact). q's type is the cache's, or any
+of float16 / bfloat16 / float32 with an fp8 cache (``q_mode``). Passing the
+cache as bytes and q in both a uint16 and a float32 array (the unused one
+empty) keeps the kernel to ONE Numba specialization for every dtype, which keeps
+the first-call compile (and the test suite) short; so does keeping the item's
+work in functions of their own rather than in the ``prange`` body (see
+``_item``).
 
 ``fastmath`` leaves out ``nnan``/``ninf``: masked and empty rows rely on exact
 -inf/zero handling being kept, everything else (reassociation for SIMD dot
@@ -64,6 +77,7 @@ TILE_ROWS = 128  # query rows (tokens x GQA group) per prefill work item, about
 CHUNK = 64  # keys per online-softmax step (a multiple of 4)
 LANES = 16  # float32 lanes of one AVX-512 register: the row padding when rows are in lanes
 _NEG = np.float32(-1e30)  # "no score yet"; finite so exp(_NEG - m) is a clean 0
+_BEFORE_WINDOW = np.float32(-3e38)  # a masked score: below _NEG, so exp(it - m) is 0 even while m = _NEG
 
 # exp(x) = 2^n * exp(r), x = n ln2 + r, |r| <= ln2/2 (Cephes expf)
 _LOG2E = np.float32(1.44269504088896341)
@@ -265,17 +279,31 @@ def _soft_cap(s, i0, i1, j0, j1, cap):
 
 
 @numba.njit(fastmath=_FASTMATH, cache=True)
-def _softmax_rows_in_lanes(st, nk, rp, lo_row, lim_row, m, den, corr):
+def _mask_before_window(st, nk, r0, rp, lo_row):
+    """``st[c, r] = _BEFORE_WINDOW`` for keys c < lo_row[r] (rows in lanes, rows r0 <= r < rp).
+
+    The softmax then needs no lower bound of its own: such a score neither raises the
+    running max nor survives ``_exp`` (so the no-window path pays nothing for windows).
+    """
+    for c in range(nk):
+        for r in range(r0, rp):
+            u = np.uint64(r)
+            st[c, u] = _BEFORE_WINDOW if c < lo_row[u] else st[c, u]
+
+
+@numba.njit(fastmath=_FASTMATH, cache=True)
+def _softmax_rows_in_lanes(st, nk, rp, lim_row, m, den, corr):
     """One online-softmax step on ``st [nk, rp]`` (rows in lanes): scores → probabilities.
 
-    Row r sees the chunk's keys ``lo_row[r] <= c < lim_row[r]``; the others get probability 0.
+    Row r sees the chunk's keys before ``lim_row[r]`` (and none before its window, see
+    ``_mask_before_window``); the others get probability 0.
     Sets ``corr[r]`` (the factor for the row's accumulator) and updates m, den.
     """
     for r in range(rp):
         corr[r] = m[r]  # the new max, for now
     for c in range(nk):
         for r in range(rp):
-            x = st[c, r] if (c >= lo_row[r]) & (c < lim_row[r]) else _NEG
+            x = st[c, r] if c < lim_row[r] else _NEG
             corr[r] = max(corr[r], x)
     for r in range(rp):
         mx = corr[r]
@@ -285,7 +313,7 @@ def _softmax_rows_in_lanes(st, nk, rp, lo_row, lim_row, m, den, corr):
     for c in range(nk):
         for r in range(rp):
             p = _exp(st[c, r] - m[r])
-            p = p if (c >= lo_row[r]) & (c < lim_row[r]) else _ZERO
+            p = p if c < lim_row[r] else _ZERO
             st[c, r] = p
             den[r] += p
 
@@ -380,24 +408,39 @@ def _accumulate(p, vb, acc, rows, lo_row, nk_row, d):
 
 @numba.njit(parallel=True, fastmath=_FASTMATH, cache=True)
 def paged_attention_cpu(
-    q16, q32, q_mode, k_src, v_src, kv_mode, k_stride, v_stride, num_kv_heads, block_size,
+    q16, q32, q_mode, k_bytes, v_bytes, kv_mode, fp8_values, k_stride, v_stride, num_kv_heads, block_size,
     block_tables, seq_lens, cu_seqlens, items, qk_scale, soft_cap, window, v_scale, out,
 ):  # fmt: skip
     """``out[T, Hq, D]`` (float32) for every work item ``(seq, kv_head, tok0, ntok)``.
 
     ``q16/q32`` is ``q [T, Hq, D]`` in its storage type (``q_mode``; the other one empty).
-    ``k_src`` (and ``v_src``) is ``(uint8, uint16, float32, fp8 values)``: a flat view of
-    one layer's cache from block 0 (block ``i`` at ``i * k_stride``) in the array of its
-    storage type (``kv_mode``), the others empty, and the float32 value of each fp8 code.
-    ``qk_scale`` is the softmax scale times ``k_scale``; ``soft_cap`` 0 and ``window`` 0
-    mean none; ``v_scale`` multiplies the output.
+    ``k_bytes`` (and v) is a flat byte view of one layer's cache from block 0, block ``i``
+    at ``i * k_stride`` elements of its storage type (``kv_mode``; fp8 codes are looked up
+    in ``fp8_values``, their 256 float32 values). ``qk_scale`` is the softmax scale times
+    ``k_scale``; ``soft_cap`` 0 and ``window`` 0 mean none; ``v_scale`` multiplies the output.
+    (Bytes, reinterpreted here: every argument costs the dispatcher a type lookup per call.)
     """
+    k_src = _typed_views(k_bytes, kv_mode, fp8_values)
+    v_src = _typed_views(v_bytes, kv_mode, fp8_values)
     for w in numba.prange(items.shape[0]):
         _item(
             q16, q32, q_mode, k_src, v_src, kv_mode, k_stride, v_stride, num_kv_heads, block_size,
             block_tables, seq_lens, cu_seqlens, items[w, 0], items[w, 1], items[w, 2], items[w, 3],
             qk_scale, soft_cap, window, v_scale, out,
         )  # fmt: skip
+
+
+@numba.njit(cache=True)
+def _typed_views(raw, mode, fp8_values):
+    """``(uint8, uint16, float32, fp8_values)`` views of cache bytes, the ones not of ``mode`` empty."""
+    none = np.empty(0, np.uint8)
+    wide = mode == MODE_F16 or mode == MODE_BF16
+    return (
+        raw if mode == MODE_FP8 else none,
+        (raw if wide else none).view(np.uint16),
+        (raw if mode == MODE_F32 else none).view(np.float32),
+        fp8_values,
+    )
 
 
 @numba.njit(fastmath=_FASTMATH, cache=True)
@@ -480,7 +523,9 @@ def _item(
             _scores_rows_in_lanes(kbuf, qs, s, c0, n4, d, r0, r1)
             if soft_cap > 0:
                 _soft_cap(s, c0, n4, r0, r1, soft_cap)
-            _softmax_rows_in_lanes(s, n4, rp, lo_row, lim_row, m, den, corr)
+            if window > 0:
+                _mask_before_window(s, n4, r0, rp, lo_row)
+            _softmax_rows_in_lanes(s, n4, rp, lim_row, m, den, corr)
         else:
             _scores_keys_in_lanes(kbuf, qs, s, rows, d, lo_row, lim_row)
             if soft_cap > 0:

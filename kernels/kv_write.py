@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from ._validate import FP8, FP8_MAX, check_write_kv
+from .attention import cache_bytes
 from .cpu_write_kv import write_kv_cpu
 
 __all__ = ["write_kv"]
@@ -62,9 +63,9 @@ def write_kv(
     t = key.shape[0]
     k_rows = key.detach().contiguous().view(torch.uint8).reshape(t, -1).numpy()
     v_rows = value.detach().contiguous().view(torch.uint8).reshape(t, -1).numpy()
-    block_bytes = geo.num_kv_heads * geo.block_size * row_bytes
-    k_bytes = _bytes(k_cache, geo.k_block_stride * es, block_bytes)
-    v_bytes = _bytes(v_cache, geo.v_block_stride * es, block_bytes)
+    block_elems = geo.num_kv_heads * geo.block_size * geo.head_dim
+    k_bytes = cache_bytes(k_cache, geo.k_block_stride, block_elems)
+    v_bytes = cache_bytes(v_cache, geo.v_block_stride, block_elems)
     write_kv_cpu(
         k_rows, v_rows, k_bytes, v_bytes, np.ascontiguousarray(slots), geo.block_size,
         geo.k_block_stride * es, geo.v_block_stride * es, geo.num_kv_heads, row_bytes,
@@ -79,11 +80,3 @@ def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
     no host sync, so it can be captured in a CUDA graph.
     """
     return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
-
-
-def _bytes(cache: torch.Tensor, block_stride_bytes: int, block_bytes: int) -> np.ndarray:
-    """Flat uint8 view of one layer's cache from block 0 to the end of the last block."""
-    es = cache.element_size()
-    span = ((cache.shape[0] - 1) * block_stride_bytes + block_bytes) // es
-    flat = torch.as_strided(cache.detach(), (span,), (1,))
-    return flat.view(torch.uint8).numpy()

@@ -1,5 +1,6 @@
 """The float64 reference itself, against an independent formulation (torch SDPA in float64)."""
 
+import numpy as np
 import torch
 
 from tests.kernels.support import reference as ref
@@ -42,3 +43,33 @@ def test_decode_reference_empty_sequence_is_zero():
     q = torch.randn(2, 1, 64)
     out = ref.paged_decode_reference(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens)
     assert (out[0] == 0).all() and (out[1] != 0).any()
+
+
+def test_reference_window_soft_cap_and_scales_match_torch():
+    """Window as transformers' sliding-window mask (kv_idx > q_idx - window, kv_idx <= q_idx),
+    soft cap and scales on the dequantized fp8 cache, written out in torch float64."""
+    lens, q_lens, window, cap, k_scale, v_scale = [40, 9], [13, 9], 6, 3.0, 0.3, 1.9
+    case = make_case(lens, num_kv_heads=2, block_size=8, head_dim=64, dtype=torch.float8_e4m3fn, seed=7)
+    cu = torch.tensor([0, 13, 22], dtype=torch.int32)
+    q = torch.randn(22, 4, 64, dtype=torch.float64)
+    got = ref.paged_prefill_reference(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, cu, 0.2,
+                                      sliding_window=window, logits_soft_cap=cap, k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+    for b, (n, q_len) in enumerate(zip(lens, q_lens)):
+        blocks = case.block_tables[b].long()[torch.arange(n) // 8]
+        k = case.k_cache[blocks, :, torch.arange(n) % 8].double() * k_scale  # torch's own fp8 -> float64
+        v = case.v_cache[blocks, :, torch.arange(n) % 8].double() * v_scale
+        k, v = k.repeat_interleave(2, dim=1).transpose(0, 1), v.repeat_interleave(2, dim=1).transpose(0, 1)
+        s = q[cu[b] : cu[b + 1]].transpose(0, 1) @ k.transpose(1, 2) * 0.2
+        s = cap * torch.tanh(s / cap)
+        q_idx, kv_idx = torch.arange(n - q_len, n)[:, None], torch.arange(n)[None, :]
+        s = s.masked_fill(~((kv_idx > q_idx - window) & (kv_idx <= q_idx)), float("-inf"))
+        want = (torch.softmax(s, dim=-1) @ v).transpose(0, 1)
+        assert torch.allclose(torch.from_numpy(got[cu[b] : cu[b + 1]]), want, atol=1e-12)
+
+
+def test_fp8_decode_is_exact_for_every_code():
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    got = ref.fp8_e4m3_decode(codes.numpy())
+    want = codes.view(torch.float8_e4m3fn).double().numpy()
+    assert ((got == want) | (np.isnan(got) & np.isnan(want))).all()
+    assert np.isnan(got[[0x7F, 0xFF]]).all() and got[0x7E] == 448 and got[1] == 2.0**-9
