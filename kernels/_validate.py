@@ -27,6 +27,7 @@ FP8 = torch.float8_e4m3fn
 COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 CACHE_DTYPES = (*COMPUTE_DTYPES, FP8)
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn; write_kv clamps to +-FP8_MAX
+INT32_MAX = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -222,14 +223,18 @@ def _is_real(x: object) -> bool:
 
 
 def check_sliding_window(sliding_window: object) -> int:
-    """``None`` → 0 (no window); otherwise an int >= 1 (the query's own key counts)."""
+    """``None`` → 0 (no window); otherwise an int >= 1 (the query's own key counts).
+
+    A window of 2^31 - 1 keys or more is no window (0): ``seq_lens`` are int32, so
+    no query has more keys than that, and the kernels keep the window in 32 bits.
+    """
     if sliding_window is None:
         return 0
     if not _is_int(sliding_window):
         raise TypeError(f"sliding_window must be an int >= 1 or None; got {sliding_window!r}")
     if sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1 (it counts the query's own key); got {sliding_window}")
-    return int(sliding_window)
+    return int(sliding_window) if sliding_window < INT32_MAX else 0
 
 
 def check_soft_cap(logits_soft_cap: object) -> float:

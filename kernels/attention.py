@@ -179,11 +179,22 @@ def _cpu(a: AttentionArgs, q, k_cache, v_cache, block_tables, seq_lens, cu_seqle
     cpu_attention.paged_attention_cpu(
         q16, q32, q_mode, k_bytes, v_bytes, _MODES[geo.dtype], fp8_values(), geo.k_block_stride,
         geo.v_block_stride, geo.num_kv_heads, geo.block_size, tables, lens, cu, items,
-        np.float32(a.scale * a.k_scale), np.float32(a.soft_cap), np.int64(a.window), np.float32(a.v_scale), out32,
+        np.float32(a.scale * a.k_scale), _soft_cap_f32(a.soft_cap), np.int64(a.window), np.float32(a.v_scale),
+        out32,
     )  # fmt: skip
     if not direct:
         out.copy_(torch.from_numpy(out32))
     return out
+
+
+def _soft_cap_f32(cap: float) -> np.float32:
+    """The cap as the kernel's float32: beyond float32's range ``c * tanh(s / c)`` equals s for
+    every float32 score (no cap, 0); below its smallest normal value it is the same as that
+    value (every score about 0: a uniform softmax)."""
+    f32 = np.finfo(np.float32)
+    if cap == 0.0 or cap > float(f32.max):
+        return np.float32(0.0)
+    return np.float32(max(cap, float(f32.tiny)))
 
 
 def _check_index_values(geo, tables: np.ndarray, lens: np.ndarray, cu: np.ndarray, num_tokens: int) -> None:

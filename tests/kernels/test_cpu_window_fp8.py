@@ -127,6 +127,14 @@ def test_soft_cap_with_large_scores(cap, q_len):
     _run(case, q, cu, logits_soft_cap=cap, sliding_window=33)
 
 
+@pytest.mark.parametrize("window, cap", [(2**31 - 1, None), (2**70, None), (None, 1e300), (None, 1e-300), (3, 4e38)])
+def test_extreme_windows_and_caps(window, cap):
+    """A window past any int32 length is no window; caps beyond float32's range in either direction."""
+    case = make_case([300, 5], num_kv_heads=1, block_size=16, head_dim=64, seed=11)
+    q = 3 * torch.randn(2, 2, 64, generator=torch.Generator().manual_seed(11))
+    _run(case, q, None, sliding_window=window, logits_soft_cap=cap)
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     lens=st.lists(st.integers(0, 400), min_size=1, max_size=6),

@@ -132,8 +132,8 @@ def paged_attention_reference(
             scores = logits_soft_cap * np.tanh(scores / logits_soft_cap)
         pos = n - q_len + np.arange(q_len)
         mask = np.arange(n)[None, :] <= pos[:, None]  # [q_len, n]
-        if sliding_window is not None:
-            mask &= np.arange(n)[None, :] > pos[:, None] - sliding_window
+        if sliding_window is not None:  # (a window over n keys is all of them, and fits int64)
+            mask &= np.arange(n)[None, :] > pos[:, None] - min(sliding_window, n + 1)
         scores = np.where(mask[None], scores, -np.inf)
         row_has_keys = mask.any(axis=1)  # pos < 0 when seq_len < q_len
         scores = np.where(row_has_keys[None, :, None], scores, 0.0)
