@@ -7,6 +7,9 @@ forced whatever the shape, so that one GPU run can time them side by side
 the tests run every kernel path the planner may pick on small shapes too. They need no
 kernel source of their own: each is a template instance of the shipped kernels.
 
+* ``v7``: decode on the fixed (sequence x split) grid that the page-aware v9 replaced (splits
+  from the longest sequence and the batch size; two splits as a cluster pair), prefill on the
+  mma.sync kernels.
 * ``v5``: 3-stage decode rings, prefill on the split-KV kernel.
 * ``v6``: 2-stage decode rings (three CTAs per SM), prefill on the split-KV kernel.
 * ``v7m1`` / ``v7m2``: v7 with 64 / 128 prefill rows per CTA on 4 warps, forced.
@@ -24,6 +27,7 @@ from dataclasses import replace
 from kvpool.kernels import cuda_attention as ca
 
 EXTRA: dict[str, tuple[ca.Pipeline, ca.Pipeline]] = {
+    "v7": (ca.AUTO_DECODE, ca.DEDICATED),
     "v5": (ca.Pipeline(3, 16, True), ca.GENERIC_PREFILL),
     "v6": (ca.Pipeline(2, 16, True), ca.GENERIC_PREFILL),
     "v7m1": (ca.AUTO_DECODE, ca.Pipeline(2, 64, dedicated=True, mtiles=1)),

@@ -36,8 +36,9 @@ How it hooks in (no model code is copied or patched):
   Gemma 2 (alternating windows, logit soft cap) and Gemma 3 (``layer_types``)
   run without knowing their configs.  What transformers computes itself
   (final logit soft cap, RoPE per layer type) stays there.  Refused: layer
-  types other than full / sliding attention, bidirectional attention, sinks;
-  on a CUDA pool also windows, soft caps and fp8 (its kernel lacks them).
+  types other than full / sliding attention, bidirectional attention, sinks.  A
+  float32 model on an fp8 pool runs on the CPU only (the GPU kernels read fp8 with
+  a 16-bit query).
 * **Windows keep their blocks.**  A sequence holds all its blocks for its
   whole life, also those that have left every layer's window: nothing is
   freed early, so a sliding-window model takes as many pool blocks as a
@@ -145,12 +146,6 @@ def kvpool_attention(
         raise ValueError(f"kvpool.hf packs a batch into one row; got query batch {query.shape[0]}")
     layer = module.layer_idx
     k_cache, v_cache = b.kv[:, layer, 0], b.kv[:, layer, 1]
-    if k_cache.is_cuda and (sliding_window is not None or softcap is not None or k_cache.dtype in _KV_ONLY_DTYPES):
-        # the CUDA kernel accepts these arguments but does not apply them yet: refuse rather than compute wrong
-        raise NotImplementedError(
-            "kvpool.hf on a CUDA pool runs full attention without soft cap on a float16/bfloat16/float32 cache; "
-            "sliding windows, soft caps and fp8 caches run on the CPU kernels only"
-        )
     k_scale, v_scale = (1.0, 1.0) if b.kv_scales is None else b.kv_scales[layer]
     q = query[0].transpose(0, 1).contiguous()  # [T, Hq, D]
     k = key[0].transpose(0, 1).contiguous()

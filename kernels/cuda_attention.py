@@ -141,16 +141,15 @@ WGMMA = Pipeline(WG_STAGES, WG_KEYS, dedicated=True, warps=4 * WG_GROUPS, wgmma=
 GENERIC_PREFILL = Pipeline(3, 16)
 
 
-# Kernel variants, (decode pipeline, prefill pipeline), by name. "v7": decode stages per
-# shape (``decode_stages``), two splits as cluster pairs where the device has clusters,
-# prefill on the dedicated kernel where it applies (``plan_dedicated`` picks its rows per
-# CTA) and on the split-KV kernel elsewhere. "v8": as v7, but prefill on warpgroup MMA
-# with TMA loads where the device has them (Hopper) and the grid fills it; elsewhere v8 is
-# v7. "v9": decode page-aware (``decode_work``), prefill as v8. Only what the defaults run ships here; benchmarks/kernel_variants.py registers the
-# candidates and forced choices that bench_decode.py --variants and the tests time and
-# check side by side.
+# Kernel variants, (decode pipeline, prefill pipeline), by name. "v8": decode on a fixed
+# (sequence x split) grid, stages per shape (``decode_stages``), two splits as cluster pairs
+# where the device has clusters; prefill on warpgroup MMA with TMA loads where the device has
+# them (Hopper) and the grid fills it, else on the dedicated kernel where it applies
+# (``plan_dedicated`` picks its rows per CTA) and on the split-KV kernel elsewhere. "v9":
+# decode page-aware (``decode_work``), prefill as v8. Only what the defaults run ships here;
+# benchmarks/kernel_variants.py registers the candidates and forced choices that
+# bench_decode.py --variants and the tests time and check side by side.
 VARIANTS: dict[str, tuple[Pipeline, Pipeline]] = {
-    "v7": (AUTO_DECODE, DEDICATED),
     "v8": (AUTO_DECODE, replace(WGMMA, mtiles=0)),
     "v9": (PAGED_DECODE, replace(WGMMA, mtiles=0)),
 }
@@ -355,25 +354,47 @@ def decode_work(num_seqs: int, num_kv_heads: int, tiles: int, num_sms: int) -> i
     return max(1, num_sms * per_sm // num_kv_heads)
 
 
-def decode_items(seq_lens, *, target: int, capacity: int, window: int = 0, min_chunk: int = DECODE_ITEM_KEYS):
+def decode_items(
+    seq_lens,
+    *,
+    target: int,
+    capacity: int,
+    window: int = 0,
+    min_chunk: int = DECODE_ITEM_KEYS,
+    max_chunk: int = DECODE_MAX_CTA_KEYS,
+):
     """The work division ``locate_item`` makes on the device, computed here from host lengths
-    (tests and benchmarks): returns ``(chunk, items per sequence)``.
+    (tests and benchmarks): returns ``(c, keys per item of each sequence, items per sequence)``.
 
     A sequence's visible keys run from its window start (the last query's, rounded down to 8)
-    to ``min(seq_len, capacity)``; ``chunk`` is their sum over ``target`` items in whole
-    64-key units (over ``target - B`` items when the batch's B sequences are at most half the
-    target, so that all items fit the wave the target fills), at least ``min_chunk``; each
-    sequence gets ``max(1, ceil(visible / chunk))``.
+    to ``min(seq_len, capacity)``. With ``c`` keys per item it gets ``max(1, ceil(visible /
+    c))`` items and its keys are shared evenly between them (a multiple of 64 each). ``c`` is
+    the smallest multiple of 64, at least ``min_chunk``, whose items fit one wave of
+    ``target`` CTAs per KV head when the batch has fewer sequences than that; otherwise the
+    smallest of at least ``max_chunk`` keys whose items fit the grid of ``target + B``.
     """
     visible = []
     for n in seq_lens:
         n = max(0, int(n))
         start = max(0, n - window) & ~7 if window else 0
         visible.append(max(0, min(n, capacity) - start))
+
+    def items(u: int) -> list[int]:
+        return [max(1, -(-v // (64 * u))) for v in visible]
+
     units = sum((v + 63) // 64 for v in visible)
-    aim = target - len(visible) if 2 * len(visible) <= target else target
-    chunk = max(min_chunk, -(-units // aim) * 64)
-    return chunk, [max(1, -(-v // chunk)) for v in visible]
+    one_wave = len(visible) < target
+    limit = target if one_wave else target + len(visible)
+    lo = max(min_chunk // 64, -(-units // target) if one_wave else max_chunk // 64)
+    if sum(items(lo)) > limit:
+        hi = max(lo + 1, units)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if sum(items(mid)) > limit else (lo, mid)
+        lo = hi
+    counts = items(lo)
+    per_item = [(-(-v // n) + 63) & ~63 for v, n in zip(visible, counts)]
+    return 64 * lo, per_item, counts
 
 
 def plan_attention(
@@ -415,6 +436,8 @@ def plan_attention(
     if pipe.stages == 0:
         stages = decode_stages(a.num_seqs * geo.num_kv_heads, max_kv, num_sms)
         pipe = replace(pipe, stages=stages)
+    if kf and not prefill:  # float8 rows are half as wide: twice the keys keep as many bytes in flight
+        pipe = replace(pipe, keys=2 * pipe.keys)
     warps_kv = 1 if prefill else decode_warps_kv(dt, geo.head_dim, pipe, kf)
     smem = smem_bytes(dt, geo.head_dim, warps_kv, pipe, kf)
     tokens_per_cta = (16 * (WARPS // warps_kv)) // a.group
@@ -426,8 +449,8 @@ def plan_attention(
         return AttentionPlan(
             dt=dt, head_dim=geo.head_dim, warps_kv=warps_kv, pipe=pipe, tokens_per_cta=1,
             grid=((target + a.num_seqs) * geo.num_kv_heads, 1, 1), num_splits=target + a.num_seqs,
-            chunk=0, smem_bytes=smem, bs_log2=bs_log2, kf=kf, work_target=target,
-            min_chunk=DECODE_ITEM_KEYS,
+            chunk=DECODE_MAX_CTA_KEYS, smem_bytes=smem, bs_log2=bs_log2, kf=kf, work_target=target,
+            min_chunk=max(DECODE_ITEM_KEYS, pipe.keys * warps_kv),
         )  # fmt: skip
     if prefill:
         # sum over sequences of ceil(q_len / tq) <= T // tq + B

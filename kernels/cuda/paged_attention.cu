@@ -371,29 +371,53 @@ __device__ __forceinline__ int window_start(int pos, int window) {
 }
 
 // Page-aware decode: the work item that CTA x (of one KV head) runs, from the lengths
-// themselves (read on the device, so a CUDA graph replays with new lengths). Each sequence's
-// visible keys (from its window start to its length) are cut into items of `chunk` keys,
-// where chunk = (all visible keys) / target, rounded up to a multiple of 64 and at least
-// min_chunk: a long sequence gets many items, a short one exactly one, and no item is empty
-// (an empty sequence's single item writes zeros). At most target + num_seqs items per head.
+// themselves (read on the device, so a CUDA graph replays with new lengths). The rule,
+// mirrored on the host by cuda_attention.decode_items: a sequence's visible keys run from its
+// window start to its length; with c keys per item it gets ceil(visible / c) items (at least
+// one: an empty sequence's item writes zeros), and its keys are shared evenly between them (a
+// multiple of 64 each, the last takes the rest), so no item is empty or a sliver. c is the
+// smallest multiple of 64, at least min_chunk, whose items fit the wave of `target` CTAs per KV
+// head when the batch has fewer sequences than that, else the smallest of at least
+// `max_chunk` keys whose items fit the grid (target + num_seqs): a long sequence gets many
+// items, a short one one, and a multi-wave grid no item longer than max_chunk where it can.
 // Returns false past the last item. Every warp computes the same answer.
 __device__ __forceinline__ bool locate_item(const int* seq_lens, int num_seqs, int cap, int window, int target,
-                                            int min_chunk, int x, int& b, int& split, int& nsplit, int& chunk) {
+                                            int min_chunk, int max_chunk, int x, int& b, int& split, int& nsplit,
+                                            int& chunk) {
     const int lane = threadIdx.x & 31;
     auto visible = [&](int j) {
         const int len = max(0, seq_lens[j]);
         return max(0, min(len, cap) - window_start(len - 1, window));
     };
-    int units = 0;                                           // visible keys in 64-key units
-    for (int s0 = lane; s0 < num_seqs; s0 += 32) units += (visible(s0) + 63) >> 6;
+    auto warp_sum = [&](int v) {
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) units += __shfl_xor_sync(FULL_MASK, units, o);
-    // A batch of few sequences leaves room in one wave for their items beyond the target (short
-    // ones cost a CTA each): aim at target - num_seqs so that target items fill it, not target + B.
-    const int t = 2 * num_seqs <= target ? target - num_seqs : target;
-    chunk = max(min_chunk, (units + t - 1) / t * 64);
-    const int c = chunk;
-    return locate_scan(num_seqs, x, [&](int j) { return max(1, (visible(j) + c - 1) / c); }, b, split, nsplit);
+        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+        return v;
+    };
+    auto items = [&](int u) {                                // items with u 64-key units per item
+        int n = 0;
+        for (int j = lane; j < num_seqs; j += 32) n += max(1, (visible(j) + 64 * u - 1) / (64 * u));
+        return warp_sum(n);
+    };
+    int units = 0;                                           // visible keys in 64-key units
+    for (int j = lane; j < num_seqs; j += 32) units += (visible(j) + 63) >> 6;
+    units = warp_sum(units);
+    const bool one_wave = num_seqs < target;
+    const int limit = one_wave ? target : target + num_seqs;
+    int lo = max(min_chunk >> 6, one_wave ? (units + target - 1) / target : max_chunk >> 6);
+    if (items(lo) > limit) {                                 // the smallest u in (lo, hi] that fits
+        int hi = max(lo + 1, units);                         // one item per sequence: fits
+        while (hi - lo > 1) {
+            const int mid = (lo + hi) >> 1;
+            if (items(mid) > limit) lo = mid; else hi = mid;
+        }
+        lo = hi;
+    }
+    const int u = lo;
+    if (!locate_scan(num_seqs, x, [&](int j) { return max(1, (visible(j) + 64 * u - 1) / (64 * u)); }, b, split, nsplit))
+        return false;
+    chunk = ((visible(b) + nsplit - 1) / nsplit + 63) & ~63;  // this sequence's keys per item
+    return true;
 }
 
 // One online-softmax step for a lane's two rows (log2 domain): mx holds the rows' score
@@ -495,8 +519,9 @@ __device__ __forceinline__ int splits_run(int lim, int chunk, int num_splits) {
 // tuple to whichever it launches; the Hopper prefill kernel appends its two TMA maps), with
 // the macro's argument the cache's element type. window (0: none), softcap_log2 (0: none; the soft cap times
 // log2 e), v_scale (the V cache's dequantization scale) and work_target / min_chunk (> 0:
-// page-aware decode, see locate_item) only reach the generic kernel; the host never gives
-// the dedicated prefill kernels other values than 0, 0, 1, 0, 0.
+// page-aware decode, see locate_item, which then takes `chunk` as its max_chunk) only reach
+// the generic kernel; the host never gives the dedicated prefill kernels other values than
+// 0, 0, 1, 0, 0.
 #define ATTENTION_PARAMS_KV(...)                                                                           \
     const typename Store<DT>::T* __restrict__ q, i64 q_stride_t, i64 q_stride_h,                          \
     const __VA_ARGS__* __restrict__ k_cache, const __VA_ARGS__* __restrict__ v_cache,                     \
@@ -563,7 +588,7 @@ __device__ __forceinline__ void attention_cta(ATTENTION_PARAMS_KV(typename Kv<DT
     if (paged) {
         kvh = blockIdx.x % num_kv_heads;
         tile = 0;
-        if (!locate_item(seq_lens, num_seqs, max_blocks << bs_log2, window, work_target, min_chunk,
+        if (!locate_item(seq_lens, num_seqs, max_blocks << bs_log2, window, work_target, min_chunk, chunk,
                          blockIdx.x / num_kv_heads, b, split, nsplit, chunk_c)) return;
     } else {
         // The grid is (tiles, KV heads, splits) and launches x fastest; CTAs take their (tile,

@@ -14,6 +14,7 @@ from kvpool.kernels import cuda_attention
 from kvpool.kernels._validate import check_attention
 from tests.kernels.support import cuda_emulator
 from tests.kernels.support import reference as ref
+from tests.kernels.support import variants  # noqa: F401 - registers v7, the fixed-grid decode
 from tests.kernels.support.testing import assert_matches_reference, make_case, poisoned
 
 pytestmark = pytest.mark.skipif(not cuda_emulator.available(), reason="needs g++ for the CUDA emulator")
@@ -23,7 +24,9 @@ FP8 = torch.float8_e4m3fn
 
 @pytest.fixture(scope="module")
 def launcher():
-    return cuda_emulator.EmulatorLauncher(num_sms=2, cp_async="late")
+    # 32 SMs: room for more CTAs than a test batch has sequences, so the page-aware division
+    # splits the long ones (with 2, every batch here would be a multi-wave grid).
+    return cuda_emulator.EmulatorLauncher(num_sms=32, cp_async="late")
 
 
 def _attend(launcher, case, q, cu=None, *, variant=None, num_splits=None, **options):
@@ -64,12 +67,18 @@ def test_page_aware_decode_matches_the_reference_on_mixed_lengths(launcher, lens
 
 
 def test_page_aware_division_gives_the_long_sequence_many_items_and_short_ones_one():
-    # 2 SMs, 2 KV heads: the planner's target items per head; the kernel divides the same way.
-    lens = [900, 1, 2, 5, 17, 3, 0, 8]
-    target = cuda_attention.decode_work(len(lens), 2, 900 // 16 + 1, 2)
-    chunk, items = cuda_attention.decode_items(lens, target=target, capacity=1024)
-    assert items[0] > 1 and items[1:] == [1] * 7
-    assert chunk % 64 == 0 and chunk * (items[0] - 1) < 900 <= chunk * items[0]
+    # An H200 (132 SMs), 8 KV heads: the planner's target items per head; the kernel divides alike.
+    lens = [100_000, 1, 2, 5, 17, 3, 0, 8]
+    target = cuda_attention.decode_work(len(lens), 8, 100_000 // 16 + 1, 132)
+    c, per_item, items = cuda_attention.decode_items(lens, target=target, capacity=1 << 17)
+    assert items[0] > 8 and items[1:] == [1] * 7 and sum(items) <= target
+    assert per_item[0] * (items[0] - 1) < 100_000 <= per_item[0] * items[0]
+
+
+def test_page_aware_division_of_a_uniform_batch_is_even():
+    # 16 sequences of 4096 keys, 33 CTAs per head: two items of 2048 each, none a sliver.
+    c, per_item, items = cuda_attention.decode_items([4096] * 16, target=33, capacity=4096)
+    assert items == [2] * 16 and per_item == [2048] * 16
 
 
 @settings(max_examples=60, deadline=None)
@@ -79,13 +88,15 @@ def test_page_aware_division_gives_the_long_sequence_many_items_and_short_ones_o
     window=st.sampled_from([0, 1, 7, 100, 4096]),
 )
 def test_work_division_items_are_nonempty_bounded_and_fit_the_grid(lens, target, window):
-    chunk, items = cuda_attention.decode_items(lens, target=target, capacity=1 << 20, window=window)
-    assert sum(items) <= target + len(lens)  # the grid the planner launches
-    assert chunk % 64 == 0 and chunk >= cuda_attention.DECODE_ITEM_KEYS
-    for n, k in zip(lens, items):
+    c, per_item, items = cuda_attention.decode_items(lens, target=target, capacity=1 << 20, window=window)
+    limit = target if len(lens) < target else target + len(lens)
+    assert sum(items) <= limit  # one wave where the batch allows it; always the planner's grid
+    assert c % 64 == 0 and c >= cuda_attention.DECODE_ITEM_KEYS
+    for n, k, keys in zip(lens, items, per_item):
         start = max(0, n - window) & ~7 if window else 0
         visible = n - start
-        assert k == 1 or (k - 1) * chunk < visible <= k * chunk  # no empty item, none past the end
+        assert keys % 64 == 0 and keys <= c
+        assert k == 1 or (k - 1) * keys < visible <= k * keys  # no empty item, none past the end
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
