@@ -368,10 +368,13 @@ def decode_items(
 
     A sequence's visible keys run from its window start (the last query's, rounded down to 8)
     to ``min(seq_len, capacity)``. With ``c`` keys per item it gets ``max(1, ceil(visible /
-    c))`` items and its keys are shared evenly between them (a multiple of 64 each). ``c`` is
-    the smallest multiple of 64, at least ``min_chunk``, whose items fit one wave of
-    ``target`` CTAs per KV head when the batch has fewer sequences than that; otherwise the
-    smallest of at least ``max_chunk`` keys whose items fit the grid of ``target + B``.
+    c))`` items and its keys are shared evenly between them (a multiple of 64 each). With
+    fewer sequences B than ``target`` (the CTAs per KV head that fill the GPU once), ``c`` is
+    the smallest multiple of 64, at least ``min_chunk``, whose items number at most
+    ``max(target, 2 B)``: a uniform batch fills one wave exactly, and a long sequence among
+    short ones gets about as many items as there are short ones (theirs are cheap). Otherwise
+    ``c`` = all visible keys / ``target`` (at least ``min_chunk``), lowered to ``max_chunk``
+    where the grid of ``target + B`` items still holds them.
     """
     visible = []
     for n in seq_lens:
@@ -383,15 +386,21 @@ def decode_items(
         return [max(1, -(-v // (64 * u))) for v in visible]
 
     units = sum((v + 63) // 64 for v in visible)
-    one_wave = len(visible) < target
-    limit = target if one_wave else target + len(visible)
-    lo = max(min_chunk // 64, -(-units // target) if one_wave else max_chunk // 64)
-    if sum(items(lo)) > limit:
-        hi = max(lo + 1, units)
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if sum(items(mid)) > limit else (lo, mid)
-        lo = hi
+    min_u = max(1, min_chunk // 64)
+    max_u = max(min_u, max_chunk // 64)
+    if len(visible) < target:
+        limit = max(target, 2 * len(visible))
+        lo = max(min_u, -(-units // limit))
+        if sum(items(lo)) > limit:
+            hi = max(lo + 1, units)
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if sum(items(mid)) > limit else (lo, mid)
+            lo = hi
+    else:
+        lo = max(min_u, -(-units // target))
+        if lo > max_u and sum(items(max_u)) <= target + len(visible):
+            lo = max_u
     counts = items(lo)
     per_item = [(-(-v // n) + 63) & ~63 for v, n in zip(visible, counts)]
     return 64 * lo, per_item, counts

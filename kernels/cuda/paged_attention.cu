@@ -375,11 +375,13 @@ __device__ __forceinline__ int window_start(int pos, int window) {
 // mirrored on the host by cuda_attention.decode_items: a sequence's visible keys run from its
 // window start to its length; with c keys per item it gets ceil(visible / c) items (at least
 // one: an empty sequence's item writes zeros), and its keys are shared evenly between them (a
-// multiple of 64 each, the last takes the rest), so no item is empty or a sliver. c is the
-// smallest multiple of 64, at least min_chunk, whose items fit the wave of `target` CTAs per KV
-// head when the batch has fewer sequences than that, else the smallest of at least
-// `max_chunk` keys whose items fit the grid (target + num_seqs): a long sequence gets many
-// items, a short one one, and a multi-wave grid no item longer than max_chunk where it can.
+// multiple of 64 each, the last takes the rest), so no item is empty or a sliver.
+//   * A batch of fewer sequences than `target` (the CTAs per KV head that fill the GPU once):
+//     c is the smallest multiple of 64 (at least min_chunk) whose items number at most
+//     max(target, 2 num_seqs): uniform batches fill one wave exactly, and a long sequence among
+//     short ones still gets about as many items as there are short ones, whose items are cheap.
+//   * Otherwise every sequence has a CTA already: c = (all visible keys) / target, at least
+//     min_chunk, and no more than max_chunk where the grid (target + num_seqs items) allows.
 // Returns false past the last item. Every warp computes the same answer.
 __device__ __forceinline__ bool locate_item(const int* seq_lens, int num_seqs, int cap, int window, int target,
                                             int min_chunk, int max_chunk, int x, int& b, int& split, int& nsplit,
@@ -402,16 +404,22 @@ __device__ __forceinline__ bool locate_item(const int* seq_lens, int num_seqs, i
     int units = 0;                                           // visible keys in 64-key units
     for (int j = lane; j < num_seqs; j += 32) units += (visible(j) + 63) >> 6;
     units = warp_sum(units);
-    const bool one_wave = num_seqs < target;
-    const int limit = one_wave ? target : target + num_seqs;
-    int lo = max(min_chunk >> 6, one_wave ? (units + target - 1) / target : max_chunk >> 6);
-    if (items(lo) > limit) {                                 // the smallest u in (lo, hi] that fits
-        int hi = max(lo + 1, units);                         // one item per sequence: fits
-        while (hi - lo > 1) {
-            const int mid = (lo + hi) >> 1;
-            if (items(mid) > limit) lo = mid; else hi = mid;
+    const int min_u = max(1, min_chunk >> 6), max_u = max(min_u, max_chunk >> 6);
+    int lo;
+    if (num_seqs < target) {
+        const int limit = max(target, 2 * num_seqs);
+        lo = max(min_u, (units + limit - 1) / limit);
+        if (items(lo) > limit) {                             // the smallest u in (lo, hi] that fits
+            int hi = max(lo + 1, units);                     // one item per sequence: fits
+            while (hi - lo > 1) {
+                const int mid = (lo + hi) >> 1;
+                if (items(mid) > limit) lo = mid; else hi = mid;
+            }
+            lo = hi;
         }
-        lo = hi;
+    } else {
+        lo = max(min_u, (units + target - 1) / target);
+        if (lo > max_u && items(max_u) <= target + num_seqs) lo = max_u;
     }
     const int u = lo;
     if (!locate_scan(num_seqs, x, [&](int j) { return max(1, (visible(j) + 64 * u - 1) / (64 * u)); }, b, split, nsplit))
