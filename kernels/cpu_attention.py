@@ -363,23 +363,23 @@ def _scores_keys_in_lanes(kb, qs, s, rows, d, lo_row, lim_row):
 def _softmax_keys_in_lanes(s, rows, nk, lo_row, lim_row, m, den, corr):
     """One online-softmax step on ``s [rows, nk]`` (keys in lanes); row r sees keys lo_row[r] <= c < lim_row[r]."""
     for r in range(rows):
-        ru = np.uint64(r)
         lo, n = lo_row[r], lim_row[r]
+        row = s[r]
+        seen = row[lo:n]  # (a slice: its indices start at 0, which LLVM sees are >= 0)
         mx = m[r]
-        for c in range(lo, n):
-            mx = max(mx, s[ru, np.uint64(c)])
+        for c in range(n - lo):
+            mx = max(mx, seen[c])
         corr[r] = _exp(m[r] - mx)
         m[r] = mx
         tot = _ZERO
-        for c in range(lo, n):
-            cu = np.uint64(c)
-            p = _exp(s[ru, cu] - mx)
-            s[ru, cu] = p
+        for c in range(n - lo):
+            p = _exp(seen[c] - mx)
+            seen[c] = p
             tot += p
         for c in range(lo):
-            s[ru, c] = _ZERO
+            row[c] = _ZERO
         for c in range(n, nk):
-            s[ru, np.uint64(c)] = _ZERO
+            row[np.uint64(c)] = _ZERO
         den[r] = den[r] * corr[r] + tot
 
 
