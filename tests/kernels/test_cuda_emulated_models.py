@@ -57,8 +57,9 @@ def _decode_case(lens, *, d=64, dtype=torch.bfloat16, group=4, bs=16, seed=0):
         [900, 1, 2, 5, 17, 3, 0, 8],  # one long among many short (and an empty one)
         [3, 9, 40, 130, 260, 520, 1040],  # spread over two orders of magnitude
         [1200],  # one long sequence alone
+        [600] + [1 + (37 * i) % 90 for i in range(70)],  # more sequences than a warp has lanes
     ],
-    ids=["skewed", "spread", "single"],
+    ids=["skewed", "spread", "single", "many"],
 )
 def test_page_aware_decode_matches_the_reference_on_mixed_lengths(launcher, lens):
     case, q = _decode_case(lens)
