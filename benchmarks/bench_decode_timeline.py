@@ -48,17 +48,17 @@ _STAMP_NOW = (
     "__device__ __forceinline__ unsigned long long stamp_now() {\n"
     "    unsigned long long t;\n    asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(t));\n    return t;\n}\n"
 )
-_KERNEL = "template <int DT, int D, int WKV, int NS, int KT, bool PAIR>\n__device__ __forceinline__ void attention_cta("
-_CTA_START = "    const int kvh = xy % gridDim.y, split = blockIdx.z;\n"
+_KERNEL = "template <int DT, int DA, int KF, int WKV, int NS, int KT, bool PAIR>\n__device__ __forceinline__ void attention_cta("
+_CTA_START = "    const bool paged = work_target > 0;        // page-aware decode: grid (items x KV heads)\n"
 _FIRST_TILE = "        const int base = first + step * k;\n        if (base >= w_hi) continue;"
 _LOOP_END = "    __syncthreads();                                         // the rings are free: reuse them\n"
-_EPILOGUE_END = "        if (num_splits == 1 || counters == nullptr) return;  // merge_splits_kernel follows\n"
-_MERGE_END = "num_splits, lane);\n        }\n    }\n}\n"
+_EPILOGUE_END = "        if (nsplit == 1 || counters == nullptr) return;      // merge_splits_kernel follows\n"
+_MERGE_END = "ns, lane);\n        }\n    }\n}\n"
 # the pair kernel (two splits as a cluster): split 1 has pushed its rows; split 0 is about to
 # wait for them; split 0 has written the merged rows
 _PAIR_SENT = "            cluster_arrive();                                // release: the rows above are visible\n"
 _PAIR_WAIT = "        cluster_arrive();\n        cluster_wait();"
-_PAIR_END = "            out[out_row(r) * D + d] = from_f32<DT>(o);\n        }\n    } else {\n"
+_PAIR_END = "            out[out_row(r) * DA + d] = from_f32<DT>(o);\n        }\n    } else {\n"
 # (a piece of the kernel source, what replaces it)
 _EDITS = [
     (_KERNEL, _STAMP_NOW + _KERNEL),
@@ -70,7 +70,7 @@ _EDITS = [
     (_FIRST_TILE, _FIRST_TILE.replace("\n", "\n        if (k == 0 && threadIdx.x == 0) STAMP[1] = stamp_now();\n", 1)),
     (_LOOP_END, _LOOP_END + "    if (threadIdx.x == 0) STAMP[2] = stamp_now();\n"),
     (_EPILOGUE_END, "        __syncthreads();\n        if (threadIdx.x == 0) STAMP[3] = stamp_now();\n" + _EPILOGUE_END),
-    (_MERGE_END, "num_splits, lane);\n        }\n        __syncthreads();\n        if (threadIdx.x == 0) STAMP[4] = stamp_now();\n    }\n}\n"),
+    (_MERGE_END, "ns, lane);\n        }\n        __syncthreads();\n        if (threadIdx.x == 0) STAMP[4] = stamp_now();\n    }\n}\n"),
     (_PAIR_SENT, "            __syncthreads();\n            if (threadIdx.x == 0) STAMP[3] = stamp_now();\n" + _PAIR_SENT),
     (_PAIR_WAIT, "        __syncthreads();\n        if (threadIdx.x == 0) STAMP[3] = stamp_now();\n" + _PAIR_WAIT),
     (_PAIR_END, _PAIR_END.replace("    } else {\n",

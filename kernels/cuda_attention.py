@@ -336,13 +336,22 @@ def choose_splits(ctas: int, tiles: int, warps_kv: int, slots: int) -> int:
     return best
 
 
-def decode_work(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
-    """Page-aware decode: the work items per KV head one call is planned for,
-    ``DECODE_SPLIT_CTAS_PER_SM`` CTAs per SM over all KV heads; the grid holds ``target +
-    num_seqs`` items per head. The division itself (``decode_items``, ``locate_item`` in the
-    kernel) is made from the lengths on the device, and halves the target where items would
-    be short."""
-    return max(1, num_sms * DECODE_SPLIT_CTAS_PER_SM // num_kv_heads)
+def decode_work(num_seqs: int, num_kv_heads: int, tiles: int, num_sms: int) -> int:
+    """Page-aware decode: how many work items per KV head one call is planned for.
+
+    The rule (the kernel's ``locate_item`` applies it to the lengths on the device): all
+    visible keys of the batch (each sequence's, from its window start) are cut into items of
+    ``chunk = total / target`` keys (a multiple of 64, at least ``DECODE_ITEM_KEYS``); a
+    sequence gets ``ceil(its keys / chunk)`` items, so one long sequence among short ones
+    gets many CTAs and every short one exactly one, and no CTA is empty. ``target`` fills
+    ``DECODE_SPLIT_CTAS_PER_SM`` CTAs per SM over all KV heads, or one per SM where that
+    already gives a uniform batch of this size 8 or more splits (small batches: fewer partials
+    to merge; ``tiles`` is the longest sequence's 16-key tiles, the shape bound). At most
+    ``target + num_seqs`` items per head run; the merge is fused (last item of a row merges).
+    """
+    ctas = num_seqs * num_kv_heads
+    per_sm = 1 if choose_splits(ctas, tiles, WARPS, num_sms) >= 8 else DECODE_SPLIT_CTAS_PER_SM
+    return max(1, num_sms * per_sm // num_kv_heads)
 
 
 def decode_items(
@@ -359,15 +368,13 @@ def decode_items(
 
     A sequence's visible keys run from its window start (the last query's, rounded down to 8)
     to ``min(seq_len, capacity)``. With ``c`` keys per item it gets ``max(1, ceil(visible /
-    c))`` items and its keys are shared evenly between them (a multiple of 64 each). The
-    target (CTAs per KV head at two per SM) is halved where the batch has fewer than 512
-    keys per target item (one CTA per SM then merges fewer partials). With fewer sequences B
-    than the target, ``c`` is the smallest multiple of 64, at least ``min_chunk``, whose items
-    number at most ``max(target, 2 B)`` if every length is within 2x of the others (a uniform
-    batch fills one wave exactly), else ``target + B`` (a long sequence among short ones takes
-    the wave; the short ones' items are cheap). Otherwise ``c`` = all visible keys /
-    ``target`` (at least ``min_chunk``), lowered to ``max_chunk`` where the grid of the
-    planner's ``target + B`` items still holds them.
+    c))`` items and its keys are shared evenly between them (a multiple of 64 each). With
+    fewer sequences B than ``target`` (the CTAs per KV head that fill the GPU once), ``c`` is
+    the smallest multiple of 64, at least ``min_chunk``, whose items number at most
+    ``max(target, 2 B)``: a uniform batch fills one wave exactly, and a long sequence among
+    short ones gets about as many items as there are short ones (theirs are cheap). Otherwise
+    ``c`` = all visible keys / ``target`` (at least ``min_chunk``), lowered to ``max_chunk``
+    where the grid of ``target + B`` items still holds them.
     """
     visible = []
     for n in seq_lens:
@@ -379,14 +386,10 @@ def decode_items(
         return [max(1, -(-v // (64 * u))) for v in visible]
 
     units = sum((v + 63) // 64 for v in visible)
-    grid = target + len(visible)
-    if units < 8 * target:
-        target = max(1, target // 2)
     min_u = max(1, min_chunk // 64)
     max_u = max(min_u, max_chunk // 64)
     if len(visible) < target:
-        uniform = max(visible) <= 2 * min(visible)
-        limit = max(target, 2 * len(visible)) if uniform else target + len(visible)
+        limit = max(target, 2 * len(visible))
         lo = max(min_u, -(-units // limit))
         if sum(items(lo)) > limit:
             hi = max(lo + 1, units)
@@ -396,7 +399,7 @@ def decode_items(
             lo = hi
     else:
         lo = max(min_u, -(-units // target))
-        if lo > max_u and sum(items(max_u)) <= grid:
+        if lo > max_u and sum(items(max_u)) <= target + len(visible):
             lo = max_u
     counts = items(lo)
     per_item = [(-(-v // n) + 63) & ~63 for v, n in zip(visible, counts)]
@@ -429,6 +432,10 @@ def plan_attention(
     window = a.window
     plain = not kf and window == 0 and a.soft_cap == 0.0
     pipe = pipeline_for(variant, prefill, dt, geo.head_dim, plain, kf)
+    if pipe.paged and a.num_seqs == 1 and num_splits is None:
+        # One sequence has no mix to balance: the fixed grid divides it alike without the
+        # device-side division's scan and its spare CTAs, and runs two splits as a cluster pair.
+        pipe = AUTO_DECODE
     capacity = max_blocks * geo.block_size
     max_kv = capacity if max_seq_len is None else max(1, min(int(max_seq_len), capacity))
     bs_log2 = geo.block_size.bit_length() - 1
@@ -451,7 +458,7 @@ def plan_attention(
         max_kv = min(max_kv, window + tokens_per_cta + 7)
     tiles = max(1, math.ceil(max_kv / pipe.keys))  # stages, the unit of a split
     if pipe.paged and not prefill and num_splits is None:
-        target = decode_work(a.num_seqs, geo.num_kv_heads, num_sms)
+        target = decode_work(a.num_seqs, geo.num_kv_heads, tiles, num_sms)
         return AttentionPlan(
             dt=dt, head_dim=geo.head_dim, warps_kv=warps_kv, pipe=pipe, tokens_per_cta=1,
             grid=((target + a.num_seqs) * geo.num_kv_heads, 1, 1), num_splits=target + a.num_seqs,

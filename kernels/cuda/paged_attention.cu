@@ -376,12 +376,10 @@ __device__ __forceinline__ int window_start(int pos, int window) {
 // window start to its length; with c keys per item it gets ceil(visible / c) items (at least
 // one: an empty sequence's item writes zeros), and its keys are shared evenly between them (a
 // multiple of 64 each, the last takes the rest), so no item is empty or a sliver.
-//   * `target` is the CTAs per KV head at two per SM, halved (one per SM) when the batch's keys
-//     would make items shorter than 512 keys.
-//   * A batch of fewer sequences than that: c is the smallest multiple of 64 (at least
-//     min_chunk) whose items number at most max(target, 2 num_seqs) when all lengths are within
-//     2x of each other (a uniform batch fills one wave exactly), else target + num_seqs (a long
-//     sequence among short ones gets the wave; the short ones' items are cheap).
+//   * A batch of fewer sequences than `target` (the CTAs per KV head that fill the GPU once):
+//     c is the smallest multiple of 64 (at least min_chunk) whose items number at most
+//     max(target, 2 num_seqs): uniform batches fill one wave exactly, and a long sequence among
+//     short ones still gets about as many items as there are short ones, whose items are cheap.
 //   * Otherwise every sequence has a CTA already: c = (all visible keys) / target, at least
 //     min_chunk, and no more than max_chunk where the grid (target + num_seqs items) allows.
 // Returns false past the last item. Every warp computes the same answer.
@@ -389,10 +387,6 @@ __device__ __forceinline__ bool locate_item(const int* seq_lens, int num_seqs, i
                                             int min_chunk, int max_chunk, int x, int& b, int& split, int& nsplit,
                                             int& chunk) {
     const int lane = threadIdx.x & 31;
-    // Lane l owns the R consecutive sequences from l * R: each pass is R loads (L1 hits after
-    // the first) and one warp reduction, and the lookup of x one warp scan, not one per 32
-    // sequences (at B256 that was about 5% of a call).
-    const int R = (num_seqs + 31) >> 5, j0 = lane * R, j1 = min(num_seqs, j0 + R);
     auto visible = [&](int j) {
         const int len = max(0, seq_lens[j]);
         return max(0, min(len, cap) - window_start(len - 1, window));
@@ -402,34 +396,18 @@ __device__ __forceinline__ bool locate_item(const int* seq_lens, int num_seqs, i
         for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
         return v;
     };
-    auto count = [&](int v, int u) { return max(1, (v + 64 * u - 1) / (64 * u)); };  // items of v keys
     auto items = [&](int u) {                                // items with u 64-key units per item
         int n = 0;
-        for (int j = j0; j < j1; ++j) n += count(visible(j), u);
+        for (int j = lane; j < num_seqs; j += 32) n += max(1, (visible(j) + 64 * u - 1) / (64 * u));
         return warp_sum(n);
     };
-    int units = 0, shortest = 0x7fffffff, longest = 0;       // visible keys (in 64-key units)
-    for (int j = j0; j < j1; ++j) {
-        const int v = visible(j);
-        units += (v + 63) >> 6;
-        shortest = min(shortest, v), longest = max(longest, v);
-    }
+    int units = 0;                                           // visible keys in 64-key units
+    for (int j = lane; j < num_seqs; j += 32) units += (visible(j) + 63) >> 6;
     units = warp_sum(units);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        shortest = min(shortest, __shfl_xor_sync(FULL_MASK, shortest, o));
-        longest = max(longest, __shfl_xor_sync(FULL_MASK, longest, o));
-    }
-    // Items shorter than 512 keys on two CTAs per SM cost more in partials to merge than the
-    // second CTA gains: then plan one per SM (half the target).
-    const int grid = target + num_seqs;                      // items the planner's grid holds
-    if (units < 8 * target) target = max(1, target / 2);
     const int min_u = max(1, min_chunk >> 6), max_u = max(min_u, max_chunk >> 6);
     int lo;
     if (num_seqs < target) {
-        // Lengths within 2x of each other: items of one wave (a uniform batch's split evenly);
-        // a mix: up to the grid, so that the long sequences' items come out short.
-        const int limit = longest <= 2 * shortest ? max(target, 2 * num_seqs) : target + num_seqs;
+        const int limit = max(target, 2 * num_seqs);
         lo = max(min_u, (units + limit - 1) / limit);
         if (items(lo) > limit) {                             // the smallest u in (lo, hi] that fits
             int hi = max(lo + 1, units);                     // one item per sequence: fits
@@ -441,31 +419,13 @@ __device__ __forceinline__ bool locate_item(const int* seq_lens, int num_seqs, i
         }
     } else {
         lo = max(min_u, (units + target - 1) / target);
-        if (lo > max_u && items(max_u) <= grid) lo = max_u;
+        if (lo > max_u && items(max_u) <= target + num_seqs) lo = max_u;
     }
     const int u = lo;
-    // Which lane's sequences hold item x: a scan of the lanes' item counts.
-    int mine = 0;
-    for (int j = j0; j < j1; ++j) mine += count(visible(j), u);
-    int inc = mine;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const int y = __shfl_up_sync(FULL_MASK, inc, o);
-        if (lane >= o) inc += y;
-    }
-    const unsigned hit = __ballot_sync(FULL_MASK, inc > x);
-    if (!hit) return false;                                  // past the last item
-    const int l = __ffs(hit) - 1;
-    int before = __shfl_sync(FULL_MASK, inc - mine, l);
-    for (int j = l * R;; ++j) {                              // every lane walks lane l's sequences
-        const int v = visible(j), n = count(v, u);
-        if (before + n > x) {
-            b = j, split = x - before, nsplit = n;
-            chunk = ((v + n - 1) / n + 63) & ~63;            // this sequence's keys per item
-            return true;
-        }
-        before += n;
-    }
+    if (!locate_scan(num_seqs, x, [&](int j) { return max(1, (visible(j) + 64 * u - 1) / (64 * u)); }, b, split, nsplit))
+        return false;
+    chunk = ((visible(b) + nsplit - 1) / nsplit + 63) & ~63;  // this sequence's keys per item
+    return true;
 }
 
 // One online-softmax step for a lane's two rows (log2 domain): mx holds the rows' score

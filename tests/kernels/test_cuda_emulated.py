@@ -40,7 +40,15 @@ CONFIGS = [
 ]
 
 
-DECODE_VARIANTS, PREFILL_VARIANTS = variants.DECODE, variants.PREFILL  # shipped and benchmark-only
+DECODE_VARIANTS, PREFILL_VARIANTS = variants.EMULATED_DECODE, variants.EMULATED_PREFILL
+
+
+def _early_only_for_shipped(launcher, variant, shipped):
+    """The benchmark-only variants share the shipped kernels' ring code, which the late order
+    checks for each of them; the early order (a stage overwritten too soon) runs on the
+    pipelines the defaults run."""
+    if launcher.cp_async == "early" and variant not in shipped:
+        pytest.skip(f"{variant} is benchmark-only: checked with cp.async landing late")
 
 
 def _run(launcher, case, q, cu, num_splits, max_seq_len=None, variant=None):
@@ -56,6 +64,7 @@ def _run(launcher, case, q, cu, num_splits, max_seq_len=None, variant=None):
 @pytest.mark.parametrize("variant", DECODE_VARIANTS)
 @pytest.mark.parametrize("dtype, d, bs, group, splits", CONFIGS)
 def test_emulated_decode(launcher, dtype, d, bs, group, splits, variant):
+    _early_only_for_shipped(launcher, variant, variants.SHIPPED_DECODE)
     rng = random.Random(d + bs + group)
     lens = [0, 1, bs, 2 * bs + 1, rng.randint(1, 70), 300]  # 300: many pipelined tiles per warp
     case = make_case(lens, num_kv_heads=2, block_size=bs, head_dim=d, dtype=dtype, seed=group)
@@ -68,6 +77,7 @@ def test_emulated_decode(launcher, dtype, d, bs, group, splits, variant):
 @pytest.mark.parametrize("variant", PREFILL_VARIANTS)
 @pytest.mark.parametrize("dtype, d, bs, group, splits", CONFIGS)
 def test_emulated_prefill(launcher, dtype, d, bs, group, splits, variant):
+    _early_only_for_shipped(launcher, variant, variants.SHIPPED_PREFILL)
     # full (150: several 64-key stages, the causal diagonal inside one), empty, chunked, decode-like
     lens, q_lens = [150, 0, 2 * bs, 5], [150, 0, 3, 1]
     case = make_case(lens, num_kv_heads=2, block_size=bs, head_dim=d, dtype=dtype, seed=7)

@@ -70,7 +70,7 @@ def test_page_aware_decode_matches_the_reference_on_mixed_lengths(launcher, lens
 def test_page_aware_division_gives_the_long_sequence_many_items_and_short_ones_one():
     # An H200 (132 SMs), 8 KV heads: the planner's target items per head; the kernel divides alike.
     lens = [100_000, 1, 2, 5, 17, 3, 0, 8]
-    target = cuda_attention.decode_work(len(lens), 8, 132)
+    target = cuda_attention.decode_work(len(lens), 8, 100_000 // 16 + 1, 132)
     c, per_item, items = cuda_attention.decode_items(lens, target=target, capacity=1 << 17)
     assert items[0] > 8 and items[1:] == [1] * 7 and sum(items) <= target + len(lens)
     assert per_item[0] * (items[0] - 1) < 100_000 <= per_item[0] * items[0]

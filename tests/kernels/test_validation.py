@@ -113,10 +113,10 @@ def test_gpu_limits_are_checked_before_launch(case):
     """The GPU-only limits raise clearly (checked on CPU tensors: no GPU needed)."""
     from kvpool.kernels.cuda_attention import check_gpu_limits
 
-    c = make_case([5], num_kv_heads=1, block_size=8, head_dim=80)
-    q = torch.randn(1, 1, 80)
+    c = make_case([5], num_kv_heads=1, block_size=8, head_dim=72)
+    q = torch.randn(1, 1, 72)
     a = check_attention(q, c.k_cache, c.v_cache, c.block_tables, c.seq_lens, None, None, None)
-    with pytest.raises(ValueError, match="head_dim 64, 128, 256; got 80"):
+    with pytest.raises(ValueError, match="head_dim 64, 80, 96, 112, 128, 192, 256; got 72"):
         check_gpu_limits(a, q)
     c = make_case([5], num_kv_heads=1, block_size=4, head_dim=64)
     q = torch.randn(1, 1, 64)

@@ -454,6 +454,7 @@ class EmulatorLauncher:
     def __init__(self, num_sms: int = 4, cp_async: str = "late") -> None:
         if cp_async not in ("early", "late"):
             raise ValueError("cp_async must be 'early' or 'late'")
+        self.cp_async = cp_async
         self._late = int(cp_async == "late")
         self._sms = num_sms
         self._libs: dict = {}

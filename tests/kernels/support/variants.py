@@ -11,3 +11,16 @@ ALL = kernel_variants.register()
 # variants that differ in their decode / prefill pipeline (v7m1 / v7m2 / v7w8 decode exactly like v7)
 DECODE = sorted({cuda_attention.VARIANTS[v][0]: v for v in reversed(ALL)}.values())
 PREFILL = sorted({cuda_attention.VARIANTS[v][1]: v for v in reversed(ALL)}.values())
+# The variants whose pipelines the defaults run (what the planner picks without a variant):
+# the emulated tests run these under both cp.async orders, the rest under one (CI time).
+SHIPPED_DECODE = sorted({v for v in DECODE if cuda_attention.VARIANTS[v][0] in
+                         {cuda_attention.VARIANTS[s][0] for s in (cuda_attention.DEFAULT_DECODE, cuda_attention.DEFAULT_PREFILL)}})
+SHIPPED_PREFILL = sorted({v for v in PREFILL if cuda_attention.VARIANTS[v][1] in
+                          {cuda_attention.VARIANTS[s][1] for s in (cuda_attention.DEFAULT_DECODE, cuda_attention.DEFAULT_PREFILL)}
+                          | {cuda_attention.DEDICATED}})
+# What the emulated tests run. Benchmark-only variants that the emulator cannot tell from a
+# shipped path are left to the GPU tests: v5's decode is v7's with three stages (what the
+# planner picks on the emulator's small shapes), v7a's decode merges by counter as v9 does,
+# and v8f's prefill, with no warpgroup MMA on the emulator, falls back to v8's.
+EMULATED_DECODE = [v for v in DECODE if v not in ("v5", "v7a")]
+EMULATED_PREFILL = [v for v in PREFILL if v != "v8f"]
