@@ -19,10 +19,11 @@ writes a normalized partial output plus its log2-sum-exp, which the merge
 (kernel or fused tail) combines. That is what keeps a single 128k-token sequence from
 running on 8 SMs.
 
-Decode is page-aware by default (``decode_work``): the grid is a bound on work items, not
-(sequences x splits), and each CTA finds its item from the lengths on the device, so a
-batch that mixes one long sequence with many short ones gives the long one many CTAs and
-each short one exactly one, in one launch that a CUDA graph replays with new lengths.
+Decode of two or more sequences is page-aware by default (``decode_items``): the grid is a
+bound on work items, not (sequences x splits), and each CTA finds its item from the lengths
+on the device, so a batch that mixes one long sequence with many short ones gives the long
+one many CTAs and each short one exactly one, in one launch that a CUDA graph replays with
+new lengths. One sequence has nothing to balance and runs the fixed grid.
 
 Models: head_dim 64, 80, 96, 112, 128, 192, 256 (the generic kernel computes on the next of
 64/128/256 with zero pad dims, reading only the real ones); float16/bfloat16/float32
@@ -337,17 +338,14 @@ def choose_splits(ctas: int, tiles: int, warps_kv: int, slots: int) -> int:
 
 
 def decode_work(num_seqs: int, num_kv_heads: int, tiles: int, num_sms: int) -> int:
-    """Page-aware decode: how many work items per KV head one call is planned for.
+    """Page-aware decode: the wave, in CTAs per KV head, that one call's work division aims at
+    (``decode_items`` states the division; the kernel's ``locate_item`` makes it from the
+    lengths on the device).
 
-    The rule (the kernel's ``locate_item`` applies it to the lengths on the device): all
-    visible keys of the batch (each sequence's, from its window start) are cut into items of
-    ``chunk = total / target`` keys (a multiple of 64, at least ``DECODE_ITEM_KEYS``); a
-    sequence gets ``ceil(its keys / chunk)`` items, so one long sequence among short ones
-    gets many CTAs and every short one exactly one, and no CTA is empty. ``target`` fills
     ``DECODE_SPLIT_CTAS_PER_SM`` CTAs per SM over all KV heads, or one per SM where that
     already gives a uniform batch of this size 8 or more splits (small batches: fewer partials
-    to merge; ``tiles`` is the longest sequence's 16-key tiles, the shape bound). At most
-    ``target + num_seqs`` items per head run; the merge is fused (last item of a row merges).
+    to merge; ``tiles`` is the longest sequence's 16-key tiles, the shape bound). The grid
+    holds ``target + num_seqs`` items per head; the merge is fused (a row's last item merges).
     """
     ctas = num_seqs * num_kv_heads
     per_sm = 1 if choose_splits(ctas, tiles, WARPS, num_sms) >= 8 else DECODE_SPLIT_CTAS_PER_SM

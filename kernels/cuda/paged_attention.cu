@@ -2,7 +2,7 @@
 // (kvpool/kernels/cuda_runtime.py); the CPU emulator of the tests compiles it as C++.
 // Five kernels here, a sixth in paged_attention_sm90.cu:
 //
-// paged_attention_kernel<DT, D, WKV, NS, KT>
+// paged_attention_kernel<DT, DA, KF, WKV, NS, KT>
 //     Decode and prefill in one kernel, on tensor cores (mma.sync.m16n8k16, fp32
 //     accumulation). A CTA of 4 warps owns one (sequence, query tile, KV head, KV split)
 //     work item. The query tile's rows are (token, query head) pairs of one GQA group, so
@@ -40,7 +40,16 @@
 //     With split-KV and an arrival-counter buffer (counters), the last split CTA of a
 //     (tile, KV head) merges the tile's rows itself (merge_row) and resets its counter.
 //
-// paged_attention_pair_kernel<DT, D, WKV, NS, KT> (sm_90+: thread block clusters)
+//     Page-aware decode (work_target > 0): the grid is a bound on (work item, KV head)
+//     pairs and each CTA finds its item from the sequence lengths (locate_item), so the
+//     split of a sequence follows its own length; counters and partials are per item.
+//
+//     DA is the model's head_dim (64, 80, 96, 112, 128, 192, 256), computed on Pad<DA, KF>::D
+//     dims with zero pads; KF = 1 reads a float8 e4m3 cache and computes in float16, with the
+//     K scale in scale_log2 and the V scale applied to the output. A sliding window (window)
+//     starts each tile's keys at its first query's window; softcap_log2 caps the scores.
+//
+// paged_attention_pair_kernel<DT, DA, KF, WKV, NS, KT> (sm_90+: thread block clusters)
 //     The same CTA body for decode with exactly two splits, launched as clusters of the
 //     two split CTAs of each (tile, KV head): split 1 writes its normalized rows and
 //     log-sum-exps into split 0's shared memory (distributed shared memory, past split 0's
@@ -62,7 +71,7 @@
 //     The same prefill on Hopper's warpgroup MMA with K/V loaded by TMA; what the planner
 //     runs there in place of prefill_kernel.
 //
-// merge_splits_kernel<DT, D>
+// merge_splits_kernel<DT, DA, KF>
 //     Split-KV without the fused merge: one warp per (token, head) combines the per-split
 //     (normalized output, log2-sum-exp) partials. Only launched when num_splits > 1 and no
 //     counters were given.
