@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import resource
+import time
 
 import kvpool
 from test_tiers import _slot_of, fill
@@ -140,6 +141,19 @@ def test_disk_that_fills_up(daemon_factory, tmp_path):
     assert "File too large" in d.output()
 
 
+def _logged_slot(disk_dir, tokens, block: int, timeout: float = 30.0) -> int:
+    """``_slot_of`` once the daemon's background disk write has logged the block: a lookup
+    counts a block on its way to disk before its index record is appended."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return _slot_of(disk_dir, tokens, block)
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
 def test_block_corrupted_while_running(daemon_factory, tmp_path):
     d = start(daemon_factory, tmp_path)
     with kvpool.connect(d.socket, name="c", layout=LAYOUT) as c:
@@ -147,7 +161,7 @@ def test_block_corrupted_while_running(daemon_factory, tmp_path):
         fill(c, 0, 12)
         toks = prompt(1, 16)
         assert c.lookup(toks) == len(toks)
-        offset = _slot_of(tmp_path / "disk", toks, 2)
+        offset = _logged_slot(tmp_path / "disk", toks, 2)
         with open(tmp_path / "disk" / "blocks-1.dat", "r+b") as f:
             f.seek(offset + 7)
             byte = f.read(1)
