@@ -1,0 +1,49 @@
+"""One vLLM CPU engine in its own process: greedy outputs of some prompts, as JSON on the last line.
+
+    python tests/vllm/run_engine.py MODEL_DIR PROMPTS_JSON [SOCKET]
+
+With SOCKET the engine runs with kvpool.vllm.KvpoolConnector on that kvpoold.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+def main() -> None:
+    model, prompts_json = sys.argv[1], sys.argv[2]
+    socket = sys.argv[3] if len(sys.argv) > 3 else None
+    prompts = json.loads(prompts_json)
+    from vllm import LLM, SamplingParams
+
+    kw = {}
+    if socket:
+        kw["kv_transfer_config"] = {
+            "kv_connector": "KvpoolConnector",
+            "kv_connector_module_path": "kvpool.vllm",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"socket": socket},
+        }
+    t0 = time.perf_counter()
+    llm = LLM(model=model, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=1024, enforce_eager=True,
+              block_size=32, enable_prefix_caching=True, **kw)
+    started = time.perf_counter() - t0
+    results = []
+    for p in prompts:  # one at a time: each request's cache hit is its own
+        t1 = time.perf_counter()
+        out = llm.generate([{"prompt_token_ids": p}], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+                           use_tqdm=False)[0]
+        results.append({"tokens": list(out.outputs[0].token_ids), "num_cached_tokens": out.num_cached_tokens,
+                        "seconds": time.perf_counter() - t1})
+    print(json.dumps({"startup_seconds": started, "results": results}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
