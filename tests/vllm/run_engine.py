@@ -1,4 +1,4 @@
-"""One vLLM CPU engine in its own process: greedy outputs of some prompts, as JSON on the last line.
+"""One vLLM CPU engine in its own process: greedy outputs of some prompts, as JSON on the line starting "RESULT ".
 
     python tests/vllm/run_engine.py MODEL_DIR PROMPTS_JSON [SOCKET]
 
@@ -38,11 +38,13 @@ def main() -> None:
     results = []
     for p in prompts:  # one at a time: each request's cache hit is its own
         t1 = time.perf_counter()
-        out = llm.generate([{"prompt_token_ids": p}], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+        out = llm.generate([{"prompt_token_ids": p}], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0),
                            use_tqdm=False)[0]
-        results.append({"tokens": list(out.outputs[0].token_ids), "num_cached_tokens": out.num_cached_tokens,
-                        "seconds": time.perf_counter() - t1})
-    print(json.dumps({"startup_seconds": started, "results": results}), flush=True)
+        gen = out.outputs[0]
+        logprobs = [step[tok].logprob for step, tok in zip(gen.logprobs or [], gen.token_ids)]
+        results.append({"tokens": list(gen.token_ids), "logprobs": logprobs,
+                        "num_cached_tokens": out.num_cached_tokens, "seconds": time.perf_counter() - t1})
+    print("RESULT " + json.dumps({"startup_seconds": started, "results": results}), flush=True)
 
 
 if __name__ == "__main__":
