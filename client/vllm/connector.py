@@ -30,6 +30,7 @@ daemon restart, no statistics.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +44,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 
 from ..client import Client, connect
+from ..errors import SessionExpired, Unavailable
 from ..layout import Layout
 from .blocks import copy_pool_to_vllm, copy_vllm_to_pool
 
@@ -148,10 +150,11 @@ class KvpoolConnector(KVConnectorBase_V1):
         self._socket = extra.get("socket") or os.environ.get("KVPOOL_SOCKET")
         self._layout = layout_for_vllm(vllm_config)
         self._block_size = self._layout.block_size
-        who = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
-        self._client: Client = connect(self._socket, name=f"vllm-{who}-{os.getpid()}", layout=self._layout,
-                                       reconnect=True, timeout=float(extra.get("timeout", 30.0)))
-        logger.info("KvpoolConnector (%s) attached to kvpoold at %s as %s", who, self._socket, self._layout)
+        self._name = f"vllm-{'scheduler' if role == KVConnectorRole.SCHEDULER else 'worker'}-{os.getpid()}"
+        self._timeout = float(extra.get("timeout", 10.0))  # seconds per daemon call
+        self._retry_seconds = float(extra.get("retry_seconds", 5.0))  # between attaches while kvpoold is away
+        self._retry_at = 0.0
+        self._client: Client | None = None
         # scheduler side
         self._pending: dict[str, tuple[str, int]] = {}  # req_id -> (extra_key, external tokens to load)
         self._reqs: dict[str, _Track] = {}
@@ -165,18 +168,64 @@ class KvpoolConnector(KVConnectorBase_V1):
         self._loaded_layers: set[str] = set()
         self._saved_layers: set[str] = set()
         self._failed: set[int] = set()
+        self._attach(wait=True)  # kvpoold must be there at start-up (a wrong socket is an error)
+        logger.info("KvpoolConnector %s attached to kvpoold at %s as %s", self._name, self._socket, self._layout)
+
+    # ============================== the session ==============================
+    def _attach(self, wait: bool) -> Client:
+        c = connect(self._socket, name=self._name, layout=self._layout, timeout=self._timeout, reconnect=wait)
+        if self._kv_caches:  # a worker: map this daemon's pool
+            try:
+                self._pool = c.kv_cache()
+            except BaseException:
+                c.close()
+                raise
+        self._client = c
+        return c
+
+    def _live(self) -> Client | None:
+        """The kvpool session, or None while kvpoold is away (a new attach is tried every retry_seconds)."""
+        c = self._client
+        if c is not None and not c.session_expired.is_set():
+            return c
+        now = time.monotonic()
+        if now < self._retry_at:
+            return None
+        self._retry_at = now + self._retry_seconds
+        self._drop()
+        try:
+            c = self._attach(wait=False)
+        except Exception as exc:  # noqa: BLE001 - still away: vLLM computes meanwhile
+            logger.warning("KvpoolConnector: kvpoold at %s is away (%s); computing without it", self._socket, exc)
+            return None
+        logger.info("KvpoolConnector %s attached to kvpoold again", self._name)
+        return c
+
+    def _failed_call(self, what: str, exc: Exception) -> None:
+        logger.warning("KvpoolConnector: %s failed (%s)", what, exc)
+        if isinstance(exc, (Unavailable, SessionExpired)):
+            self._drop()  # the next step attaches again (a restarted daemon is a new session)
+
+    def _drop(self) -> None:
+        c, self._client = self._client, None
+        if c is not None:
+            try:
+                c.close()
+            except Exception:  # noqa: BLE001 - the daemon is gone
+                pass
 
     # ============================== scheduler side ==============================
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         prompt = request.prompt_token_ids
         key = extra_key_for(request, self._vllm_config)
         self._pending[request.request_id] = (key, 0)
-        if not prompt:
+        client = self._live() if prompt else None
+        if client is None:
             return 0, False
         try:
-            hit = self._client.lookup(prompt, extra_key=key)
+            hit = client.lookup(prompt, extra_key=key)
         except Exception as exc:  # noqa: BLE001 - the daemon away: no hit, vLLM computes
-            logger.warning("KvpoolConnector: lookup failed (%s); computing the prompt", exc)
+            self._failed_call("lookup", exc)
             return 0, False
         hit = min(hit, len(prompt) - 1)  # vLLM computes at least the last prompt token
         return max(0, hit - num_computed_tokens), False
@@ -242,7 +291,7 @@ class KvpoolConnector(KVConnectorBase_V1):
         first = kv_caches[names[0]]
         logger.info("KvpoolConnector: vLLM KV cache per layer %s %s (%d layers)", tuple(first.shape), first.dtype,
                     len(names))
-        self._pool = self._client.kv_cache()
+        self._pool = self._client.kv_cache()  # the session attached in __init__ (not yet mapped)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -251,12 +300,16 @@ class KvpoolConnector(KVConnectorBase_V1):
         self._loaded_layers, self._saved_layers = set(), set()
         bs = self._block_size
         failed_reqs = set()
+        client = self._live() if meta.loads or meta.saves else None
         for ld in meta.loads:
             want = ld.block_ids[ld.first:ld.last]
             try:
-                seq = self._client.create_sequence(ld.tokens, extra_key=ld.extra_key)
+                if client is None:
+                    raise Unavailable("kvpoold is away")
+                seq = client.create_sequence(ld.tokens, extra_key=ld.extra_key)
             except Exception as exc:  # noqa: BLE001 - recompute these blocks
-                logger.warning("KvpoolConnector: load of %s failed (%s); recomputing", ld.req_id, exc)
+                self._failed_call(f"load of {ld.req_id} (recomputed)", exc)
+                client = self._client
                 self._failed.update(want)
                 failed_reqs.add(ld.req_id)
                 continue
@@ -265,22 +318,23 @@ class KvpoolConnector(KVConnectorBase_V1):
             if have < ld.last:
                 self._failed.update(ld.block_ids[max(have, ld.first):ld.last])
                 failed_reqs.add(ld.req_id)
-            pool_ids = self._client.block_ids(seq)
+            pool_ids = client.block_ids(seq)
             if have > ld.first:
                 self._step_loads.append((pool_ids[ld.first:have], ld.block_ids[ld.first:have]))
         for sv in meta.saves:
-            if sv.req_id in failed_reqs:
-                continue  # its blocks that did not load hold no KV this step: never publish them
+            if sv.req_id in failed_reqs or client is None:
+                continue  # blocks that did not load hold no KV this step: never publish them
             try:
-                seq = self._client.create_sequence(sv.tokens, extra_key=sv.extra_key)
+                seq = client.create_sequence(sv.tokens, extra_key=sv.extra_key)
             except Exception as exc:  # noqa: BLE001 - a save is best effort
-                logger.warning("KvpoolConnector: save of %s skipped (%s)", sv.req_id, exc)
+                self._failed_call(f"save of {sv.req_id} (skipped)", exc)
+                client = self._client
                 continue
             self._step_seqs.append(seq)
             cached = seq.num_cached_tokens // bs
             n = len(sv.tokens) // bs
             if cached < n:
-                self._step_saves.append((self._client.block_ids(seq)[cached:n], sv.block_ids[cached:n]))
+                self._step_saves.append((client.block_ids(seq)[cached:n], sv.block_ids[cached:n]))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         self._copy_layer(layer_name, self._step_loads, self._loaded_layers, to_vllm=True)
@@ -311,18 +365,15 @@ class KvpoolConnector(KVConnectorBase_V1):
                 self.save_kv_layer(name, self._kv_caches[name], None)
         seqs, self._step_seqs = self._step_seqs, []
         self._step_loads, self._step_saves = [], []
-        if seqs:
+        if seqs and self._client is not None:
             try:
                 self._client.free(seqs)  # says the saved KV is written: other processes may read it now
             except Exception as exc:  # noqa: BLE001
-                logger.warning("KvpoolConnector: freeing pool sequences failed (%s)", exc)
+                self._failed_call("free", exc)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed = self._failed, set()
         return failed
 
     def shutdown(self):
-        try:
-            self._client.close()
-        except Exception:  # noqa: BLE001
-            pass
+        self._drop()

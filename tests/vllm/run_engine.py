@@ -3,12 +3,15 @@
     python tests/vllm/run_engine.py MODEL_DIR PROMPTS_JSON [SOCKET]
 
 With SOCKET the engine runs with kvpool.vllm.KvpoolConnector on that kvpoold.
+With KILL_AFTER_FIRST=PID in the environment, PID (the daemon) is killed with
+SIGKILL once the first prompt is done: the engine must go on serving.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 
@@ -36,7 +39,11 @@ def main() -> None:
               block_size=32, enable_prefix_caching=True, **kw)
     started = time.perf_counter() - t0
     results = []
-    for p in prompts:  # one at a time: each request's cache hit is its own
+    kill = int(os.environ.get("KILL_AFTER_FIRST", "0"))
+    for i, p in enumerate(prompts):  # one at a time: each request's cache hit is its own
+        if i == 1 and kill:
+            os.kill(kill, signal.SIGKILL)
+            time.sleep(0.5)
         t1 = time.perf_counter()
         out = llm.generate([{"prompt_token_ids": p}], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0),
                            use_tqdm=False)[0]
