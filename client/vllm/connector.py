@@ -22,9 +22,12 @@ A load that cannot be done (daemon gone, blocks evicted between lookup and
 load) reports its vLLM blocks in ``get_block_ids_with_load_errors``; with
 ``kv_load_failure_policy="recompute"`` vLLM recomputes from there.
 
-STATUS (groundwork session, see benchmarks/NOTES-vllm.md): CPU_ATTN layout
-only, synchronous loads and saves, no tensor parallelism, no reconnect after a
-daemon restart, no statistics.
+While kvpoold is away every call fails over to computing, and a new session
+is tried at most every ``retry_seconds``.
+
+STATUS (groundwork, see benchmarks/NOTES-vllm.md): CPU_ATTN layout only,
+synchronous loads and saves inside the step, no tensor parallelism, no
+statistics, only prompt blocks are saved.
 """
 
 from __future__ import annotations
@@ -209,6 +212,10 @@ class KvpoolConnector(KVConnectorBase_V1):
     def _drop(self) -> None:
         c, self._client = self._client, None
         if c is not None:
+            # closing unmaps the pool: this step's copies are abandoned (their loads recomputed)
+            for _, vllm_ids in self._step_loads:
+                self._failed.update(vllm_ids)
+            self._step_loads, self._step_saves, self._step_seqs, self._pool = [], [], [], None
             try:
                 c.close()
             except Exception:  # noqa: BLE001 - the daemon is gone
@@ -345,7 +352,7 @@ class KvpoolConnector(KVConnectorBase_V1):
     def _copy_layer(self, layer_name: str, pairs, done: set[str], to_vllm: bool) -> None:
         """One layer's blocks of this step's loads (pool -> vLLM) or saves (vLLM -> pool), once."""
         layer = self._layer_index.get(layer_name)
-        if not pairs or layer is None or layer_name in done:
+        if not pairs or layer is None or layer_name in done or self._pool is None:
             return
         kv, bs = self._kv_caches[layer_name], self._block_size
         for pool_ids, vllm_ids in pairs:
