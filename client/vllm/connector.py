@@ -1,0 +1,386 @@
+"""``KvpoolConnector``: vLLM's ``KVConnectorBase_V1`` over kvpoold (imports vLLM).
+
+Scheduler side (the engine-core process): one kvpool client (a session of the
+model's layout) answers ``get_num_new_matched_tokens`` with
+``Client.lookup`` (the daemon's content hash chain, keyed by the model id and
+an ``extra_key`` that carries what else changes the KV: ``cache_salt``, the
+LoRA, the quantization).  ``build_connector_meta`` tells the workers, per
+step, which of a request's blocks to load from the pool and which newly
+computed full prompt blocks to save into it.
+
+Worker side (each worker process): its own kvpool client maps the pool
+(``Client.kv_cache()``).  ``start_load_kv`` pins the cached prefix in the pool
+(``create_sequence``: the blocks cannot be evicted while copied, and lower
+tiers are brought back first); ``wait_for_layer_load`` copies a layer's
+blocks into vLLM's; saves take pool blocks for the new full blocks
+(``create_sequence`` of the prompt's full blocks: the cached ones are shared,
+the rest are new) and ``save_kv_layer`` fills them layer by layer;
+``wait_for_save`` frees the sequences, which tells the daemon their KV is
+written (other processes see the blocks from then on).
+
+A load that cannot be done (daemon gone, blocks evicted between lookup and
+load) reports its vLLM blocks in ``get_block_ids_with_load_errors``; with
+``kv_load_failure_policy="recompute"`` vLLM recomputes from there.
+
+While kvpoold is away every call fails over to computing, and a new session
+is tried at most every ``retry_seconds``.
+
+STATUS (groundwork, see benchmarks/NOTES-vllm.md): CPU_ATTN layout only,
+synchronous loads and saves inside the step, no tensor parallelism, no
+statistics, only prompt blocks are saved.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.logger import init_logger
+
+from ..client import Client, connect
+from ..errors import SessionExpired, Unavailable
+from ..layout import Layout
+from .blocks import copy_pool_to_vllm, copy_vllm_to_pool
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = init_logger("vllm.kvpool_connector")  # under "vllm": vLLM's log handlers show it
+
+_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+
+
+@dataclass
+class LoadSpec:
+    """Copy pool blocks into vLLM blocks ``block_ids[first:last]`` of one request."""
+
+    req_id: str
+    tokens: list[int]  # the prompt through block ``last`` (what the pool's sequence is created from)
+    extra_key: str
+    block_ids: list[int]  # vLLM block ids by position in the request
+    first: int
+    last: int
+
+
+@dataclass
+class SaveSpec:
+    """Copy vLLM blocks ``block_ids[:len(tokens) // block_size]`` into the pool (those it lacks)."""
+
+    req_id: str
+    tokens: list[int]  # whole blocks of the prompt
+    extra_key: str
+    block_ids: list[int]
+
+
+@dataclass
+class KvpoolConnectorMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+
+@dataclass
+class _Track:
+    """Scheduler-side state of one running request."""
+
+    prompt: list[int]
+    extra_key: str
+    block_ids: list[int]
+    saved_blocks: int = 0  # prompt blocks known to be in the pool (loaded or saved)
+
+
+def layout_for_vllm(vllm_config: "VllmConfig") -> Layout:
+    """kvpool's layout for a vLLM engine: the model's geometry, vLLM's block size.
+
+    ``model_id``: ``kv_connector_extra_config["model_id"]``, else the model name
+    or path vLLM loaded; ``revision`` likewise.  Two engines share blocks only
+    when both are equal (and the geometry, which follows).
+    """
+    mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
+    extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+    if cc.cache_dtype not in ("auto", None):
+        raise NotImplementedError(f"KvpoolConnector: kv_cache_dtype {cc.cache_dtype!r} is not supported yet")
+    dtype = _DTYPES.get(mc.dtype)
+    if dtype is None:
+        raise NotImplementedError(f"KvpoolConnector: model dtype {mc.dtype} is not supported")
+    if pc.tensor_parallel_size != 1 or pc.pipeline_parallel_size != 1:
+        raise NotImplementedError("KvpoolConnector: tensor / pipeline parallelism is not supported yet")
+    return Layout(
+        str(extra.get("model_id") or mc.model),
+        num_layers=mc.get_num_layers(pc),
+        num_kv_heads=mc.get_num_kv_heads(pc),
+        head_dim=mc.get_head_size(),
+        dtype=dtype,
+        block_size=cc.block_size,
+        revision=str(extra.get("revision") or mc.revision or ""),
+    )
+
+
+def extra_key_for(request: "Request", vllm_config: "VllmConfig") -> str:
+    """What besides the model and the tokens changes a request's KV, as the pool's ``extra_key``."""
+    parts = []
+    quant = getattr(vllm_config.model_config, "quantization", None)
+    if quant:
+        parts.append(f"q={quant}")
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        parts.append(f"lora={lora.lora_name}:{lora.lora_int_id}")
+    salt = getattr(request, "cache_salt", None)
+    if salt:
+        parts.append(f"salt={salt}")
+    return "|".join(parts)
+
+
+class KvpoolConnector(KVConnectorBase_V1):
+    """vLLM KV connector over kvpoold (scheduler and worker roles)."""
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        self._socket = extra.get("socket") or os.environ.get("KVPOOL_SOCKET")
+        self._layout = layout_for_vllm(vllm_config)
+        self._block_size = self._layout.block_size
+        self._name = f"vllm-{'scheduler' if role == KVConnectorRole.SCHEDULER else 'worker'}-{os.getpid()}"
+        self._timeout = float(extra.get("timeout", 10.0))  # seconds per daemon call
+        self._retry_seconds = float(extra.get("retry_seconds", 5.0))  # between attaches while kvpoold is away
+        self._retry_at = 0.0
+        self._client: Client | None = None
+        # scheduler side
+        self._pending: dict[str, tuple[str, int]] = {}  # req_id -> (extra_key, external tokens to load)
+        self._reqs: dict[str, _Track] = {}
+        # worker side
+        self._kv_caches: dict[str, torch.Tensor] = {}
+        self._layer_index: dict[str, int] = {}
+        self._pool: torch.Tensor | None = None
+        self._step_loads: list[tuple[list[int], list[int]]] = []  # (pool block ids, vLLM block ids)
+        self._step_saves: list[tuple[list[int], list[int]]] = []  # (pool block ids, vLLM block ids)
+        self._step_seqs: list = []
+        self._loaded_layers: set[str] = set()
+        self._saved_layers: set[str] = set()
+        self._failed: set[int] = set()
+        self._attach(wait=True)  # kvpoold must be there at start-up (a wrong socket is an error)
+        logger.info("KvpoolConnector %s attached to kvpoold at %s as %s", self._name, self._socket, self._layout)
+
+    # ============================== the session ==============================
+    def _attach(self, wait: bool) -> Client:
+        c = connect(self._socket, name=self._name, layout=self._layout, timeout=self._timeout, reconnect=wait)
+        if self._kv_caches:  # a worker: map this daemon's pool
+            try:
+                self._pool = c.kv_cache()
+            except BaseException:
+                c.close()
+                raise
+        self._client = c
+        return c
+
+    def _live(self) -> Client | None:
+        """The kvpool session, or None while kvpoold is away (a new attach is tried every retry_seconds)."""
+        c = self._client
+        if c is not None and not c.session_expired.is_set():
+            return c
+        now = time.monotonic()
+        if now < self._retry_at:
+            return None
+        self._retry_at = now + self._retry_seconds
+        self._drop()
+        try:
+            c = self._attach(wait=False)
+        except Exception as exc:  # noqa: BLE001 - still away: vLLM computes meanwhile
+            logger.warning("KvpoolConnector: kvpoold at %s is away (%s); computing without it", self._socket, exc)
+            return None
+        logger.info("KvpoolConnector %s attached to kvpoold again", self._name)
+        return c
+
+    def _failed_call(self, what: str, exc: Exception) -> None:
+        logger.warning("KvpoolConnector: %s failed (%s)", what, exc)
+        if isinstance(exc, (Unavailable, SessionExpired)):
+            self._drop()  # the next step attaches again (a restarted daemon is a new session)
+
+    def _drop(self) -> None:
+        c, self._client = self._client, None
+        if c is not None:
+            # closing unmaps the pool: this step's copies are abandoned (their loads recomputed)
+            for _, vllm_ids in self._step_loads:
+                self._failed.update(vllm_ids)
+            self._step_loads, self._step_saves, self._step_seqs, self._pool = [], [], [], None
+            try:
+                c.close()
+            except Exception:  # noqa: BLE001 - the daemon is gone
+                pass
+
+    # ============================== scheduler side ==============================
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        prompt = request.prompt_token_ids
+        key = extra_key_for(request, self._vllm_config)
+        self._pending[request.request_id] = (key, 0)
+        client = self._live() if prompt else None
+        if client is None:
+            return 0, False
+        try:
+            hit = client.lookup(prompt, extra_key=key)
+        except Exception as exc:  # noqa: BLE001 - the daemon away: no hit, vLLM computes
+            self._failed_call("lookup", exc)
+            return 0, False
+        hit = min(hit, len(prompt) - 1)  # vLLM computes at least the last prompt token
+        return max(0, hit - num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
+        key, _ = self._pending.get(request.request_id, ("", 0))
+        self._pending[request.request_id] = (key, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        meta = KvpoolConnectorMetadata()
+        so = scheduler_output
+        for new in so.scheduled_new_reqs:
+            if not new.prompt_token_ids:
+                continue
+            key, ext = self._pending.pop(new.req_id, ("", 0))
+            t = self._reqs[new.req_id] = _Track(list(new.prompt_token_ids), key, list(new.block_ids[0]))
+            self._plan(meta, new.req_id, t, new.num_computed_tokens, ext, so.num_scheduled_tokens.get(new.req_id, 0))
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            t = self._reqs.get(req_id)
+            if t is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            ext = 0
+            if req_id in cached.resumed_req_ids:  # preempted and back: all its blocks are new
+                t.block_ids = list(new_ids[0]) if new_ids is not None else []
+                t.saved_blocks = 0
+                ext = self._pending.pop(req_id, ("", 0))[1]
+            elif new_ids is not None:
+                t.block_ids.extend(new_ids[0])
+            self._plan(meta, req_id, t, cached.num_computed_tokens[i], ext, so.num_scheduled_tokens.get(req_id, 0))
+        return meta
+
+    def _plan(self, meta: KvpoolConnectorMetadata, req_id: str, t: _Track, computed: int, ext: int,
+              scheduled: int) -> None:
+        """This step's load (``ext`` tokens before ``computed``) and save (new full prompt blocks)."""
+        bs = self._block_size
+        if ext > 0:
+            first = (computed - ext) // bs
+            last = -(-computed // bs)
+            meta.loads.append(LoadSpec(req_id, t.prompt[:last * bs], t.extra_key, t.block_ids[:last], first, last))
+            t.saved_blocks = max(t.saved_blocks, computed // bs)
+        full = min(computed + scheduled, len(t.prompt)) // bs
+        if full > t.saved_blocks:
+            meta.saves.append(SaveSpec(req_id, t.prompt[:full * bs], t.extra_key, t.block_ids[:full]))
+            t.saved_blocks = full
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._reqs.pop(request.request_id, None)
+        self._pending.pop(request.request_id, None)
+        return False, None
+
+    # ============================== worker side ==============================
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        names = sorted(kv_caches, key=extract_layer_index)
+        if len(names) != self._layout.num_layers:
+            raise NotImplementedError(
+                f"KvpoolConnector: {len(names)} KV cache layers but the model has {self._layout.num_layers}")
+        self._kv_caches = dict(kv_caches)
+        self._layer_index = {n: i for i, n in enumerate(names)}
+        first = kv_caches[names[0]]
+        logger.info("KvpoolConnector: vLLM KV cache per layer %s %s (%d layers)", tuple(first.shape), first.dtype,
+                    len(names))
+        self._pool = self._client.kv_cache()  # the session attached in __init__ (not yet mapped)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvpoolConnectorMetadata)
+        self._step_loads, self._step_saves, self._step_seqs = [], [], []
+        self._loaded_layers, self._saved_layers = set(), set()
+        bs = self._block_size
+        failed_reqs = set()
+        client = self._live() if meta.loads or meta.saves else None
+        for ld in meta.loads:
+            want = ld.block_ids[ld.first:ld.last]
+            try:
+                if client is None:
+                    raise Unavailable("kvpoold is away")
+                seq = client.create_sequence(ld.tokens, extra_key=ld.extra_key)
+            except Exception as exc:  # noqa: BLE001 - recompute these blocks
+                self._failed_call(f"load of {ld.req_id} (recomputed)", exc)
+                client = self._client
+                self._failed.update(want)
+                failed_reqs.add(ld.req_id)
+                continue
+            self._step_seqs.append(seq)
+            have = min(seq.num_cached_tokens // bs, ld.last)
+            if have < ld.last:
+                self._failed.update(ld.block_ids[max(have, ld.first):ld.last])
+                failed_reqs.add(ld.req_id)
+            pool_ids = client.block_ids(seq)
+            if have > ld.first:
+                self._step_loads.append((pool_ids[ld.first:have], ld.block_ids[ld.first:have]))
+        for sv in meta.saves:
+            if sv.req_id in failed_reqs or client is None:
+                continue  # blocks that did not load hold no KV this step: never publish them
+            try:
+                seq = client.create_sequence(sv.tokens, extra_key=sv.extra_key)
+            except Exception as exc:  # noqa: BLE001 - a save is best effort
+                self._failed_call(f"save of {sv.req_id} (skipped)", exc)
+                client = self._client
+                continue
+            self._step_seqs.append(seq)
+            cached = seq.num_cached_tokens // bs
+            n = len(sv.tokens) // bs
+            if cached < n:
+                self._step_saves.append((client.block_ids(seq)[cached:n], sv.block_ids[cached:n]))
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self._copy_layer(layer_name, self._step_loads, self._loaded_layers, to_vllm=True)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
+        self._copy_layer(layer_name, self._step_saves, self._saved_layers, to_vllm=False)
+
+    def _copy_layer(self, layer_name: str, pairs, done: set[str], to_vllm: bool) -> None:
+        """One layer's blocks of this step's loads (pool -> vLLM) or saves (vLLM -> pool), once."""
+        layer = self._layer_index.get(layer_name)
+        if not pairs or layer is None or layer_name in done or self._pool is None:
+            return
+        kv, bs = self._kv_caches[layer_name], self._block_size
+        for pool_ids, vllm_ids in pairs:
+            if to_vllm:
+                copy_pool_to_vllm(self._pool, layer, kv, bs, pool_ids, vllm_ids)
+            else:
+                copy_vllm_to_pool(kv, bs, self._pool, layer, vllm_ids, pool_ids)
+        done.add(layer_name)
+
+    def wait_for_save(self):
+        if self._step_loads and len(self._loaded_layers) < len(self._layer_index):
+            # a layer ran without wait_for_layer_load: its copy is missing, recompute those blocks
+            for _, vllm_ids in self._step_loads:
+                self._failed.update(vllm_ids)
+        for name in self._layer_index:
+            if name not in self._saved_layers:
+                self.save_kv_layer(name, self._kv_caches[name], None)
+        seqs, self._step_seqs = self._step_seqs, []
+        self._step_loads, self._step_saves = [], []
+        if seqs and self._client is not None:
+            try:
+                self._client.free(seqs)  # says the saved KV is written: other processes may read it now
+            except Exception as exc:  # noqa: BLE001
+                self._failed_call("free", exc)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._failed = self._failed, set()
+        return failed
+
+    def shutdown(self):
+        self._drop()
