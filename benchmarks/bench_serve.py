@@ -2,6 +2,7 @@
 
     python3 benchmarks/bench_serve.py --tiny                    # CPU, a tiny random Llama, seconds
     python3 benchmarks/bench_serve.py --llama-1b-shape          # GPU, Llama-3.2-1B-shaped random weights, bf16
+    python3 benchmarks/bench_serve.py --llama-1b-shape --servers 2   # also two serve processes on one daemon
     python3 benchmarks/bench_serve.py --tiny --url http://127.0.0.1:8000 --served-model-name tiny  # a running server
 
 Requests arrive as a Poisson process (``--rate`` per second).  Prompt and
@@ -13,7 +14,10 @@ ids; no tokenizer is needed) and every request runs to its ``max_tokens``
 (``ignore_eos``).
 
 * **kvpool serve**: a daemon and a ``kvpool serve`` process are started here
-  (or ``--url`` names a running one); each request is a streaming
+  (or ``--url`` names a running one); with ``--servers N`` the trace runs
+  again through N serve processes of the model on one daemon, requests sent
+  to them in turn, so the shared system prompt computed by one is a prefix
+  hit in the others; each request is a streaming
   ``/v1/completions`` call; TTFT is the arrival of the first token's event,
   TPOT the mean gap between the later ones.
 * **yardstick, transformers static batches**: the same requests, the same
@@ -46,6 +50,19 @@ from _common import print_table, write_json  # noqa: E402
 
 
 # -- the model -------------------------------------------------------------------------------------
+def llama_1b_config():
+    """The published config of Llama-3.2-1B (the weights are random wherever it is used)."""
+    import transformers
+
+    return transformers.LlamaConfig(
+        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
+        rope_theta=500000.0, tie_word_embeddings=True, bos_token_id=128000, eos_token_id=128001,
+        rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192},
+    )
+
+
 def build_model_dir(kind: str, out: str, device: str) -> str:
     """Save a random-weight model with ``save_pretrained``: the tiny test Llama, or Llama-3.2-1B's shape."""
     import torch
@@ -55,17 +72,10 @@ def build_model_dir(kind: str, out: str, device: str) -> str:
         from hf_models import make_model
 
         model = make_model("llama", max_position_embeddings=2048)
-    else:  # the published config of Llama-3.2-1B, weights random
-        config = transformers.LlamaConfig(
-            vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-            num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
-            rope_theta=500000.0, tie_word_embeddings=True, bos_token_id=128000, eos_token_id=128001,
-            rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                          "original_max_position_embeddings": 8192},
-        )
+    else:
         torch.manual_seed(0)
         with torch.device(device):
-            model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+            model = transformers.LlamaForCausalLM(llama_1b_config()).to(torch.bfloat16)
     model.save_pretrained(out)
     return out
 
@@ -126,12 +136,14 @@ async def one_request(client, url: str, model: str, req: dict, t0: float) -> dic
             "tokens": n, "prompt_tokens": usage["prompt_tokens"], "cached": usage["prompt_tokens_details"]["cached_tokens"]}
 
 
-async def drive(url: str, model: str, reqs: list[dict]) -> tuple[list[dict], float]:
+async def drive(urls: list[str], model: str, reqs: list[dict]) -> tuple[list[dict], float]:
+    """Send each request at its arrival time, to the servers in turn."""
     import httpx
 
     async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=1000)) as client:
         t0 = time.perf_counter()
-        results = await asyncio.gather(*(one_request(client, url, model, r, t0) for r in reqs))
+        results = await asyncio.gather(*(one_request(client, urls[i % len(urls)], model, r, t0)
+                                         for i, r in enumerate(reqs)))
         return results, time.perf_counter() - t0
 
 
@@ -144,33 +156,40 @@ def metric(url: str, name: str) -> float:
     return 0.0
 
 
-def run_server(args, model_dir: str, reqs: list[dict]) -> dict:
+def run_server(args, model_dir: str, reqs: list[dict], warmup: list[dict], servers: int = 1) -> dict:
+    """The trace through ``servers`` kvpool serve processes on one kvpoold (started here unless ``--url``)."""
     import httpx
 
-    procs, url = [], args.url
+    procs, urls = [], [args.url] if args.url else []
     tmp = tempfile.mkdtemp(prefix="bench-serve-")
     try:
-        if url is None:
+        if not urls:
             sock = os.path.join(tmp, "kvpoold.sock")
             daemon = [sys.executable, "-m", "kvpoold", "--socket", sock, "--pool-bytes", args.pool_bytes,
                       "--log-level", "warning", *(["--backend", "cuda"] if args.device == "cuda" else []),
                       *(["--host-bytes", args.host_bytes] if args.host_bytes else [])]
             procs.append(subprocess.Popen(daemon))
             wait(lambda: os.path.exists(sock), 60, "kvpoold")
-            port = 18000 + os.getpid() % 1000
-            url = f"http://127.0.0.1:{port}"
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "kvpool.serve", "--model", model_dir, "--socket", sock, "--port", str(port),
-                 "--served-model-name", args.served_model_name, "--device", args.device, "--log-level", "warning",
-                 "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-                 "--max-model-len", str(args.max_model_len)]))
-            wait(lambda: _healthy(url), 600, "kvpool serve")
-        asyncio.run(drive(url, args.served_model_name, reqs[: min(4, len(reqs))]))  # warm-up (compiles, first calls)
-        before = {k: metric(url, f"kvpool_serve_{k}_total") for k in ("preemptions", "prefix_hit_tokens")}
-        results, duration = asyncio.run(drive(url, args.served_model_name, reqs))
-        extra = {k: metric(url, f"kvpool_serve_{k}_total") - v for k, v in before.items()}
-        extra["step_timings"] = httpx.get(url + "/engine/stats").json()["step_timings"]
-        return summarize("kvpool serve", results, duration, extra)
+            for i in range(servers):
+                port = 18000 + (os.getpid() * 4 + i) % 1000
+                urls.append(f"http://127.0.0.1:{port}")
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "kvpool.serve", "--model", model_dir, "--socket", sock, "--port", str(port),
+                     "--served-model-name", args.served_model_name, "--device", args.device, "--log-level", "warning",
+                     "--max-num-seqs", str(args.max_num_seqs),
+                     "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+                     "--max-model-len", str(args.max_model_len), *(["--enforce-eager"] if args.enforce_eager else [])]))
+            for url in urls:
+                wait(lambda: _healthy(url), 600, "kvpool serve")
+        for url in urls:  # warm-up (kernels compile, first calls), prompts that are not in the trace
+            asyncio.run(drive([url], args.served_model_name, warmup))
+        names = ("preemptions", "prefix_hit_tokens")
+        before = {k: sum(metric(u, f"kvpool_serve_{k}_total") for u in urls) for k in names}
+        results, duration = asyncio.run(drive(urls, args.served_model_name, reqs))
+        extra = {k: sum(metric(u, f"kvpool_serve_{k}_total") for u in urls) - v for k, v in before.items()}
+        extra["step_timings"] = httpx.get(urls[0] + "/engine/stats").json()["step_timings"]
+        name = "kvpool serve" if servers == 1 else f"kvpool serve x{servers}, one daemon"
+        return summarize(name, results, duration, extra)
     finally:
         for p in reversed(procs):
             p.terminate()
@@ -263,6 +282,9 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--static-batch", type=int, default=None, help="the yardstick's batch size (default: max-num-seqs)")
     p.add_argument("--skip-yardstick", action="store_true")
+    p.add_argument("--servers", type=int, default=1,
+                   help="also run the trace through this many kvpool serve processes on one daemon (round-robin)")
+    p.add_argument("--enforce-eager", action="store_true", help="kvpool serve without CUDA graphs")
     args = p.parse_args()
     name = "tiny" if args.tiny else "llama1b"
     tiny = args.tiny
@@ -277,7 +299,9 @@ def main() -> None:
 
     model_dir = args.model_dir or build_model_dir(name, tempfile.mkdtemp(prefix=f"bench-{name}-"), args.device)
     reqs = workload(args.num_requests, args.rate, name, 256 if tiny else 128256, args.shared_prefix, args.seed)
-    rows = [run_server(args, model_dir, reqs)]
+    vocab = 256 if tiny else 128256
+    warmup = workload(4, args.rate, name, vocab, 0.0, args.seed + 1000)
+    rows = [run_server(args, model_dir, reqs, warmup, n) for n in sorted({1, args.servers})]
     if not args.skip_yardstick:
         rows.append(run_static(args, model_dir, reqs))
     header = ["system", "requests", "duration_s", "output_tok_per_s", "total_tok_per_s", "ttft_p50_ms",

@@ -10,10 +10,12 @@
 Requests join the running batch at the next step; prompts are prefilled in
 chunks beside the decodes under a token budget per step; when the pool runs
 out, the newest running requests are swapped to the daemon's host tier (or
-freed and recomputed without one) and resumed oldest first.
+freed and recomputed without one) and resumed oldest first.  On a GPU,
+decode steps replay CUDA graphs captured per batch-size bucket.
 """
 
 from .engine import Engine
+from .graphs import GraphRunner, graph_batch_sizes
 from .params import EngineConfig, SamplingParams
 from .request import RequestOutput
 from .runner import StepItem, StepRunner
@@ -21,5 +23,5 @@ from .stats import EngineStats
 from .stream import RequestStream
 from .timings import StepTimings
 
-__all__ = ["Engine", "EngineConfig", "EngineStats", "RequestOutput", "RequestStream", "SamplingParams",
-           "StepItem", "StepRunner", "StepTimings"]
+__all__ = ["Engine", "EngineConfig", "EngineStats", "GraphRunner", "RequestOutput", "RequestStream",
+           "SamplingParams", "StepItem", "StepRunner", "StepTimings", "graph_batch_sizes"]

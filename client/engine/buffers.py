@@ -86,3 +86,8 @@ class BlockTableRows:
         ids = client.block_ids(seq, start)[: num_blocks - start]
         self._tables[row, start:start + len(ids)] = ids
         self._owner[row], self._filled[row] = key, start + len(ids)
+
+    def forget(self, rows) -> None:
+        """Rows overwritten by something else: their next owner fills them from the first block."""
+        for row in rows:
+            self._owner[row], self._filled[row] = None, 0

@@ -12,6 +12,7 @@ from ..hf import PagedModel
 from .detok import TextTracker
 from .params import EngineConfig, SamplingParams
 from .request import Request, RequestOutput
+from .graphs import GraphRunner
 from .runner import StepRunner
 from .sampler import Sampler
 from .scheduler import Scheduler
@@ -47,7 +48,8 @@ class Engine(StepLoop):
         self.swap = has_host_tier(self.client)
         self.scheduler = Scheduler(self.client, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.swap)
         bs = model.layout.block_size
-        self.runner = StepRunner(model, cfg.max_num_batched_tokens, cfg.max_num_seqs, -(-self.max_model_len // bs))
+        runner = GraphRunner if cfg.cuda_graphs and model.device.type == "cuda" else StepRunner
+        self.runner = runner(model, cfg.max_num_batched_tokens, cfg.max_num_seqs, -(-self.max_model_len // bs))
         self.sampler = Sampler()
         self.timings = TimingLog()
         self._lock = threading.Lock()
@@ -72,6 +74,16 @@ class Engine(StepLoop):
         except BaseException:
             pm.close()
             raise
+
+    def warm_up(self) -> "Engine":
+        """On a GPU with ``cuda_graphs``, capture every decode graph now rather than on first use; returns self.
+
+        Call before ``start``: a capture takes the model's forward about
+        twice per batch-size bucket (``graph_batch_sizes``).
+        """
+        if isinstance(self.runner, GraphRunner):
+            self.runner.capture_all()
+        return self
 
     # -- requests (any thread) -------------------------------------------------------------------
     def add_request(self, prompt: str | Seq[int], params: SamplingParams | None = None, *,
@@ -101,7 +113,7 @@ class Engine(StepLoop):
             raise InvalidArgument("stop strings need the engine's tokenizer")
         stream = RequestStream(rid, loop=_loop, callback=callback)
         text = TextTracker(self.tokenizer, params.stop, stops) if needs_text else None
-        req = Request(rid, ids, params, stream, text, self.model.device)
+        req = Request(rid, ids, params, stream, text)
         req.stop_ids = stops
         with self._lock:
             if rid in self._ids:

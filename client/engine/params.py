@@ -59,7 +59,9 @@ class EngineConfig:
     sequences in one forward.  ``max_model_len``: prompt plus output of one
     request (``None``: the model's ``max_position_embeddings``).
     ``flush_every``: the client's steps between daemon calls (see
-    ``kvpool.Client``).
+    ``kvpool.Client``).  ``cuda_graphs``: on a GPU, decode steps replay CUDA
+    graphs captured per batch-size bucket (``GraphRunner``); off, every step
+    runs eagerly.  No effect on the CPU.
     """
 
     max_num_seqs: int = 64
@@ -67,6 +69,7 @@ class EngineConfig:
     max_model_len: int | None = None
     flush_every: int = 32
     eos_token_ids: tuple[int, ...] = field(default=())
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

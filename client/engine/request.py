@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import enum
+import secrets
 import time
 from dataclasses import dataclass
-
-import torch
 
 from .detok import TextTracker
 from .params import SamplingParams
@@ -52,7 +51,7 @@ class Request:
     """A request's tokens, sequence and timing; touched by the engine thread only."""
 
     def __init__(self, request_id: str, prompt: list[int], params: SamplingParams, stream: RequestStream,
-                 text: TextTracker | None, device: torch.device) -> None:
+                 text: TextTracker | None) -> None:
         self.id = request_id
         self.prompt = prompt
         self.params = params
@@ -70,8 +69,8 @@ class Request:
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.num_preemptions = 0
-        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
-        self.generator = None if params.greedy else torch.Generator(device=device).manual_seed(seed)
+        # a request's draws depend on its seed and output position only (``sampler.exponential_noise``)
+        self.seed = params.seed if params.seed is not None else secrets.randbits(64)
 
     @property
     def all_tokens(self) -> list[int]:

@@ -88,8 +88,29 @@ class StepRunner:
         write_from = np.repeat(np.fromiter((it.write_from for it in items), np.int64, len(items)), counts)
         slots[pos < write_from] = -1
         n["slot_mapping"][:total] = slots
-        b.upload(len(items))
+        rows = self.padded_rows(len(items), total)
+        if rows > len(items):
+            self._pad(len(items), rows)
+        b.upload(rows)
         return total, int(lens.max())
+
+    def padded_rows(self, num_seqs: int, num_tokens: int) -> int:
+        """Rows the forward runs for a step of ``num_seqs`` sequences and ``num_tokens`` tokens (here: as many)."""
+        return num_seqs
+
+    def _pad(self, num_seqs: int, rows: int) -> None:
+        """Fill decode rows ``num_seqs..rows`` with idle sequences: one token, written nowhere, reading one block
+        that is mapped (row 0's first), so a graph captured for ``rows`` sequences can run a smaller batch."""
+        n, pad = self.buffers.np, slice(num_seqs, rows)
+        extra = np.arange(1, rows - num_seqs + 1)
+        n["input_ids"][pad] = 0
+        n["positions"][pad] = 0
+        n["slot_mapping"][pad] = -1
+        n["seq_lens"][pad] = 1
+        n["cu_seqlens_q"][num_seqs + 1:rows + 1] = num_seqs + extra
+        n["logits_index"][pad] = num_seqs + extra - 1
+        n["block_tables"][pad, 0] = n["block_tables"][0, 0]
+        self.rows.forget(range(num_seqs, rows))
 
     def _batch(self, num_tokens: int, num_seqs: int, max_len: int, decode: bool) -> PagedBatch:
         d = self.buffers.dev

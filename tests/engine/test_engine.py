@@ -80,6 +80,23 @@ def test_staggered_arrivals_match_eager_generate(daemon_factory, models):
         assert out.finish_reason == "length"
 
 
+def test_decode_steps_padded_to_graph_sizes_match_eager_generate(daemon_factory, llama):
+    """The CUDA-graph runner's padding, run eagerly (the CPU): idle rows change no request's tokens."""
+    arch, model, ref = llama
+    d = daemon_factory()
+    prompts = [tokens(n, seed=950 + i) for i, n in enumerate([6, 19, 11, 3, 25, 8])]
+    with engine(model, d, f"{arch}-padded") as eng:
+        b = eng.runner.buffers
+        eng.runner = ke.GraphRunner(eng.model, b.max_tokens, b.max_seqs, b.max_blocks, capture=False)
+        assert eng.runner.sizes == [1, 2, 4, 8]
+        outs = run_staggered(eng, prompts, [0, 1, 1, 5, 9, 12])
+        decode = {t.num_seqs for t in eng.timings.steps if t.num_seqs and t.num_tokens == t.num_seqs}
+        assert decode - {1, 2, 4, 8}, decode  # batches between the sizes ran padded
+        assert eng.client.stats().sequences == 0
+    for p, out in zip(prompts, outs):
+        assert list(out.token_ids) == reference_generate(ref, p, 8)[0]
+
+
 @pytest.mark.parametrize("host_tier", [False, True], ids=["recompute", "swap"])
 def test_preempted_requests_resume_with_the_same_tokens(daemon_factory, llama, host_tier):
     """A pool of 32 blocks of 8 tokens for 8 requests of up to 6 blocks each: some must be preempted."""
