@@ -169,7 +169,7 @@ def run_server(args, model_dir: str, reqs: list[dict], warmup: list[dict], serve
                       "--log-level", "warning", *(["--backend", "cuda"] if args.device == "cuda" else []),
                       *(["--host-bytes", args.host_bytes] if args.host_bytes else [])]
             procs.append(subprocess.Popen(daemon))
-            wait(lambda: os.path.exists(sock), 60, "kvpoold")
+            wait(lambda: os.path.exists(sock), 60, "kvpoold", procs[0])
             for i in range(servers):
                 port = 18000 + (os.getpid() * 4 + i) % 1000
                 urls.append(f"http://127.0.0.1:{port}")
@@ -179,8 +179,8 @@ def run_server(args, model_dir: str, reqs: list[dict], warmup: list[dict], serve
                      "--max-num-seqs", str(args.max_num_seqs),
                      "--max-num-batched-tokens", str(args.max_num_batched_tokens),
                      "--max-model-len", str(args.max_model_len), *(["--enforce-eager"] if args.enforce_eager else [])]))
-            for url in urls:
-                wait(lambda: _healthy(url), 600, "kvpool serve")
+            for url, proc in zip(urls, procs[1:]):
+                wait(lambda: _healthy(url), 600, "kvpool serve", proc)
         for url in urls:  # warm-up (kernels compile, first calls), prompts that are not in the trace
             asyncio.run(drive([url], args.served_model_name, warmup))
         names = ("preemptions", "prefix_hit_tokens")
@@ -205,9 +205,11 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def wait(predicate, timeout: float, what: str) -> None:
+def wait(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
+        if proc is not None and proc.poll() is not None:
+            raise SystemExit(f"{what} exited with status {proc.returncode} before it was ready")
         if time.monotonic() > deadline:
             raise SystemExit(f"{what} did not start in {timeout} s")
         time.sleep(0.2)
