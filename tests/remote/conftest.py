@@ -12,7 +12,7 @@ _TESTS = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(_TESTS / "tiers"))  # tierlib: the layout, block bytes
 sys.path.insert(0, str(_TESTS / "server"))  # procs: wait_for
 
-from redislib import Certs, RedisServer  # noqa: E402
+from redislib import Certs, RedisCluster, RedisServer  # noqa: E402
 from tierlib import BLOCK  # noqa: E402
 
 
@@ -48,11 +48,31 @@ def redis_server():
 
 
 @pytest.fixture
+def redis_cluster():
+    """``redis_cluster(tls=None, clients="optional")`` -> a started three-node ``RedisCluster``."""
+    if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
+        pytest.skip("needs redis-server and redis-cli (scripts/setup.sh installs them)")
+    clusters: list[RedisCluster] = []
+
+    def make(**kw) -> RedisCluster:
+        c = RedisCluster(**kw)
+        clusters.append(c)
+        return c.start()
+
+    yield make
+    for c in clusters:
+        c.stop()
+        shutil.rmtree(c.dir, ignore_errors=True)
+
+
+@pytest.fixture
 def node(daemon_factory, tmp_path):
-    """``node(redis, *extra)`` -> a daemon (one "machine") on ``redis``: its own socket, host and disk tiers."""
+    """``node(redis, *extra)`` -> a daemon (one "machine") on ``redis`` (a server, or a cluster with
+    ``--remote-cluster`` in ``extra``): its own socket, host and disk tiers."""
     count = [0]
 
-    def make(server: RedisServer, *extra: str, timeout: float = 2.0, pool_blocks: int = 128, start: bool = True):
+    def make(server: "RedisServer | RedisCluster", *extra: str, timeout: float = 2.0, pool_blocks: int = 128,
+             start: bool = True):
         count[0] += 1
         args = ["--backend", "cpu", "--pool-bytes", str(pool_blocks * BLOCK), "--chunk-bytes", "64KiB",
                 "--remote-url", server.url, "--remote-timeout", str(timeout), *extra]
