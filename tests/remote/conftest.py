@@ -67,15 +67,17 @@ def redis_cluster():
 
 @pytest.fixture
 def node(daemon_factory, tmp_path):
-    """``node(redis, *extra)`` -> a daemon (one "machine") on ``redis`` (a server, or a cluster with
+    """``node(redis, *extra, backend="cpu")`` -> a daemon (one "machine") on ``redis`` (a server, or a cluster with
     ``--remote-cluster`` in ``extra``): its own socket, host and disk tiers."""
     count = [0]
 
     def make(server: "RedisServer | RedisCluster", *extra: str, timeout: float = 2.0, pool_blocks: int = 128,
-             start: bool = True):
+             start: bool = True, backend: str = "cpu"):
         count[0] += 1
-        args = ["--backend", "cpu", "--pool-bytes", str(pool_blocks * BLOCK), "--chunk-bytes", "64KiB",
+        args = ["--backend", backend, "--pool-bytes", str(pool_blocks * BLOCK), "--chunk-bytes", "64KiB",
                 "--remote-url", server.url, "--remote-timeout", str(timeout), *extra]
+        if backend == "cuda":  # a pool of 128 small blocks: less than one 2 MiB VMM chunk (as tests/tiers)
+            args += ["--cuda-memory", "ipc"]
         return daemon_factory(*args, start=start)
 
     return make

@@ -13,9 +13,12 @@ class RedisServer:
     """A redis-server of its own (no persistence) on a Unix socket in a temporary directory; with ``tls``, also
     a TLS port on localhost (``url`` is then the ``rediss://`` one; the Unix socket stays plain)."""
 
-    def __init__(self, *args: str, tls: "Certs | None" = None, clients: str = "optional") -> None:
+    def __init__(self, *args: str, tls: "Certs | None" = None, clients: str = "optional",
+                 binary: str = "redis-server") -> None:
         """``args``: more redis-server options (``--requirepass``...); ``tls``: the server's certificates;
-        ``clients``: ``--tls-auth-clients`` (``yes``: a client certificate is required)."""
+        ``clients``: ``--tls-auth-clients`` (``yes``: a client certificate is required); ``binary``: the
+        program to start (e.g. ``.redis-bundle/run-redis-server.sh``, scripts/redis-bundle.sh)."""
+        self.binary = binary
         self.dir = tempfile.mkdtemp(prefix="kvpool-redis-")
         self.socket = os.path.join(self.dir, "redis.sock")
         self.url = f"unix://{self.socket}"
@@ -29,7 +32,7 @@ class RedisServer:
 
     def start(self) -> "RedisServer":
         self.proc = subprocess.Popen(
-            ["redis-server", "--port", "0", "--unixsocket", self.socket, "--unixsocketperm", "700",
+            [self.binary, "--port", "0", "--unixsocket", self.socket, "--unixsocketperm", "700",
              "--save", "", "--appendonly", "no", "--dir", self.dir, *self.args],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10

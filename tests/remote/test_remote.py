@@ -9,7 +9,7 @@ import pytest
 import kvpool
 from procs import wait_for
 from redislib import free_port
-from tierlib import BS, LAYOUT, check_sequence, prompt, write_sequence
+from tierlib import BACKENDS, BS, LAYOUT, check_sequence, prompt, write_sequence
 
 
 def remote_stats(c):
@@ -227,10 +227,12 @@ def test_a_redis_cluster_given_by_one_node_stores_and_serves_blocks(redis_cluste
         store.close()
 
 
-def test_a_prompt_written_through_node_a_is_a_hit_on_node_b_after_a_is_gone(redis_server, node):
-    """Node A writes a prompt and exits (SIGTERM): node B serves its prefix from Redis, byte for byte."""
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_prompt_written_through_node_a_is_a_hit_on_node_b_after_a_is_gone(redis_server, node, backend):
+    """Node A writes a prompt and exits (SIGTERM): node B serves its prefix from Redis, byte for byte (on the
+    GPU: A's blocks leave its device pool, B's arrive in its device pool)."""
     r = redis_server()
-    a, b = node(r), node(r)
+    a, b = node(r, backend=backend), node(r, backend=backend)
     toks = prompt(7, blocks=5, extra=3)
     with kvpool.connect(a.socket, name="a", layout=LAYOUT) as ca:
         write_prompt(ca, toks)
