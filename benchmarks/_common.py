@@ -15,19 +15,6 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def llama_3_2_1b_config():
-    """The published config of Llama-3.2-1B (``transformers.LlamaConfig``); benchmarks give it random weights."""
-    import transformers
-
-    return transformers.LlamaConfig(
-        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
-        rope_theta=500000.0, tie_word_embeddings=True, bos_token_id=128000, eos_token_id=128001,
-        rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 8192},
-    )
-
-
 def median_ns(fn, *, repeat: int = 15, number: int = 1000) -> float:
     """Median over ``repeat`` runs of the mean time of ``number`` calls, in ns."""
     samples = []

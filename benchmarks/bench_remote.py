@@ -236,9 +236,9 @@ def ttft_model(args):
         return model, {**SMALL_LLAMA, "dtype": "float32"}
     import transformers
 
-    from _common import llama_3_2_1b_config
+    from bench_serve import llama_1b_config
 
-    config = llama_3_2_1b_config()
+    config = llama_1b_config()
     torch.manual_seed(0)
     with torch.device(args.device):
         model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()

@@ -42,10 +42,23 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests" / "hf"))
 
-from _common import llama_3_2_1b_config, print_table, write_json  # noqa: E402
+from _common import print_table, write_json  # noqa: E402
 
 
 # -- the model -------------------------------------------------------------------------------------
+def llama_1b_config():
+    """The published config of Llama-3.2-1B (the weights are random wherever it is used)."""
+    import transformers
+
+    return transformers.LlamaConfig(
+        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
+        rope_theta=500000.0, tie_word_embeddings=True, bos_token_id=128000, eos_token_id=128001,
+        rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192},
+    )
+
+
 def build_model_dir(kind: str, out: str, device: str) -> str:
     """Save a random-weight model with ``save_pretrained``: the tiny test Llama, or Llama-3.2-1B's shape."""
     import torch
@@ -55,10 +68,10 @@ def build_model_dir(kind: str, out: str, device: str) -> str:
         from hf_models import make_model
 
         model = make_model("llama", max_position_embeddings=2048)
-    else:  # the published config of Llama-3.2-1B, weights random
+    else:
         torch.manual_seed(0)
         with torch.device(device):
-            model = transformers.LlamaForCausalLM(llama_3_2_1b_config()).to(torch.bfloat16)
+            model = transformers.LlamaForCausalLM(llama_1b_config()).to(torch.bfloat16)
     model.save_pretrained(out)
     return out
 
