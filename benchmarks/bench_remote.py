@@ -3,7 +3,7 @@
     python3 benchmarks/bench_remote.py [--prompts 8] [--blocks 32] [--writes 2000] [--repeats 7]
                                        [--ttft-prompts 3] [--ttft-tokens 4096] [--only all|raw|ttft]
     python3 benchmarks/bench_remote.py --only raw --tls   # part 3 over rediss://
-    python3 benchmarks/bench_remote.py --only ttft --device cuda --redis-server .redis-bundle/run-redis-server.sh
+    python3 benchmarks/bench_remote.py --only ttft --device cuda --redis-server .redis-bundle/bin/redis-server
 
 Needs ``redis-server`` (started here on a Unix socket, no persistence; ``--redis-server`` names another,
 e.g. the bundle that scripts/redis-bundle.sh makes for a machine without one).
@@ -356,7 +356,7 @@ def main() -> None:
                     help="the TTFT part's model: a 4-layer float32 Llama (the CPU's default) or Llama-3.2-1B's "
                          "shape in bfloat16 (the GPU's default); random weights either way")
     ap.add_argument("--redis-server", default="redis-server",
-                    help="the redis-server to start, e.g. .redis-bundle/run-redis-server.sh (scripts/redis-bundle.sh)")
+                    help="the redis-server to start, e.g. .redis-bundle/bin/redis-server (scripts/redis-bundle.sh)")
     args = ap.parse_args()
     if args.tls and args.only != "raw":
         ap.error("--tls goes with --only raw")

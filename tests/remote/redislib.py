@@ -17,7 +17,7 @@ class RedisServer:
                  binary: str = "redis-server") -> None:
         """``args``: more redis-server options (``--requirepass``...); ``tls``: the server's certificates;
         ``clients``: ``--tls-auth-clients`` (``yes``: a client certificate is required); ``binary``: the
-        program to start (e.g. ``.redis-bundle/run-redis-server.sh``, scripts/redis-bundle.sh)."""
+        program to start (e.g. ``.redis-bundle/bin/redis-server``, made by scripts/redis-bundle.sh)."""
         self.binary = binary
         self.dir = tempfile.mkdtemp(prefix="kvpool-redis-")
         self.socket = os.path.join(self.dir, "redis.sock")
