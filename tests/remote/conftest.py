@@ -24,50 +24,41 @@ def certs(tmp_path_factory):
     return Certs(str(tmp_path_factory.mktemp("certs")))
 
 
-@pytest.fixture
-def redis_server():
-    """``redis_server(*args, tls=None, clients="optional")`` -> a started ``RedisServer``."""
-    if shutil.which("redis-server") is None:
-        pytest.skip("needs redis-server (scripts/setup.sh installs it)")
-    servers: list[RedisServer] = []
+def _redis_processes(kind, binaries: tuple[str, ...]):
+    """A fixture's body: ``make(*args, **kw)`` starts a ``kind`` (``RedisServer`` or ``RedisCluster``), all of
+    them stopped and their files removed at the end. A redis-server that will not start with TLS (built
+    without it) skips the test."""
+    missing = [b for b in binaries if shutil.which(b) is None]
+    if missing:
+        pytest.skip(f"needs {' and '.join(missing)} (scripts/setup.sh installs them)")
+    started: list = []
 
-    def make(*args: str, **kw) -> RedisServer:
-        s = RedisServer(*args, **kw)
-        servers.append(s)
+    def make(*args: str, **kw):
+        r = kind(*args, **kw)
+        started.append(r)
         try:
-            return s.start()
+            return r.start()
         except RuntimeError as exc:
             if kw.get("tls") is None:
                 raise
             pytest.skip(f"this redis-server does not start with TLS (built without it?): {exc}")
 
     yield make
-    for s in servers:
-        s.stop()
-        shutil.rmtree(s.dir, ignore_errors=True)
+    for r in started:
+        r.stop()
+        shutil.rmtree(r.dir, ignore_errors=True)
+
+
+@pytest.fixture
+def redis_server():
+    """``redis_server(*args, tls=None, clients="optional")`` -> a started ``RedisServer``."""
+    yield from _redis_processes(RedisServer, ("redis-server",))
 
 
 @pytest.fixture
 def redis_cluster():
     """``redis_cluster(tls=None, clients="optional")`` -> a started three-node ``RedisCluster``."""
-    if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
-        pytest.skip("needs redis-server and redis-cli (scripts/setup.sh installs them)")
-    clusters: list[RedisCluster] = []
-
-    def make(**kw) -> RedisCluster:
-        c = RedisCluster(**kw)
-        clusters.append(c)
-        try:
-            return c.start()
-        except RuntimeError as exc:
-            if kw.get("tls") is None:
-                raise
-            pytest.skip(f"this redis-server does not run a TLS cluster (built without TLS?): {exc}")
-
-    yield make
-    for c in clusters:
-        c.stop()
-        shutil.rmtree(c.dir, ignore_errors=True)
+    yield from _redis_processes(RedisCluster, ("redis-server", "redis-cli"))
 
 
 @pytest.fixture
