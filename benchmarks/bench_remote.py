@@ -3,8 +3,10 @@
     python3 benchmarks/bench_remote.py [--prompts 8] [--blocks 32] [--writes 2000] [--repeats 7]
                                        [--ttft-prompts 3] [--ttft-tokens 4096] [--only all|raw|ttft]
     python3 benchmarks/bench_remote.py --only raw --tls   # part 3 over rediss://
+    python3 benchmarks/bench_remote.py --only ttft --device cuda --redis-server .redis-bundle/bin/redis-server
 
-Needs ``redis-server`` (started here on a Unix socket, no persistence).
+Needs ``redis-server`` (started here on a Unix socket, no persistence; ``--redis-server`` names another,
+e.g. the bundle that scripts/redis-bundle.sh makes for a machine without one).
 
 1. **Cross-node prefix hit.**  Node A (a kvpoold) creates, writes and frees
    ``--prompts`` prompts of ``--blocks`` blocks (512 KiB each: a small
@@ -26,13 +28,19 @@ Needs ``redis-server`` (started here on a Unix socket, no persistence).
    blocks, interleaved, median of ``--repeats``; the ratio (tier / raw) is the
    share of the client's bandwidth the tier keeps.
 4. **Time to first token, prompt found in Redis vs computed.**  A Llama-shaped
-   random model (4 layers, hidden 512, 8 heads over 2 KV heads, head_dim 64,
-   float32) through ``kvpool.hf.PagedModel`` on the CPU backend.  Node A
+   random model through ``kvpool.hf.PagedModel``: on the CPU backend
+   (``--device cpu``) a small one (4 layers, hidden 512, 8 heads over 2 KV
+   heads, head_dim 64, float32); on the GPU (``--device cuda``: CUDA daemons,
+   the model on the GPU) Llama-3.2-1B's shape in bfloat16 (16 layers, 32 heads
+   over 8 KV heads, head_dim 64: 512 KiB per block of 16 tokens, 128 MiB of KV
+   per 4096-token prompt); ``--ttft-model`` picks either anywhere.  Node A
    (remote tier) prefills ``--ttft-prompts`` prompts of ``--ttft-tokens``
-   tokens; once its remote write queue is empty, node B (same Redis, empty
+   tokens, one at a time until Redis holds each; node B (same Redis, empty
    local tiers) times ``generate([prompt], max_new_tokens=1)`` (the prefix
    comes from Redis, only the last query is computed) against the same on a
-   node C without a remote tier (the whole prefill), interleaved.
+   node C without a remote tier (the whole prefill), interleaved, after one
+   warm-up of each.  Also reported: B's mean remote fetch time, and whether B
+   and C choose the same first token (and their largest logit difference).
 """
 
 from __future__ import annotations
@@ -212,73 +220,116 @@ def tier_vs_raw(redis, block_bytes: int, blocks: int, repeats: int, tls_ca: str 
         raw.close()
 
 
+SMALL_LLAMA = dict(num_hidden_layers=4, hidden_size=512, intermediate_size=1024, num_attention_heads=8,
+                   num_key_value_heads=2, head_dim=64, vocab_size=256)
+
+
+def ttft_model(args):
+    """The TTFT part's model (random weights, on ``args.device``) and a description of it for the JSON."""
+    import torch
+
+    if args.ttft_model == "small":
+        from hf_models import make_model
+
+        geometry = {**SMALL_LLAMA, "max_position_embeddings": max(8192, 2 * args.ttft_tokens)}
+        model = make_model("llama", seed=0, device=args.device, **geometry)
+        return model, {**SMALL_LLAMA, "dtype": "float32"}
+    import transformers
+
+    from bench_serve import llama_1b_config
+
+    config = llama_1b_config()
+    torch.manual_seed(0)
+    with torch.device(args.device):
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    keys = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+            "head_dim", "vocab_size")
+    return model, {"name": "Llama-3.2-1B shape, random weights", **{k: getattr(config, k) for k in keys},
+                   "dtype": "bfloat16"}
+
+
 def ttft(redis, args) -> dict:
     """TTFT of a 4k-token prompt whose KV is in Redis (node B) vs computed (node C)."""
     import torch
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "hf"))
     from conftest import Daemon
-    from hf_models import make_model
 
     from kvpool.hf import PagedModel
 
-    geometry = dict(num_hidden_layers=4, hidden_size=512, intermediate_size=1024, num_attention_heads=8,
-                    num_key_value_heads=2, head_dim=64, vocab_size=256,
-                    max_position_embeddings=max(8192, 2 * args.ttft_tokens))
-    common = ["--backend", "cpu", "--pool-bytes", "512MiB", "--chunk-bytes", "2MiB", "--log-level", "warning"]
-    remote = ["--remote-url", redis.url, "--remote-timeout", "5"]
-    a, b, c = Daemon(*common, *remote).start(), Daemon(*common, *remote).start(), Daemon(*common).start()
+    model, described = ttft_model(args)
+    vocab = model.config.vocab_size
+    if args.device == "cuda":
+        common = ["--backend", "cuda", "--pool-bytes", "4GiB", "--chunk-bytes", "2MiB", "--log-level", "warning"]
+    else:
+        common = ["--backend", "cpu", "--pool-bytes", "512MiB", "--chunk-bytes", "2MiB", "--log-level", "warning"]
+    # a hit's blocks must all arrive (up to 128 MiB for the 1B shape) for the time to mean anything
+    remote = ["--remote-url", redis.url, "--remote-timeout", "30"]
+    up = 120 if args.device == "cuda" else 30  # seconds to start: a CUDA daemon's first start loads CUDA and CuPy
+    a, b, c = (Daemon(*common, *remote).start(up), Daemon(*common, *remote).start(up), Daemon(*common).start(up))
     rng = np.random.default_rng(4096)
-    prompts = [rng.integers(0, 256, args.ttft_tokens).tolist() for _ in range(args.ttft_prompts)]
+    prompts = [rng.integers(0, vocab, args.ttft_tokens).tolist() for _ in range(args.ttft_prompts)]
+    # the warm-up prompt: as long as the timed ones on the GPU, whose kernels are compiled on first use of a
+    # shape; short on the CPU, where a prefill of the full length would cost seconds for nothing
+    warm_tokens = args.ttft_tokens if args.device == "cuda" else 3 * BLOCK_SIZE + 5
+    warm = rng.integers(0, vocab, warm_tokens).tolist()
     model_id = "bench-remote-ttft"
 
     def paged(d):
-        return PagedModel.connect(make_model("llama", seed=0, **geometry), d.socket, name=model_id,
-                                  model_id=model_id, block_size=BLOCK_SIZE)
+        return PagedModel.connect(model, d.socket, name=model_id, model_id=model_id, block_size=BLOCK_SIZE)
+
+    def remote_stats(pm):
+        return pm.client.stats().remote[0]
 
     try:
         with torch.no_grad():
-            warm = rng.integers(0, 256, 3 * BLOCK_SIZE + 5).tolist()
             pa = paged(a)
-            pa.generate([warm], max_new_tokens=1)  # warm-up: first calls of the model and the pool, off the clock
             a_prefill = []
-            for p in prompts:
+            written = 0
+            for p in [warm, *prompts]:
                 t0 = time.perf_counter()
                 seqs, _ = pa.prefill([p])  # marks the prompt written: write-behind to Redis
                 a_prefill.append(time.perf_counter() - t0)
                 pa.free(seqs)
-            blocks = 3 + args.ttft_prompts * (args.ttft_tokens // BLOCK_SIZE)  # the warm-up's 3 blocks too
-            wait(lambda: (lambda r: r.blocks_written >= blocks and r.write_queue_blocks == 0)(
-                pa.client.stats().remote[0]))
-            ra = pa.client.stats().remote[0]
+                # one prompt at a time reaches Redis: all of them at once could pass the write queue's bound
+                written += len(p) // BLOCK_SIZE
+                wait(lambda: (lambda r: r.blocks_written >= written and r.write_queue_blocks == 0)(remote_stats(pa)))
+            ra = remote_stats(pa)
+            assert ra.write_dropped == 0 and ra.failures == 0, ra
             block_bytes = ra.bytes_written // ra.blocks_written
-            pa.client.close()
+            pa.close()
             pb_, pc = paged(b), paged(c)
-            for pm in (pb_, pc):  # warm-up: first calls of the model and the pool, off the clock
+            for pm in (pb_, pc):  # warm-up, off the clock: B's from Redis, C's computed
                 pm.generate([warm], max_new_tokens=1)
-            hit, full, cached, answers = [], [], [], []
-            for p in prompts:
+            before = remote_stats(pb_)
+            hit, full, cached, answers, diffs = [], [], [], [], []
+            for p in prompts:  # interleaved: noise falls on both
                 t0 = time.perf_counter()
-                g = pb_.generate([p], max_new_tokens=1)
+                g = pb_.generate([p], max_new_tokens=1, output_logits=True)
                 hit.append(time.perf_counter() - t0)
                 cached.append(g.num_cached_tokens[0])
                 t0 = time.perf_counter()
-                h = pc.generate([p], max_new_tokens=1)
+                h = pc.generate([p], max_new_tokens=1, output_logits=True)
                 full.append(time.perf_counter() - t0)
                 answers.append(g.tokens[0] == h.tokens[0])
-            rs = pb_.client.stats().remote[0]
-            pb_.client.close()
-            pc.client.close()
+                diffs.append((g.logits[0] - h.logits[0]).abs().max().item())
+            rs = remote_stats(pb_)
+            pb_.close()
+            pc.close()
+        lookups = rs.lookups - before.lookups
         return {
-            "model": {k: v for k, v in geometry.items() if k != "max_position_embeddings"} | {"dtype": "float32"},
-            "prompt_tokens": args.ttft_tokens, "prompts": args.ttft_prompts, "torch_threads": torch.get_num_threads(),
-            "block_bytes_stored": block_bytes,
-            "node_a_prefill_s": statistics.median(a_prefill),
+            "device": args.device, "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
+            "model": described, "prompt_tokens": args.ttft_tokens, "prompts": args.ttft_prompts,
+            "torch_threads": torch.get_num_threads(), "block_bytes_stored": block_bytes,
+            "prompt_bytes_stored": block_bytes * (args.ttft_tokens // BLOCK_SIZE),
+            "node_a_prefill_s": statistics.median(a_prefill[1:]),
             "remote_hit_ttft_s": statistics.median(hit), "full_prefill_ttft_s": statistics.median(full),
             "speedup": statistics.median(full) / statistics.median(hit),
             "remote_hit_ttft_all_s": hit, "full_prefill_ttft_all_s": full,
-            "cached_tokens": cached, "same_first_token": all(answers),
-            "node_b_remote_hit_blocks": rs.hit_blocks, "node_b_bytes_read": rs.bytes_read,
+            "node_b_fetch_s_mean": (rs.fetch_seconds - before.fetch_seconds) / max(1, lookups),
+            "cached_tokens": cached, "same_first_token": all(answers), "max_abs_logit_diff": max(diffs),
+            "node_b_remote_hit_blocks": rs.hit_blocks - before.hit_blocks,
+            "node_b_bytes_read": rs.bytes_read - before.bytes_read,
         }
     finally:
         for d in (a, b, c):
@@ -298,15 +349,26 @@ def main() -> None:
     ap.add_argument("--tls", action="store_true",
                     help="with --only raw: the tier and the raw client over TLS (rediss://, a throwaway CA made "
                          "with the openssl command; JSON: tier_vs_raw_tls)")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="the TTFT part's daemons (--backend) and model; cuda goes with --only ttft "
+                         "(JSON: results/remote_cuda.json)")
+    ap.add_argument("--ttft-model", choices=["small", "llama-3.2-1b"], default=None,
+                    help="the TTFT part's model: a 4-layer float32 Llama (the CPU's default) or Llama-3.2-1B's "
+                         "shape in bfloat16 (the GPU's default); random weights either way")
+    ap.add_argument("--redis-server", default="redis-server",
+                    help="the redis-server to start, e.g. .redis-bundle/bin/redis-server (scripts/redis-bundle.sh)")
     args = ap.parse_args()
     if args.tls and args.only != "raw":
         ap.error("--tls goes with --only raw")
+    if args.device == "cuda" and args.only != "ttft":
+        ap.error("--device cuda goes with --only ttft")
+    args.ttft_model = args.ttft_model or ("llama-3.2-1b" if args.device == "cuda" else "small")
     import tempfile
 
     from redislib import Certs, RedisServer
 
     certs = Certs(tempfile.mkdtemp(prefix="kvpool-bench-certs-")) if args.tls else None
-    redis = RedisServer(tls=certs).start()
+    redis = RedisServer(tls=certs, binary=args.redis_server).start()
     results: dict = {}
     try:
         if args.only == "all":
@@ -347,11 +409,20 @@ def main() -> None:
                     rows)
     if "ttft" in results:
         t = results["ttft"]
-        print_table(f"time to first token, {t['prompt_tokens']}-token prompt (median of {t['prompts']})",
+        where = t["gpu"] or "CPU"
+        print_table(f"time to first token, {t['prompt_tokens']}-token prompt, {t['model'].get('name', 'small Llama')} "
+                    f"{t['model']['dtype']} on {where} (median of {t['prompts']}; "
+                    f"{t['prompt_bytes_stored'] / 2**20:.0f} MiB of KV per prompt in Redis)",
                     ["node", "TTFT s", "cached tokens"],
                     [["B: prefix from Redis", f"{t['remote_hit_ttft_s']:.3f}", str(min(t["cached_tokens"]))],
+                     ["  of which the remote fetch (mean)", f"{t['node_b_fetch_s_mean']:.3f}", ""],
                      ["C: no remote tier (full prefill)", f"{t['full_prefill_ttft_s']:.3f}", "0"],
-                     ["speedup (C / B)", f"{t['speedup']:.1f}x", ""]])
+                     ["speedup (C / B)", f"{t['speedup']:.2f}x", ""]])
+        print(f"same first token: {t['same_first_token']}; "
+              f"max |logit difference| B vs C: {t['max_abs_logit_diff']:.3g}")
+    if args.device == "cuda":  # a file of its own: the CPU figures stay as they are
+        write_json("remote_cuda", results)
+        return
     if args.only != "all":  # keep the other parts of the last full run
         import json
 

@@ -12,7 +12,7 @@ _TESTS = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(_TESTS / "tiers"))  # tierlib: the layout, block bytes
 sys.path.insert(0, str(_TESTS / "server"))  # procs: wait_for
 
-from redislib import Certs, RedisServer  # noqa: E402
+from redislib import Certs, RedisCluster, RedisServer  # noqa: E402
 from tierlib import BLOCK  # noqa: E402
 
 
@@ -24,38 +24,56 @@ def certs(tmp_path_factory):
     return Certs(str(tmp_path_factory.mktemp("certs")))
 
 
-@pytest.fixture
-def redis_server():
-    """``redis_server(*args, tls=None, clients="optional")`` -> a started ``RedisServer``."""
-    if shutil.which("redis-server") is None:
-        pytest.skip("needs redis-server (scripts/setup.sh installs it)")
-    servers: list[RedisServer] = []
+def _redis_processes(kind, binaries: tuple[str, ...]):
+    """A fixture's body: ``make(*args, **kw)`` starts a ``kind`` (``RedisServer`` or ``RedisCluster``), all of
+    them stopped and their files removed at the end. A redis-server that will not start with TLS (built
+    without it) skips the test."""
+    missing = [b for b in binaries if shutil.which(b) is None]
+    if missing:
+        pytest.skip(f"needs {' and '.join(missing)} (scripts/setup.sh installs them)")
+    started: list = []
 
-    def make(*args: str, **kw) -> RedisServer:
-        s = RedisServer(*args, **kw)
-        servers.append(s)
+    def make(*args: str, **kw):
+        r = kind(*args, **kw)
+        started.append(r)
         try:
-            return s.start()
+            return r.start()
         except RuntimeError as exc:
             if kw.get("tls") is None:
                 raise
             pytest.skip(f"this redis-server does not start with TLS (built without it?): {exc}")
 
     yield make
-    for s in servers:
-        s.stop()
-        shutil.rmtree(s.dir, ignore_errors=True)
+    for r in started:
+        r.stop()
+        shutil.rmtree(r.dir, ignore_errors=True)
+
+
+@pytest.fixture
+def redis_server():
+    """``redis_server(*args, tls=None, clients="optional")`` -> a started ``RedisServer``."""
+    yield from _redis_processes(RedisServer, ("redis-server",))
+
+
+@pytest.fixture
+def redis_cluster():
+    """``redis_cluster(tls=None, clients="optional")`` -> a started three-node ``RedisCluster``."""
+    yield from _redis_processes(RedisCluster, ("redis-server", "redis-cli"))
 
 
 @pytest.fixture
 def node(daemon_factory, tmp_path):
-    """``node(redis, *extra)`` -> a daemon (one "machine") on ``redis``: its own socket, host and disk tiers."""
+    """``node(redis, *extra, backend="cpu")`` -> a daemon (one "machine") on ``redis`` (a server, or a cluster with
+    ``--remote-cluster`` in ``extra``): its own socket, host and disk tiers."""
     count = [0]
 
-    def make(server: RedisServer, *extra: str, timeout: float = 2.0, pool_blocks: int = 128, start: bool = True):
+    def make(server: "RedisServer | RedisCluster", *extra: str, timeout: float = 2.0, pool_blocks: int = 128,
+             start: bool = True, backend: str = "cpu"):
         count[0] += 1
-        args = ["--backend", "cpu", "--pool-bytes", str(pool_blocks * BLOCK), "--chunk-bytes", "64KiB",
+        args = ["--backend", backend, "--pool-bytes", str(pool_blocks * BLOCK), "--chunk-bytes", "64KiB",
                 "--remote-url", server.url, "--remote-timeout", str(timeout), *extra]
+        if backend == "cuda":  # a pool of 128 small blocks: less than one 2 MiB VMM chunk (as tests/tiers)
+            args += ["--cuda-memory", "ipc"]
         return daemon_factory(*args, start=start)
 
     return make

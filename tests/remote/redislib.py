@@ -13,9 +13,12 @@ class RedisServer:
     """A redis-server of its own (no persistence) on a Unix socket in a temporary directory; with ``tls``, also
     a TLS port on localhost (``url`` is then the ``rediss://`` one; the Unix socket stays plain)."""
 
-    def __init__(self, *args: str, tls: "Certs | None" = None, clients: str = "optional") -> None:
+    def __init__(self, *args: str, tls: "Certs | None" = None, clients: str = "optional",
+                 binary: str = "redis-server") -> None:
         """``args``: more redis-server options (``--requirepass``...); ``tls``: the server's certificates;
-        ``clients``: ``--tls-auth-clients`` (``yes``: a client certificate is required)."""
+        ``clients``: ``--tls-auth-clients`` (``yes``: a client certificate is required); ``binary``: the
+        program to start (e.g. ``.redis-bundle/bin/redis-server``, made by scripts/redis-bundle.sh)."""
+        self.binary = binary
         self.dir = tempfile.mkdtemp(prefix="kvpool-redis-")
         self.socket = os.path.join(self.dir, "redis.sock")
         self.url = f"unix://{self.socket}"
@@ -29,7 +32,7 @@ class RedisServer:
 
     def start(self) -> "RedisServer":
         self.proc = subprocess.Popen(
-            ["redis-server", "--port", "0", "--unixsocket", self.socket, "--unixsocketperm", "700",
+            [self.binary, "--port", "0", "--unixsocket", self.socket, "--unixsocketperm", "700",
              "--save", "", "--appendonly", "no", "--dir", self.dir, *self.args],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
@@ -48,6 +51,9 @@ class RedisServer:
 
         password = self.args[self.args.index("--requirepass") + 1] if "--requirepass" in self.args else None
         return redis.Redis(unix_socket_path=self.socket, socket_timeout=5, password=password)
+
+    def keys(self, pattern: str) -> list[bytes]:
+        return self.client().keys(pattern)
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -81,38 +87,76 @@ def free_port() -> int:
 
 
 class RedisCluster:
-    """Three redis-server masters on localhost TCP ports, joined into one Redis Cluster."""
+    """Three redis-server masters on localhost TCP ports, joined into one Redis Cluster; with ``tls``, every node
+    listens with TLS only (its client port and its cluster bus) and ``url`` is a ``rediss://`` one."""
 
-    def __init__(self) -> None:
+    def __init__(self, tls: "Certs | None" = None, clients: str = "optional") -> None:
+        """``tls``: the nodes' certificates; ``clients``: ``--tls-auth-clients`` (``yes``: a client certificate
+        is required, also of the nodes among themselves and of redis-cli)."""
         self.dir = tempfile.mkdtemp(prefix="kvpool-redis-cluster-")
         self.ports = [free_port() for _ in range(3)]
-        self.url = f"redis://127.0.0.1:{self.ports[0]}/0"
+        self.tls = tls
+        self.clients = clients
+        self.url = f"{'rediss' if tls else 'redis'}://127.0.0.1:{self.ports[0]}/0"
         self.procs: list[subprocess.Popen] = []
+
+    def _port_args(self, port: int) -> list[str]:
+        if self.tls is None:
+            return ["--port", str(port)]
+        t = self.tls
+        return ["--port", "0", "--tls-port", str(port), "--tls-cluster", "yes", "--tls-cert-file", t.server_cert,
+                "--tls-key-file", t.server_key, "--tls-ca-cert-file", t.ca, "--tls-auth-clients", self.clients,
+                # the bus: a node is the client of the others, with the same certificate
+                "--tls-client-cert-file", t.server_cert, "--tls-client-key-file", t.server_key]
+
+    def cli(self, *args: str) -> list[str]:
+        """A redis-cli command line that reaches the nodes (with the client certificate under TLS)."""
+        if self.tls is None:
+            return ["redis-cli", *args]
+        t = self.tls
+        return ["redis-cli", "--tls", "--cacert", t.ca, "--cert", t.client_cert, "--key", t.client_key, *args]
 
     def start(self) -> "RedisCluster":
         for port in self.ports:
             d = os.path.join(self.dir, str(port))
             os.makedirs(d)
             self.procs.append(subprocess.Popen(
-                ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
+                ["redis-server", *self._port_args(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
                  "--cluster-config-file", "nodes.conf", "--save", "", "--appendonly", "no", "--dir", d],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         nodes = [f"127.0.0.1:{p}" for p in self.ports]
         deadline = time.monotonic() + 20
         while True:
-            out = subprocess.run(["redis-cli", "--cluster", "create", *nodes, "--cluster-replicas", "0",
-                                  "--cluster-yes"], capture_output=True, text=True)
+            for p in self.procs:
+                if p.poll() is not None:
+                    raise RuntimeError(f"a cluster node exited with {p.returncode} (TLS: {self.tls is not None})")
+            out = subprocess.run(self.cli("--cluster", "create", *nodes, "--cluster-replicas", "0",
+                                          "--cluster-yes"), capture_output=True, text=True)
             if out.returncode == 0:
                 break
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the cluster did not form: {out.stdout[-500:]} {out.stderr[-500:]}")
             time.sleep(0.2)
-        while subprocess.run(["redis-cli", "-p", str(self.ports[0]), "cluster", "info"], capture_output=True,
-                             text=True).stdout.find("cluster_state:ok") < 0:
+        while subprocess.run(self.cli("-h", "127.0.0.1", "-p", str(self.ports[0]), "cluster", "info"),
+                             capture_output=True, text=True).stdout.find("cluster_state:ok") < 0:
             if time.monotonic() > deadline:
                 raise RuntimeError("the cluster is not ok")
             time.sleep(0.1)
         return self
+
+    def keys(self, pattern: str) -> list[bytes]:
+        """The keys matching ``pattern`` on all nodes (asked with redis-cli, so a TLS cluster needs no client
+        of the test's own)."""
+        return [k for port in self.ports for k in self._keys(port, pattern)]
+
+    def _keys(self, port: int, pattern: str) -> list[bytes]:
+        out = subprocess.run(self.cli("-h", "127.0.0.1", "-p", str(port), "--raw", "keys", pattern),
+                             capture_output=True, check=True)
+        return [k for k in out.stdout.split(b"\n") if k]
+
+    def nodes_with_keys(self, pattern: str) -> int:
+        """How many nodes hold a key matching ``pattern``."""
+        return sum(1 for port in self.ports if self._keys(port, pattern))
 
     def stop(self) -> None:
         for p in self.procs:

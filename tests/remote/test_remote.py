@@ -9,7 +9,7 @@ import pytest
 import kvpool
 from procs import wait_for
 from redislib import free_port
-from tierlib import BS, LAYOUT, check_sequence, prompt, write_sequence
+from tierlib import BACKENDS, BS, LAYOUT, check_sequence, prompt, write_sequence
 
 
 def remote_stats(c):
@@ -208,17 +208,12 @@ def test_evict_writes_only_blocks_leaving_the_last_local_tier_and_they_come_back
         check_sequence(ca, s, toks, blocks=3)
 
 
-def test_a_redis_cluster_given_by_one_node_stores_and_serves_blocks():
-    import shutil
-
+def test_a_redis_cluster_given_by_one_node_stores_and_serves_blocks(redis_cluster):
     import numpy as np
 
     from kvpoold.transfer.remote import Namespace, RemoteSettings, RemoteStore
-    from redislib import RedisCluster
 
-    if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
-        pytest.skip("needs redis-server and redis-cli (scripts/setup.sh installs them)")
-    cluster = RedisCluster().start()
+    cluster = redis_cluster()
     store = RemoteStore(RemoteSettings(cluster.url, cluster=True))
     try:
         ns = Namespace("kvpool", "a layout", 4096)
@@ -230,13 +225,14 @@ def test_a_redis_cluster_given_by_one_node_stores_and_serves_blocks():
         assert store.failures == 0 and store.state == "connected"
     finally:
         store.close()
-        cluster.stop()
 
 
-def test_a_prompt_written_through_node_a_is_a_hit_on_node_b_after_a_is_gone(redis_server, node):
-    """Node A writes a prompt and exits (SIGTERM): node B serves its prefix from Redis, byte for byte."""
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_prompt_written_through_node_a_is_a_hit_on_node_b_after_a_is_gone(redis_server, node, backend):
+    """Node A writes a prompt and exits (SIGTERM): node B serves its prefix from Redis, byte for byte (on the
+    GPU: A's blocks leave its device pool, B's arrive in its device pool)."""
     r = redis_server()
-    a, b = node(r), node(r)
+    a, b = node(r, backend=backend), node(r, backend=backend)
     toks = prompt(7, blocks=5, extra=3)
     with kvpool.connect(a.socket, name="a", layout=LAYOUT) as ca:
         write_prompt(ca, toks)

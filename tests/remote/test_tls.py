@@ -18,46 +18,62 @@ from test_remote import remote_stats, write_prompt
 from tierlib import BS, LAYOUT, check_sequence, prompt
 
 
-def test_a_prompt_written_over_mutual_tls_through_node_a_is_a_hit_on_node_b(redis_server, node, certs, tmp_path):
-    r = redis_server("--requirepass", "s3cret", tls=certs, clients="yes")  # a client certificate is required
-    secret = tmp_path / "redis.password"
-    secret.write_text("s3cret\n")
-    tls = ["--remote-tls-ca", certs.ca, "--remote-tls-cert", certs.client_cert, "--remote-tls-key", certs.client_key,
-           "--remote-password-file", str(secret)]
+@pytest.mark.parametrize("where", ["server", "cluster"])
+def test_a_prompt_written_over_mutual_tls_through_node_a_is_a_hit_on_node_b(where, redis_server, redis_cluster, node,
+                                                                            certs, tmp_path):
+    tls = ["--remote-tls-ca", certs.ca, "--remote-tls-cert", certs.client_cert, "--remote-tls-key", certs.client_key]
+    if where == "server":
+        r = redis_server("--requirepass", "s3cret", tls=certs, clients="yes")  # a client certificate is required
+        secret = tmp_path / "redis.password"
+        secret.write_text("s3cret\n")
+        tls += ["--remote-password-file", str(secret)]
+        blocks = 4
+    else:
+        r = redis_cluster(tls=certs, clients="yes")  # three TLS-only nodes that require client certificates
+        tls.append("--remote-cluster")
+        blocks = 12  # keys in the three nodes' slots
     a, b = node(r, *tls), node(r, *tls)
-    toks = prompt(11, blocks=4, extra=3)
+    toks = prompt(11, blocks=blocks, extra=3)
     with kvpool.connect(a.socket, name="a", layout=LAYOUT) as ca:
         write_prompt(ca, toks)
-        assert wait_for(lambda: remote_stats(ca).blocks_written >= 4)
+        assert wait_for(lambda: remote_stats(ca).blocks_written >= blocks)
         rs = remote_stats(ca)
         assert rs.state == "connected" and rs.url.startswith("rediss://") and rs.failures == 0
-    assert len(r.client().keys("kvpool:*")) == 4  # on the server (seen through its plain Unix socket)
+    assert len(r.keys("kvpool:*")) == blocks  # on the server (seen through its plain Unix socket, or redis-cli)
     with kvpool.connect(b.socket, name="b", layout=LAYOUT) as cb:
         s = cb.create_sequence(toks)
-        assert s.num_cached_tokens == 4 * BS
+        assert s.num_cached_tokens == blocks * BS
         cb.wait(s)
-        check_sequence(cb, s, toks, blocks=4)  # node A's bytes, byte for byte
+        check_sequence(cb, s, toks, blocks=blocks)  # node A's bytes, byte for byte
         rs = remote_stats(cb)
-        assert rs.hit_blocks == 4 and rs.bytes_read > 4 * 4096 and rs.failures == 0
+        assert rs.hit_blocks == blocks and rs.bytes_read > blocks * 4096 and rs.failures == 0
+        cb.free(s)
+        ok, detail = cb._conn.check()
+        assert ok, detail
+    if where == "cluster":
+        assert r.nodes_with_keys("kvpool:*") >= 2  # the keys really live on several nodes
     assert "s3cret" not in a.output() + b.output()
 
 
-def test_a_wrong_ca_fails_the_remote_tier_and_local_serving_goes_on(redis_server, node, certs):
-    r = redis_server(tls=certs)
-    a = node(r, "--remote-tls-ca", certs.other_ca)  # a CA that did not sign the server's certificate
+@pytest.mark.parametrize("where", ["server", "cluster"])
+def test_a_wrong_ca_fails_the_remote_tier_and_local_serving_goes_on(where, redis_server, redis_cluster, node, certs):
+    r, extra = (redis_server(tls=certs), ()) if where == "server" else (redis_cluster(tls=certs), ("--remote-cluster",))
+    a = node(r, *extra, "--remote-tls-ca", certs.other_ca)  # a CA that did not sign the server's certificate
     toks = prompt(12, blocks=3)
     with kvpool.connect(a.socket, name="a", layout=LAYOUT) as ca:
         assert wait_for(lambda: remote_stats(ca).state in ("backoff", "retrying"))
         rs = remote_stats(ca)
-        assert rs.failures >= 1 and "certificate" in rs.last_error and certs.other_ca in rs.last_error
+        assert rs.failures >= 1 and "not signed by a trusted CA" in rs.last_error and certs.other_ca in rs.last_error
         write_prompt(ca, toks)  # creates, writes and local hits go on
         s = ca.create_sequence(toks)
         assert s.num_cached_tokens == 3 * BS
         check_sequence(ca, s, toks, blocks=3)
         ca.free(s)
         assert ca.create_sequence(prompt(13, blocks=2)).num_cached_tokens == 0  # a miss: answered all the same
-        assert remote_stats(ca).blocks_written == 0 and remote_stats(ca).state in ("backoff", "retrying")
-    assert r.client().keys("kvpool:*") == []
+        rs = remote_stats(ca)
+        assert rs.blocks_written == 0 and rs.state in ("backoff", "retrying") and rs.failures >= 1
+    assert "not signed by a trusted CA" in a.output()  # the operator is told why in the log too
+    assert r.keys("kvpool:*") == []
 
 
 def test_a_plain_server_or_a_missing_client_certificate_behind_rediss_is_a_clear_failure(redis_server, certs):
