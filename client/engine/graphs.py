@@ -68,7 +68,8 @@ class GraphRunner(StepRunner):
         if entry is None:
             entry = self._graphs[size] = self._capture(size)
         graph, logits = entry
-        graph.replay()
+        with torch.cuda.device(self.model.device):  # the model's GPU, whichever is current
+            graph.replay()
         return logits[:num_seqs]
 
     def capture_all(self) -> None:
@@ -112,10 +113,12 @@ class GraphRunner(StepRunner):
         self.run_eager(size, size, capacity, decode=True)
         torch.cuda.synchronize(self.model.device)
         if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
+            with torch.cuda.device(self.model.device):
+                self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         # thread_local: the serving thread captures while other threads (HTTP, gRPC) run on
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+        with torch.cuda.device(self.model.device), \
+                torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             logits = self.run_eager(size, size, capacity, decode=True)
         self.capture_seconds += time.perf_counter() - t0
         log.info("captured the decode graph of %d sequences in %.2f s", size, time.perf_counter() - t0)

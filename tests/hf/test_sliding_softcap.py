@@ -44,28 +44,28 @@ SMALL = dict(
 )
 
 
-def _mistral():
-    return transformers.MistralForCausalLM(
-        transformers.MistralConfig(**SMALL, num_hidden_layers=2, sliding_window=WINDOW, tie_word_embeddings=False))
+def _mistral(**shape):
+    return transformers.MistralForCausalLM(transformers.MistralConfig(
+        **{**SMALL, **shape}, num_hidden_layers=2, sliding_window=WINDOW, tie_word_embeddings=False))
 
 
-def _qwen2():
-    cfg = transformers.Qwen2Config(**SMALL, num_hidden_layers=3, use_sliding_window=True, sliding_window=WINDOW,
-                                   max_window_layers=1, tie_word_embeddings=False)
+def _qwen2(**shape):
+    cfg = transformers.Qwen2Config(**{**SMALL, **shape}, num_hidden_layers=3, use_sliding_window=True,
+                                   sliding_window=WINDOW, max_window_layers=1, tie_word_embeddings=False)
     assert cfg.layer_types == ["full_attention", "sliding_attention", "sliding_attention"]
     return transformers.Qwen2ForCausalLM(cfg)
 
 
-def _gemma2():
-    cfg = transformers.Gemma2Config(**SMALL, num_hidden_layers=2, sliding_window=WINDOW, query_pre_attn_scalar=24,
-                                    attn_logit_softcapping=3.0, final_logit_softcapping=30.0)
+def _gemma2(**shape):
+    cfg = transformers.Gemma2Config(**{**SMALL, **shape}, num_hidden_layers=2, sliding_window=WINDOW,
+                                    query_pre_attn_scalar=24, attn_logit_softcapping=3.0, final_logit_softcapping=30.0)
     assert cfg.layer_types == ["sliding_attention", "full_attention"]
     return transformers.Gemma2ForCausalLM(cfg)
 
 
-def _gemma3():
+def _gemma3(**shape):
     cfg = transformers.Gemma3TextConfig(
-        **SMALL, num_hidden_layers=3, sliding_window=WINDOW, query_pre_attn_scalar=24,
+        **{**SMALL, **shape}, num_hidden_layers=3, sliding_window=WINDOW, query_pre_attn_scalar=24,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
                          "full_attention": {"rope_type": "linear", "rope_theta": 1_000_000.0, "factor": 4.0}},
@@ -76,9 +76,10 @@ def _gemma3():
 BUILDERS = {"mistral": _mistral, "qwen2": _qwen2, "gemma2": _gemma2, "gemma3": _gemma3}
 
 
-def make(arch: str, seed: int = 0):
+def make(arch: str, seed: int = 0, **shape):
+    """``shape`` overrides ``SMALL`` (the GPU tests: head_dim 64)."""
     torch.manual_seed(seed)
-    return BUILDERS[arch]().eval()
+    return BUILDERS[arch](**shape).eval()
 
 
 def tokens(n: int, seed: int) -> list[int]:
