@@ -12,7 +12,7 @@ stderr and other stdout lines, which callers skip):
   request after the other (each request's cache hit is its own), with
   ``num_cached_tokens`` (vLLM's local plus connector hit), the generated tokens,
   their logprobs and the seconds to the first token (``max_tokens`` 1) or the whole
-  request.  ``"kill": PID`` sends SIGKILL to PID after the first prompt.
+  request.
 * ``{"metrics": true}``: vLLM's counters (``LLM.get_metrics()``) by name.
 * ``{"exit": true}``: stops.
 """
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
 import time
 
@@ -35,7 +34,7 @@ def _kv_transfer_config(socket: str) -> dict:
         "kv_connector_module_path": "kvpool.vllm",
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"socket": socket, "retry_seconds": 1, "timeout": 5},
+        "kv_connector_extra_config": {"socket": socket, "retry_seconds": 1},
     }
 
 
@@ -62,9 +61,7 @@ def main() -> None:
             continue
         results = []
         params = SamplingParams(max_tokens=cmd.get("max_tokens", 8), temperature=0, ignore_eos=True, logprobs=0)
-        for i, p in enumerate(cmd["prompts"]):
-            if i == 1 and cmd.get("kill"):
-                os.kill(cmd["kill"], signal.SIGKILL)
+        for p in cmd["prompts"]:
             t1 = time.perf_counter()
             out = llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0]
             gen = out.outputs[0]
