@@ -58,9 +58,11 @@ def _delta(after: dict, before: dict, key: str) -> float:
 @pytest.fixture(scope="module")
 def kvpoold(tmp_path_factory):
     disk = tmp_path_factory.mktemp("kvpoold-disk")
-    # every read from the disk tier takes 4 s more: a load that promotes from disk is long enough
-    # for the last test to kill the daemon in the middle of it
-    d = Daemon("--disk-bytes", "64MiB", "--disk-dir", str(disk), env={"KVPOOLD_FAILPOINTS": "disk.read=sleep=4"})
+    # a host tier of 16 blocks of the tiny model (16 KiB each) in front of the disk tier; every read
+    # from the disk tier takes 4 s more: a load that promotes from disk is long enough for the
+    # last test to kill the daemon in the middle of it (and shows which tier a hit came from)
+    d = Daemon("--host-bytes", str(16 * 16 * 1024), "--disk-bytes", "64MiB", "--disk-dir", str(disk),
+               env={"KVPOOLD_FAILPOINTS": "disk.read=sleep=4"})
     d.start()
     yield d
     d.stop()
@@ -144,24 +146,54 @@ def test_the_second_engine_computes_with_the_pools_kv(kvpoold, engines):
     assert moved > 0.02  # seen: 0.18 (the loaded KV is noise now)
 
 
-def _wait_disk_blocks(socket: str, at_least: int, timeout: float = 60) -> int:
-    deadline = time.monotonic() + timeout
-    while True:
-        with Connection(socket) as conn:
-            (disk,) = [t for t in conn.stats().tiers if t.tier == "disk"]
-        if disk.blocks >= at_least or time.monotonic() > deadline:
-            return disk.blocks
+def _tier(socket: str, name: str):
+    with Connection(socket) as conn:
+        (tier,) = [t for t in conn.stats().tiers if t.tier == name]
+    return tier
+
+
+def _evict(d: Daemon) -> int:
+    """Every cached block leaves the pool (for the host tier)."""
+    with Connection(os.path.join(d.dir, "kvpoold-admin.sock")) as admin:
+        return admin.evict()
+
+
+def _push_to_disk(d: Daemon, engine: Engine, seed: int, blocks: int) -> None:
+    """The pool's cached blocks (``blocks`` of them new) down to the disk tier: evicted to the host tier,
+    then pushed out of it by 18 newer blocks (3 prompts of ``engine``), more than it holds."""
+    before = _tier(d.socket, "disk").blocks
+    assert _evict(d) >= blocks
+    engine.generate([_prompt(seed + i) for i in range(3)])
+    assert _evict(d) >= 18
+    deadline = time.monotonic() + 60
+    while _tier(d.socket, "disk").blocks < before + blocks:  # the disk writes run in the background
+        assert time.monotonic() < deadline, "the blocks did not reach the disk tier"
         time.sleep(0.2)
+
+
+def test_an_engine_finds_a_prefix_in_the_host_tier(kvpoold, engines):
+    a, b, p = engines["A"], engines["B"], engines["P"]
+    prompt = _prompt(5)
+    (first,) = a.generate([prompt])
+    assert _evict(kvpoold) >= 6
+    assert _tier(kvpoold.socket, "host").blocks >= 6
+    before, disk_read = _class_stats(kvpoold.socket), _tier(kvpoold.socket, "disk").bytes_read
+    (second,) = b.generate([prompt])
+    assert second["num_cached_tokens"] == 6 * BLOCK  # promoted from the host tier, loaded into vLLM
+    assert second["tokens"] == first["tokens"] == p.generate([prompt])[0]["tokens"]
+    after = _class_stats(kvpoold.socket)
+    assert after["promoted_blocks"] - before["promoted_blocks"] == 6
+    assert _tier(kvpoold.socket, "disk").bytes_read == disk_read  # none of it from the disk tier
 
 
 def test_a_restarted_daemon_serves_the_prefix_from_its_disk_tier(kvpoold, engines):
     a, b, p = engines["A"], engines["B"], engines["P"]
     prompt = _prompt(3)
     (first,) = a.generate([prompt])
-    _evict_to_disk(kvpoold, 6)
+    _push_to_disk(kvpoold, a, 300, 6)
     assert kvpoold.stop() == 0
     kvpoold.start()  # the same socket and disk directory: the disk index is read back
-    assert _wait_disk_blocks(kvpoold.socket, 6) >= 6
+    assert _tier(kvpoold.socket, "disk").blocks >= 6  # found again at start
     # B never saw this prompt.  The engines' connectors attach to the new daemon on a later call
     # (retry_seconds 1): a first request finds their session gone and computes, the next attaches
     for seed in (30, 31):
@@ -177,19 +209,11 @@ def test_a_restarted_daemon_serves_the_prefix_from_its_disk_tier(kvpoold, engine
     assert after["prefix_hit_tokens"] - before["prefix_hit_tokens"] == 6 * BLOCK
 
 
-def _evict_to_disk(d: Daemon, new_blocks: int) -> None:
-    with Connection(d.socket) as conn:
-        (disk,) = [t for t in conn.stats().tiers if t.tier == "disk"]
-    with Connection(os.path.join(d.dir, "kvpoold-admin.sock")) as admin:
-        assert admin.evict() >= new_blocks  # every cached block leaves the pool for the disk tier
-    assert _wait_disk_blocks(d.socket, disk.blocks + new_blocks) >= disk.blocks + new_blocks
-
-
 def test_engine_keeps_serving_when_kvpoold_is_killed_during_a_load(kvpoold, engines):
     a, b, p = engines["A"], engines["B"], engines["P"]
     prompt = _prompt(40)
     a.generate([prompt])
-    _evict_to_disk(kvpoold, 6)
+    _push_to_disk(kvpoold, a, 400, 6)
     before = b.metrics()
     out: list[dict] = []
     t = threading.Thread(target=lambda: out.extend(b.generate([prompt])))
