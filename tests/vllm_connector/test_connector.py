@@ -1,9 +1,9 @@
 """kvpool.vllm.KvpoolConnector with real vLLM CPU engines (skipped where vLLM does not import).
 
 Three engine processes (tests/vllm_connector/run_engine.py) on a tiny random-weight Llama
-built here live for the whole module, because each takes 30-50 s to start on a small
-machine: A and B with the connector on one real kvpoold (a disk tier, over its Unix
-socket), P without it.  The tests run in file order and share that daemon; the last
+built here live for the whole module, because each takes 30-90 s to start on a small
+machine: A and B with the connector on one real kvpoold (host and disk tiers, over its
+Unix socket), P without it.  The tests run in file order and share that daemon; the last
 one kills it.  In CI these tests run under .venv-vllm (see conftest.py here).
 """
 
@@ -32,7 +32,7 @@ from vllm_models import build_tiny_llama  # noqa: E402
 
 BLOCK = 32  # run_engine.py's vLLM block size (CPU_ATTN: multiples of 32)
 EXT_Q, EXT_H = "vllm:external_prefix_cache_queries", "vllm:external_prefix_cache_hits"
-LOCAL_Q, LOCAL_H = "vllm:prefix_cache_queries", "vllm:prefix_cache_hits"
+LOCAL_H = "vllm:prefix_cache_hits"
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
