@@ -383,7 +383,8 @@ class Client:
         copy_blocks(kv, torch.tensor(pairs, dtype=torch.int64, device=kv.device))
 
     # -- sequences --------------------------------------------------------------------------
-    def create_sequence(self, token_ids: Tokens, *, extra_key: str = "", wait: bool = True) -> Sequence:
+    def create_sequence(self, token_ids: Tokens, *, extra_key: str = "", wait: bool = True,
+                        counted: bool = True) -> Sequence:
         """A new sequence holding ``token_ids``, reusing cached prefix blocks.
 
         ``num_cached_tokens`` of the result says how many leading tokens are
@@ -394,14 +395,20 @@ class Client:
         positions still on their way (compute the uncached part meanwhile,
         then ``wait`` before reading them).
         """
-        return self.create_sequences([token_ids], extra_key=extra_key, wait=wait)[0]
+        return self.create_sequences([token_ids], extra_key=extra_key, wait=wait, counted=counted)[0]
 
-    def create_sequences(self, prompts: Iterable[Tokens], *, extra_key: str = "", wait: bool = True) -> list[Sequence]:
-        """Several sequences in one call (all or none)."""
+    def create_sequences(self, prompts: Iterable[Tokens], *, extra_key: str = "", wait: bool = True,
+                         counted: bool = True) -> list[Sequence]:
+        """Several sequences in one call (all or none).
+
+        ``counted=False``: not prefix queries in the daemon's statistics (the caller counted these
+        prompts with ``lookup`` already).
+        """
         req = pb.CreateRequest(
             session=self._token,
             prompts=[pb.Prompt(tokens=_tokens(p).tobytes(), extra_key=extra_key) for p in prompts],
             no_wait=not wait,
+            uncounted=not counted,
         )
         with self._lock:
             r = self._call("Create", req)
@@ -697,10 +704,15 @@ class Client:
 
             torch.cuda.synchronize(self._kv.device)
 
-    def lookup(self, token_ids: Tokens, *, extra_key: str = "") -> int:
-        """How many leading tokens of ``token_ids`` are cached (any tier); allocates nothing."""
+    def lookup(self, token_ids: Tokens, *, extra_key: str = "", known_tokens: int = 0) -> int:
+        """How many leading tokens of ``token_ids`` are cached (any tier); allocates nothing.
+
+        ``known_tokens``: leading tokens the caller holds itself (its own prefix cache); the
+        daemon's statistics count the query and its hit from there.
+        """
         r = self._call("Lookup", pb.LookupRequest(
-            session=self._token, prompt=pb.Prompt(tokens=_tokens(token_ids).tobytes(), extra_key=extra_key)))
+            session=self._token, prompt=pb.Prompt(tokens=_tokens(token_ids).tobytes(), extra_key=extra_key),
+            known_tokens=known_tokens))
         return r.num_cached_tokens
 
     def block_tables(self, seqs: Iterable[Sequence | int], *, pad: int = 0) -> np.ndarray:

@@ -25,14 +25,21 @@ load) reports its vLLM blocks in ``get_block_ids_with_load_errors``; with
 While kvpoold is away every call fails over to computing, and a new session
 is tried at most every ``retry_seconds``.
 
-STATUS (groundwork, see benchmarks/NOTES-vllm.md): CPU_ATTN layout only,
-synchronous loads and saves inside the step, no tensor parallelism, no
-statistics, only prompt blocks are saved.
+Statistics: a request is one prefix query in kvpoold (the scheduler's lookup,
+counted from vLLM's own prefix-cache hit on); the workers' creates for loads
+and saves are not counted, so ``kvpoolctl stats`` agrees with vLLM's
+``external_prefix_cache_queries`` / ``_hits``.
+
+STATUS (see benchmarks/NOTES-vllm.md): CPU_ATTN layout only, synchronous
+loads and saves inside the step, no tensor parallelism, only prompt blocks are
+saved.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -102,6 +109,17 @@ class _Track:
     saved_blocks: int = 0  # prompt blocks known to be in the pool (loaded or saved)
 
 
+def _locked(method):
+    """Runs ``method`` under the connector's lock: the shutdown watcher never drops the session mid-call."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return run
+
+
 def layout_for_vllm(vllm_config: "VllmConfig") -> Layout:
     """kvpool's layout for a vLLM engine: the model's geometry, vLLM's block size.
 
@@ -158,8 +176,10 @@ class KvpoolConnector(KVConnectorBase_V1):
         self._retry_seconds = float(extra.get("retry_seconds", 5.0))  # between attaches while kvpoold is away
         self._retry_at = 0.0
         self._client: Client | None = None
+        self._lock = threading.RLock()  # the vLLM thread's calls vs the shutdown watcher
         # scheduler side
         self._pending: dict[str, tuple[str, int]] = {}  # req_id -> (extra_key, external tokens to load)
+        self._looked_up: dict[str, int] = {}  # req_id -> pool hit (tokens) of a request still waiting
         self._reqs: dict[str, _Track] = {}
         # worker side
         self._kv_caches: dict[str, torch.Tensor] = {}
@@ -184,7 +204,21 @@ class KvpoolConnector(KVConnectorBase_V1):
                 c.close()
                 raise
         self._client = c
+        threading.Thread(target=self._watch_shutdown, args=(c,), name="kvpool-connector-watch", daemon=True).start()
         return c
+
+    def _watch_shutdown(self, c: Client) -> None:
+        """Detach as soon as kvpoold says it is stopping: it waits for its clients (``--shutdown-timeout``),
+        and an idle engine makes no call that would notice.  vLLM computes without it meanwhile; the
+        next call after ``retry_seconds`` attaches to the restarted daemon."""
+        while self._client is c:
+            if c.daemon_shutting_down.wait(1.0):
+                with self._lock:
+                    if self._client is c:
+                        logger.info("KvpoolConnector %s: kvpoold is stopping; detached", self._name)
+                        self._retry_at = time.monotonic() + self._retry_seconds
+                        self._drop()
+                return
 
     def _live(self) -> Client | None:
         """The kvpool session, or None while kvpoold is away (a new attach is tried every retry_seconds)."""
@@ -222,18 +256,26 @@ class KvpoolConnector(KVConnectorBase_V1):
                 pass
 
     # ============================== scheduler side ==============================
+    @_locked
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         prompt = request.prompt_token_ids
         key = extra_key_for(request, self._vllm_config)
         self._pending[request.request_id] = (key, 0)
-        client = self._live() if prompt else None
-        if client is None:
-            return 0, False
-        try:
-            hit = client.lookup(prompt, extra_key=key)
-        except Exception as exc:  # noqa: BLE001 - the daemon away: no hit, vLLM computes
-            self._failed_call("lookup", exc)
-            return 0, False
+        hit = self._looked_up.get(request.request_id)
+        if hit is None:
+            # One lookup per admission: vLLM asks again each step a request waits for room, and
+            # counts the query once (when it is scheduled); the daemon counts each lookup, so a
+            # waiting request reuses its answer (a prefix evicted meanwhile fails the load,
+            # which vLLM recomputes).  known_tokens: vLLM's own hit, which it does not ask us for.
+            client = self._live() if prompt else None
+            if client is None:
+                return 0, False
+            try:
+                hit = client.lookup(prompt, extra_key=key, known_tokens=num_computed_tokens)
+            except Exception as exc:  # noqa: BLE001 - the daemon away: no hit, vLLM computes
+                self._failed_call("lookup", exc)
+                return 0, False
+            self._looked_up[request.request_id] = hit
         hit = min(hit, len(prompt) - 1)  # vLLM computes at least the last prompt token
         return max(0, hit - num_computed_tokens), False
 
@@ -248,6 +290,7 @@ class KvpoolConnector(KVConnectorBase_V1):
             if not new.prompt_token_ids:
                 continue
             key, ext = self._pending.pop(new.req_id, ("", 0))
+            self._looked_up.pop(new.req_id, None)
             t = self._reqs[new.req_id] = _Track(list(new.prompt_token_ids), key, list(new.block_ids[0]))
             self._plan(meta, new.req_id, t, new.num_computed_tokens, ext, so.num_scheduled_tokens.get(new.req_id, 0))
         cached = so.scheduled_cached_reqs
@@ -261,6 +304,7 @@ class KvpoolConnector(KVConnectorBase_V1):
                 t.block_ids = list(new_ids[0]) if new_ids is not None else []
                 t.saved_blocks = 0
                 ext = self._pending.pop(req_id, ("", 0))[1]
+                self._looked_up.pop(req_id, None)
             elif new_ids is not None:
                 t.block_ids.extend(new_ids[0])
             self._plan(meta, req_id, t, cached.num_computed_tokens[i], ext, so.num_scheduled_tokens.get(req_id, 0))
@@ -283,6 +327,7 @@ class KvpoolConnector(KVConnectorBase_V1):
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._reqs.pop(request.request_id, None)
         self._pending.pop(request.request_id, None)
+        self._looked_up.pop(request.request_id, None)
         return False, None
 
     # ============================== worker side ==============================
@@ -300,6 +345,7 @@ class KvpoolConnector(KVConnectorBase_V1):
                     len(names))
         self._pool = self._client.kv_cache()  # the session attached in __init__ (not yet mapped)
 
+    @_locked
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvpoolConnectorMetadata)
@@ -313,7 +359,8 @@ class KvpoolConnector(KVConnectorBase_V1):
             try:
                 if client is None:
                     raise Unavailable("kvpoold is away")
-                seq = client.create_sequence(ld.tokens, extra_key=ld.extra_key)
+                # counted=False: the scheduler's lookup was this request's prefix query
+                seq = client.create_sequence(ld.tokens, extra_key=ld.extra_key, counted=False)
             except Exception as exc:  # noqa: BLE001 - recompute these blocks
                 self._failed_call(f"load of {ld.req_id} (recomputed)", exc)
                 client = self._client
@@ -332,7 +379,7 @@ class KvpoolConnector(KVConnectorBase_V1):
             if sv.req_id in failed_reqs or client is None:
                 continue  # blocks that did not load hold no KV this step: never publish them
             try:
-                seq = client.create_sequence(sv.tokens, extra_key=sv.extra_key)
+                seq = client.create_sequence(sv.tokens, extra_key=sv.extra_key, counted=False)
             except Exception as exc:  # noqa: BLE001 - a save is best effort
                 self._failed_call(f"save of {sv.req_id} (skipped)", exc)
                 client = self._client
@@ -349,6 +396,7 @@ class KvpoolConnector(KVConnectorBase_V1):
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
         self._copy_layer(layer_name, self._step_saves, self._saved_layers, to_vllm=False)
 
+    @_locked
     def _copy_layer(self, layer_name: str, pairs, done: set[str], to_vllm: bool) -> None:
         """One layer's blocks of this step's loads (pool -> vLLM) or saves (vLLM -> pool), once."""
         layer = self._layer_index.get(layer_name)
@@ -362,6 +410,7 @@ class KvpoolConnector(KVConnectorBase_V1):
                 copy_vllm_to_pool(kv, bs, self._pool, layer, vllm_ids, pool_ids)
         done.add(layer_name)
 
+    @_locked
     def wait_for_save(self):
         if self._step_loads and len(self._loaded_layers) < len(self._layer_index):
             # a layer ran without wait_for_layer_load: its copy is missing, recompute those blocks
@@ -382,5 +431,6 @@ class KvpoolConnector(KVConnectorBase_V1):
         failed, self._failed = self._failed, set()
         return failed
 
+    @_locked
     def shutdown(self):
         self._drop()

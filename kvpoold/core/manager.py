@@ -97,13 +97,15 @@ class KVCacheManager(
 
     # -- sequences --------------------------------------------------------------
     def create(
-        self, owner: int, class_id: int, model_id: str, tokens, extra_key: str = "", remote=None
+        self, owner: int, class_id: int, model_id: str, tokens, extra_key: str = "", remote=None,
+        counted: bool = True,
     ) -> PageTable:
         """A new sequence holding ``tokens``; reuses the longest cached prefix.
 
         Args:
             remote: block hashes whose bytes the remote tier fetched for this call (``remote_candidates``);
                 they extend the prefix past the local tiers and are promoted from there.
+            counted: a prefix query in the statistics (False: the caller counted it with ``lookup``).
         Returns:
             The sequence's page table.
         """
@@ -153,7 +155,8 @@ class KVCacheManager(
             fresh = fresh[len(lower):]
         unconfirmed = pool.prefix.register_many(fresh[:len(hashes) - len(matched)], hashes[len(matched):],
                                                 writer=owner)
-        c.count_prefix_query(len(packed), len(matched) * bs)
+        if counted:
+            c.count_prefix_query(len(packed), len(matched) * bs)
         c.promoted_blocks += len(lower)
         state = self._owner(owner)
         t = self.seqs
@@ -232,11 +235,14 @@ class KVCacheManager(
         return hashes[len(matched):]
 
     def lookup(
-        self, class_id: int, model_id: str, tokens, extra_key: str = "", owner: int | None = None, remote=None
+        self, class_id: int, model_id: str, tokens, extra_key: str = "", owner: int | None = None, remote=None,
+        known: int = 0,
     ) -> LookupResult:
         """Longest cached prefix of ``tokens`` over every tier that ``owner`` may use; allocates nothing.
 
         ``remote``: the block hashes the remote tier holds (the chain past the local tiers).
+        ``known``: leading tokens the caller holds itself; the statistics count the query and the hit
+        from there (the caller asks the pool only for the rest).
         """
         pool = self.class_pool(class_id)
         packed = pack_tokens(tokens)
@@ -257,7 +263,8 @@ class KVCacheManager(
                     break
             per_tier[tier] += 1
         bs = pool.block_size
-        self._counters[class_id].count_prefix_query(len(packed), sum(per_tier) * bs)
+        known = min(max(known, 0), len(packed))
+        self._counters[class_id].count_prefix_query(len(packed) - known, max(sum(per_tier) * bs - known, 0))
         return LookupResult(sum(per_tier) * bs, per_tier[0] * bs, per_tier[1] * bs, per_tier[2] * bs,
                             per_tier[3] * bs)
 

@@ -171,7 +171,8 @@ class KVPoolServicer(pb_grpc.KVPoolServicer):
     @_unary
     async def Create(self, request):
         calls = self.service.session_pool(request.session)
-        tracked = await _settled(calls.create(convert.prompts(request), request.no_wait))
+        tracked = await _settled(calls.create(convert.prompts(request), request.no_wait,
+                                                counted=not request.uncounted))
         return pb.CreateReply(sequences=convert.tracked_tables(tracked))
 
     @_unary
@@ -187,7 +188,8 @@ class KVPoolServicer(pb_grpc.KVPoolServicer):
     @_unary
     async def Lookup(self, request):
         calls = self.service.session_pool(request.session)
-        found = await _settled(calls.lookup(convert.tokens(request.prompt.tokens), request.prompt.extra_key))
+        found = await _settled(calls.lookup(convert.tokens(request.prompt.tokens), request.prompt.extra_key,
+                                               known=request.known_tokens))
         return convert.lookup_reply(found)
 
     @_unary

@@ -71,7 +71,8 @@ class PoolSession:
             raise Draining(what)
 
     # -- sequences ---------------------------------------------------------------------
-    def create(self, prompts: list[tuple[np.ndarray, str]], no_wait: bool) -> list[Tracked] | Awaitable[list[Tracked]]:
+    def create(self, prompts: list[tuple[np.ndarray, str]], no_wait: bool,
+               counted: bool = True) -> list[Tracked] | Awaitable[list[Tracked]]:
         """Several sequences (all or none): their tables, once the bytes of cached prefixes arrived
         (``no_wait``: at once, with the positions still arriving).
 
@@ -88,20 +89,20 @@ class PoolSession:
         pool.quotas.check_create(session, [len(t) for t, _ in prompts])
         chains = pool.tiers.remote_chains(session.class_id, session.model_key, prompts, session.id)
         if chains is None:
-            return self._create(prompts, no_wait, None)
+            return self._create(prompts, no_wait, None, counted)
 
         async def after_fetch() -> list[Tracked]:
             payloads = await pool.tiers.fetch_remote(session.class_id, chains)
             self.service.session(self.session.token)  # still there (its lease may have run out meanwhile)
             self._refuse_if_draining("new sequences")
             pool.quotas.check_create(session, [len(t) for t, _ in prompts])  # other calls ran meanwhile
-            result = self._create(prompts, no_wait, payloads)
+            result = self._create(prompts, no_wait, payloads, counted)
             return await result if inspect.isawaitable(result) else result
 
         return after_fetch()
 
     def _create(self, prompts: list[tuple[np.ndarray, str]], no_wait: bool,
-                remote: dict | None) -> list[Tracked] | Awaitable[list[Tracked]]:
+                remote: dict | None, counted: bool = True) -> list[Tracked] | Awaitable[list[Tracked]]:
         pool, session = self.pool, self.session
         out: list[PageTable] = []
         started: list = []  # the tier copies this call started
@@ -111,7 +112,7 @@ class PoolSession:
         try:
             for tokens, extra_key in prompts:
                 out.append(pool.manager.create(session.id, session.class_id, session.model_key, tokens, extra_key,
-                                               remote=remote))
+                                               remote=remote, counted=counted))
                 # promotions start now and hold their blocks (a later failure frees safely)
                 started += pool.sync_memory()
         except BaseException:
@@ -154,18 +155,22 @@ class PoolSession:
         pool.quotas.check_fork(session, seq_ids)
         return [pool.manager.fork(session.id, i) for i in seq_ids]
 
-    def lookup(self, tokens: np.ndarray, extra_key: str) -> LookupResult | Awaitable[LookupResult]:
-        """The longest cached prefix; past the local tiers the remote tier is asked which blocks it holds."""
+    def lookup(self, tokens: np.ndarray, extra_key: str, known: int = 0) -> LookupResult | Awaitable[LookupResult]:
+        """The longest cached prefix; past the local tiers the remote tier is asked which blocks it holds.
+
+        ``known``: leading tokens the caller holds itself (the statistics count from there).
+        """
         self.pool.limits.check_tokens(len(tokens))
         self.pool.limits.check_extra_key(extra_key)
         s, tiers = self.session, self.pool.tiers
         chains = tiers.remote_chains(s.class_id, s.model_key, [(tokens, extra_key)], s.id)
         if chains is None:
-            return self.pool.manager.lookup(s.class_id, s.model_key, tokens, extra_key, owner=s.id)
+            return self.pool.manager.lookup(s.class_id, s.model_key, tokens, extra_key, owner=s.id, known=known)
 
         async def after_exists() -> LookupResult:
             held = await tiers.fetch_remote(s.class_id, chains, read=False)
-            return self.pool.manager.lookup(s.class_id, s.model_key, tokens, extra_key, owner=s.id, remote=held)
+            return self.pool.manager.lookup(s.class_id, s.model_key, tokens, extra_key, owner=s.id, remote=held,
+                                            known=known)
 
         return after_exists()
 

@@ -72,6 +72,21 @@ def test_kv_cache_is_a_writable_zero_copy_view(daemon):
         assert arr.ctypes.data == kv.data_ptr()
 
 
+def test_uncounted_creates_and_known_tokens_in_prefix_statistics(daemon):
+    # what a vLLM connector does per request: the scheduler's lookup is the query (counted from its
+    # own cache's hit on), the worker's create for the load is not counted again
+    with kvpool.connect(daemon.socket, name="a", layout=LAYOUT) as a:
+        a.free(a.create_sequence(range(64), counted=False))
+        assert a.stats().classes[0].prefix_queries == 0
+        assert a.lookup(range(70), known_tokens=16) == 64
+        seq = a.create_sequence(range(64), counted=False)
+        assert seq.num_cached_tokens == 64
+        st = a.stats().classes[0]
+        assert (st.prefix_queries, st.prefix_hits, st.prefix_query_tokens, st.prefix_hit_tokens) == (1, 1, 54, 48)
+        assert a.lookup(range(70), known_tokens=64) == 64  # all of the hit was the caller's own: no pool hit
+        st = a.stats().classes[0]
+        assert (st.prefix_queries, st.prefix_hits, st.prefix_query_tokens, st.prefix_hit_tokens) == (2, 1, 60, 48)
+
 def test_different_layouts_share_one_pool(daemon):
     other = kvpool.Layout("other-model", num_layers=4, num_kv_heads=1, head_dim=8, dtype="float32", block_size=8)
     with kvpool.connect(daemon.socket, name="a", layout=LAYOUT) as a, \

@@ -1,0 +1,70 @@
+"""A vLLM engine process (run_engine.py) driven over its stdin/stdout, for the tests and bench_vllm.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+class Engine:
+    """run_engine.py in a subprocess: JSON commands in, ``RESULT`` lines out."""
+
+    def __init__(self, name: str, model: str, socket: str | None, log_dir: Path, python: str = sys.executable):
+        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "1",
+               "VLLM_LOGGING_STREAM": "ext://sys.stderr", "PYTHONUNBUFFERED": "1"}
+        self.name, self.log = name, log_dir / f"engine-{name}.log"
+        args = [python, str(HERE / "run_engine.py"), model] + ([socket] if socket else [])
+        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=open(self.log, "w"), text=True, env=env, cwd="/")
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self._lines.put(line)
+        self._lines.put(None)
+
+    def _wait_for(self, prefix: str, timeout: float):
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self._lines.get(timeout=max(deadline - time.monotonic(), 0.01))
+            except queue.Empty:
+                line = None
+            if line is None:
+                raise AssertionError(f"engine {self.name}: no {prefix.strip()} line; its log:\n"
+                                     + self.log.read_text()[-6000:])
+            if line.startswith(prefix):
+                return json.loads(line[len(prefix):])
+
+    def ready(self, timeout: float = 400) -> float:
+        return self._wait_for("READY ", timeout)["startup_seconds"]
+
+    def call(self, cmd: dict, timeout: float = 300):
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._wait_for("RESULT ", timeout)
+
+    def generate(self, prompts: list[list[int]], **kw) -> list[dict]:
+        return self.call({"prompts": prompts, **kw})
+
+    def metrics(self) -> dict[str, float]:
+        return self.call({"metrics": True})
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write('{"exit": true}\n')
+                self.proc.stdin.flush()
+                self.proc.wait(60)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
