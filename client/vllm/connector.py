@@ -6,14 +6,16 @@ model's layout) answers ``get_num_new_matched_tokens`` with
 an ``extra_key`` that carries what else changes the KV: ``cache_salt``, the
 LoRA, the quantization).  ``build_connector_meta`` tells the workers, per
 step, which of a request's blocks to load from the pool and which newly
-computed full prompt blocks to save into it.
+computed full blocks to save into it: prompt and generated tokens alike (the
+request's token ids, read as it runs), hashed as lookups hash them, so a
+later prompt that repeats a request's prompt and answer finds both.
 
 Worker side (each worker process): its own kvpool client maps the pool
 (``Client.kv_cache()``).  ``start_load_kv`` pins the cached prefix in the pool
 (``create_sequence``: the blocks cannot be evicted while copied, and lower
 tiers are brought back first); ``wait_for_layer_load`` copies a layer's
 blocks into vLLM's; saves take pool blocks for the new full blocks
-(``create_sequence`` of the prompt's full blocks: the cached ones are shared,
+(``create_sequence`` of the request's full blocks: the cached ones are shared,
 the rest are new) and ``save_kv_layer`` fills them layer by layer;
 ``wait_for_save`` frees the sequences, which tells the daemon their KV is
 written (other processes see the blocks from then on).
@@ -31,8 +33,7 @@ and saves are not counted, so ``kvpoolctl stats`` agrees with vLLM's
 ``external_prefix_cache_queries`` / ``_hits``.
 
 STATUS (see benchmarks/NOTES-vllm.md): CPU_ATTN layout only, synchronous
-loads and saves inside the step, no tensor parallelism, only prompt blocks are
-saved.
+loads and saves inside the step, no tensor parallelism.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ class SaveSpec:
     """Copy vLLM blocks ``block_ids[:len(tokens) // block_size]`` into the pool (those it lacks)."""
 
     req_id: str
-    tokens: list[int]  # whole blocks of the prompt
+    tokens: list[int]  # the request's whole blocks (prompt and generated tokens)
     extra_key: str
     block_ids: list[int]
 
@@ -103,10 +104,10 @@ class KvpoolConnectorMetadata(KVConnectorMetadata):
 class _Track:
     """Scheduler-side state of one running request."""
 
-    prompt: list[int]
+    tokens: Any  # the Request's all_token_ids: a live view, generated tokens are appended as they are sampled
     extra_key: str
     block_ids: list[int]
-    saved_blocks: int = 0  # prompt blocks known to be in the pool (loaded or saved)
+    saved_blocks: int = 0  # blocks known to be in the pool (loaded or saved)
 
 
 def _locked(method):
@@ -178,7 +179,7 @@ class KvpoolConnector(KVConnectorBase_V1):
         self._client: Client | None = None
         self._lock = threading.RLock()  # the vLLM thread's calls vs the shutdown watcher
         # scheduler side
-        self._pending: dict[str, tuple[str, int]] = {}  # req_id -> (extra_key, external tokens to load)
+        self._pending: dict[str, tuple["Request", str, int]] = {}  # req_id -> (request, extra_key, tokens to load)
         self._looked_up: dict[str, int] = {}  # req_id -> pool hit (tokens) of a request still waiting
         self._reqs: dict[str, _Track] = {}
         # worker side
@@ -258,9 +259,10 @@ class KvpoolConnector(KVConnectorBase_V1):
     # ============================== scheduler side ==============================
     @_locked
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
-        prompt = request.prompt_token_ids
+        # all_token_ids: the prompt for a new request; prompt and generated tokens for a preempted one
+        prompt = list(request.all_token_ids)
         key = extra_key_for(request, self._vllm_config)
-        self._pending[request.request_id] = (key, 0)
+        self._pending[request.request_id] = (request, key, 0)
         hit = self._looked_up.get(request.request_id)
         if hit is None:
             # One lookup per admission: vLLM asks again each step a request waits for room, and
@@ -280,8 +282,8 @@ class KvpoolConnector(KVConnectorBase_V1):
         return max(0, hit - num_computed_tokens), False
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
-        key, _ = self._pending.get(request.request_id, ("", 0))
-        self._pending[request.request_id] = (key, num_external_tokens)
+        _, key, _ = self._pending.get(request.request_id, (request, "", 0))
+        self._pending[request.request_id] = (request, key, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         meta = KvpoolConnectorMetadata()
@@ -289,9 +291,12 @@ class KvpoolConnector(KVConnectorBase_V1):
         for new in so.scheduled_new_reqs:
             if not new.prompt_token_ids:
                 continue
-            key, ext = self._pending.pop(new.req_id, ("", 0))
+            pending = self._pending.pop(new.req_id, None)
             self._looked_up.pop(new.req_id, None)
-            t = self._reqs[new.req_id] = _Track(list(new.prompt_token_ids), key, list(new.block_ids[0]))
+            if pending is None:
+                continue  # not seen by get_num_new_matched_tokens: its token ids are not at hand
+            request, key, ext = pending
+            t = self._reqs[new.req_id] = _Track(request.all_token_ids, key, list(new.block_ids[0]))
             self._plan(meta, new.req_id, t, new.num_computed_tokens, ext, so.num_scheduled_tokens.get(new.req_id, 0))
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -303,7 +308,7 @@ class KvpoolConnector(KVConnectorBase_V1):
             if req_id in cached.resumed_req_ids:  # preempted and back: all its blocks are new
                 t.block_ids = list(new_ids[0]) if new_ids is not None else []
                 t.saved_blocks = 0
-                ext = self._pending.pop(req_id, ("", 0))[1]
+                ext = self._pending.pop(req_id, (None, "", 0))[2]
                 self._looked_up.pop(req_id, None)
             elif new_ids is not None:
                 t.block_ids.extend(new_ids[0])
@@ -312,16 +317,22 @@ class KvpoolConnector(KVConnectorBase_V1):
 
     def _plan(self, meta: KvpoolConnectorMetadata, req_id: str, t: _Track, computed: int, ext: int,
               scheduled: int) -> None:
-        """This step's load (``ext`` tokens before ``computed``) and save (new full prompt blocks)."""
+        """This step's load (``ext`` tokens before ``computed``) and save (new full blocks).
+
+        After the step the KV of positions ``[0, computed + scheduled)`` is written.  A block is
+        saved once its KV is written and its token ids are known (with asynchronous scheduling a
+        sampled token is known a step after its position is scheduled: its block is saved then,
+        from the request's blocks, which stay put while it runs)."""
         bs = self._block_size
         if ext > 0:
             first = (computed - ext) // bs
             last = -(-computed // bs)
-            meta.loads.append(LoadSpec(req_id, t.prompt[:last * bs], t.extra_key, t.block_ids[:last], first, last))
+            meta.loads.append(LoadSpec(req_id, list(t.tokens[:last * bs]), t.extra_key, t.block_ids[:last], first,
+                                       last))
             t.saved_blocks = max(t.saved_blocks, computed // bs)
-        full = min(computed + scheduled, len(t.prompt)) // bs
+        full = min(computed + scheduled, len(t.tokens), len(t.block_ids) * bs) // bs
         if full > t.saved_blocks:
-            meta.saves.append(SaveSpec(req_id, t.prompt[:full * bs], t.extra_key, t.block_ids[:full]))
+            meta.saves.append(SaveSpec(req_id, list(t.tokens[:full * bs]), t.extra_key, t.block_ids[:full]))
             t.saved_blocks = full
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
