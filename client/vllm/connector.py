@@ -16,9 +16,11 @@ Worker side (each worker process): its own kvpool client maps the pool
 tiers are brought back first); ``wait_for_layer_load`` copies a layer's
 blocks into vLLM's; saves take pool blocks for the new full blocks
 (``create_sequence`` of the request's full blocks: the cached ones are shared,
-the rest are new) and ``save_kv_layer`` fills them layer by layer;
-``wait_for_save`` frees the sequences, which tells the daemon their KV is
-written (other processes see the blocks from then on).
+the rest are new; asked for in a background thread while the forward runs)
+and ``save_kv_layer`` fills them layer by layer; ``wait_for_save`` finishes
+the copies (vLLM may reuse a block once the step is over) and leaves the free
+of the sequences, which tells the daemon their KV is written (other processes
+see the blocks from then on), to that thread.
 
 A load that cannot be done (daemon gone, blocks evicted between lookup and
 load) reports its vLLM blocks in ``get_block_ids_with_load_errors``; with
@@ -33,7 +35,7 @@ and saves are not counted, so ``kvpoolctl stats`` agrees with vLLM's
 ``external_prefix_cache_queries`` / ``_hits``.
 
 STATUS (see benchmarks/NOTES-vllm.md): CPU_ATTN layout only, synchronous
-loads and saves inside the step, no tensor parallelism.
+loads, save copies inside the step, no tensor parallelism.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ import functools
 import os
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -187,10 +190,13 @@ class KvpoolConnector(KVConnectorBase_V1):
         self._layer_index: dict[str, int] = {}
         self._pool: torch.Tensor | None = None
         self._step_loads: list[tuple[list[int], list[int]]] = []  # (pool block ids, vLLM block ids)
-        self._step_saves: list[tuple[list[int], list[int]]] = []  # (pool block ids, vLLM block ids)
+        # per save group: ([(pool block ids, vLLM block ids)], the layers copied)
+        self._save_groups: list[tuple[list[tuple[list[int], list[int]]], set[str]]] = []
+        self._save_plan: Future | None = None  # the saves' creates, in the RPC thread
         self._step_seqs: list = []
         self._loaded_layers: set[str] = set()
-        self._saved_layers: set[str] = set()
+        # the worker's daemon calls that leave the step (the saves' creates, the frees), in order
+        self._rpc = ThreadPoolExecutor(1, thread_name_prefix="kvpool-connector-rpc")
         self._failed: set[int] = set()
         self._attach(wait=True)  # kvpoold must be there at start-up (a wrong socket is an error)
         logger.info("KvpoolConnector %s attached to kvpoold at %s as %s", self._name, self._socket, self._layout)
@@ -250,7 +256,8 @@ class KvpoolConnector(KVConnectorBase_V1):
             # closing unmaps the pool: this step's copies are abandoned (their loads recomputed)
             for _, vllm_ids in self._step_loads:
                 self._failed.update(vllm_ids)
-            self._step_loads, self._step_saves, self._step_seqs, self._pool = [], [], [], None
+            self._step_loads, self._save_groups, self._step_seqs, self._pool = [], [], [], None
+            self._save_plan = None
             try:
                 c.close()
             except Exception:  # noqa: BLE001 - the daemon is gone
@@ -356,15 +363,71 @@ class KvpoolConnector(KVConnectorBase_V1):
                     len(names))
         self._pool = self._client.kv_cache()  # the session attached in __init__ (not yet mapped)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        self._begin_step(connector_metadata)
+
+    @_locked
+    def _begin_step(self, meta: KVConnectorMetadata) -> None:
+        """Runs before every step's forward (``start_load_kv`` runs after it when nothing loads
+        synchronously).  The pool blocks of the saves are asked for here, in the RPC thread, so the
+        daemon's round trip overlaps the forward and its ``save_kv_layer`` hooks copy each layer as
+        soon as it is written.  A request that also loads this step is left to ``start_load_kv``:
+        whether its load failed (then it must not save) is known only there."""
+        self._step_loads, self._save_groups, self._step_seqs = [], [], []
+        self._loaded_layers = set()
+        self._save_plan = None
+        loading = {ld.req_id for ld in getattr(meta, "loads", ())}
+        saves = [sv for sv in getattr(meta, "saves", ()) if sv.req_id not in loading]
+        client = self._live() if saves else None
+        if client is not None and self._pool is not None:
+            self._save_plan = self._rpc.submit(self._create_saves, client, saves)
+
+    @staticmethod
+    def _create_saves(client: Client, saves: list[SaveSpec]):
+        """In the RPC thread (never under the connector's lock: the vLLM thread waits for this
+        while holding it).  Returns the client and, per save, (save, sequence or None, pool block
+        ids or the error)."""
+        out = []
+        for sv in saves:
+            try:
+                seq = client.create_sequence(sv.tokens, extra_key=sv.extra_key, counted=False)
+                out.append((sv, seq, client.block_ids(seq)))
+            except Exception as exc:  # noqa: BLE001 - reported by the vLLM thread
+                out.append((sv, None, exc))
+        return client, out
+
+    def _take_saves(self, wait: bool) -> None:
+        """Adds the background creates' copies to this step's saves once the daemon answered
+        (``wait``: waits for it)."""
+        plan = self._save_plan
+        if plan is None or not (wait or plan.done()):
+            return
+        self._save_plan = None
+        client, created = plan.result()
+        bs, pairs = self._block_size, []
+        for sv, seq, ids in created:
+            if client is not self._client:
+                return  # the session was dropped meanwhile: its pool is unmapped
+            if seq is None:
+                self._failed_call(f"save of {sv.req_id} (skipped)", ids)
+                continue
+            self._step_seqs.append(seq)
+            cached, n = seq.num_cached_tokens // bs, len(sv.tokens) // bs
+            if cached < n:
+                pairs.append((ids[cached:n], sv.block_ids[cached:n]))
+        if pairs:
+            self._save_groups.append((pairs, set()))
+
     @_locked
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvpoolConnectorMetadata)
-        self._step_loads, self._step_saves, self._step_seqs = [], [], []
-        self._loaded_layers, self._saved_layers = set(), set()
         bs = self._block_size
         failed_reqs = set()
-        client = self._live() if meta.loads or meta.saves else None
+        loading = {ld.req_id for ld in meta.loads}
+        saves = [sv for sv in meta.saves if sv.req_id in loading]  # the others: _begin_step
+        client = self._live() if meta.loads else None
         for ld in meta.loads:
             want = ld.block_ids[ld.first:ld.last]
             try:
@@ -386,7 +449,8 @@ class KvpoolConnector(KVConnectorBase_V1):
             pool_ids = client.block_ids(seq)
             if have > ld.first:
                 self._step_loads.append((pool_ids[ld.first:have], ld.block_ids[ld.first:have]))
-        for sv in meta.saves:
+        pairs = []
+        for sv in saves:
             if sv.req_id in failed_reqs or client is None:
                 continue  # blocks that did not load hold no KV this step: never publish them
             try:
@@ -399,13 +463,18 @@ class KvpoolConnector(KVConnectorBase_V1):
             cached = seq.num_cached_tokens // bs
             n = len(sv.tokens) // bs
             if cached < n:
-                self._step_saves.append((client.block_ids(seq)[cached:n], sv.block_ids[cached:n]))
+                pairs.append((client.block_ids(seq)[cached:n], sv.block_ids[cached:n]))
+        if pairs:
+            self._save_groups.append((pairs, set()))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         self._copy_layer(layer_name, self._step_loads, self._loaded_layers, to_vllm=True)
 
+    @_locked
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
-        self._copy_layer(layer_name, self._step_saves, self._saved_layers, to_vllm=False)
+        self._take_saves(wait=False)
+        for pairs, done in self._save_groups:
+            self._copy_layer(layer_name, pairs, done, to_vllm=False)
 
     @_locked
     def _copy_layer(self, layer_name: str, pairs, done: set[str], to_vllm: bool) -> None:
@@ -423,25 +492,37 @@ class KvpoolConnector(KVConnectorBase_V1):
 
     @_locked
     def wait_for_save(self):
+        """Every save copy is done when this returns: vLLM may reuse a block as soon as the step
+        ends (a finished or preempted request's blocks are reallocated, and zeroed, before any
+        hook of the next step runs), so the copies cannot outlive the step.  Only the daemon call
+        that publishes the copied blocks (``free``) is left to the RPC thread; the next step's
+        calls queue behind it."""
         if self._step_loads and len(self._loaded_layers) < len(self._layer_index):
             # a layer ran without wait_for_layer_load: its copy is missing, recompute those blocks
             for _, vllm_ids in self._step_loads:
                 self._failed.update(vllm_ids)
-        for name in self._layer_index:
-            if name not in self._saved_layers:
-                self.save_kv_layer(name, self._kv_caches[name], None)
+        self._take_saves(wait=True)
+        for name in self._layer_index:  # the layers whose hook ran before the pool blocks were known
+            for pairs, done in self._save_groups:
+                self._copy_layer(name, pairs, done, to_vllm=False)
         seqs, self._step_seqs = self._step_seqs, []
-        self._step_loads, self._step_saves = [], []
+        self._step_loads, self._save_groups = [], []
         if seqs and self._client is not None:
-            try:
-                self._client.free(seqs)  # says the saved KV is written: other processes may read it now
-            except Exception as exc:  # noqa: BLE001
-                self._failed_call("free", exc)
+            self._rpc.submit(self._free, self._client, seqs)
+
+    def _free(self, client: Client, seqs: list) -> None:
+        """In the RPC thread: tells the daemon the saved KV is written (other processes may read it
+        from then on) and unpins the loaded blocks."""
+        try:
+            client.free(seqs)
+        except Exception as exc:  # noqa: BLE001 - a daemon gone is noticed by the next call
+            logger.warning("KvpoolConnector: free failed (%s)", exc)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed = self._failed, set()
         return failed
 
-    @_locked
     def shutdown(self):
-        self._drop()
+        self._rpc.shutdown(wait=True)  # the last step's free: its saves reach the pool
+        with self._lock:
+            self._drop()
