@@ -6,17 +6,21 @@ model's layout) answers ``get_num_new_matched_tokens`` with
 an ``extra_key`` that carries what else changes the KV: ``cache_salt``, the
 LoRA, the quantization).  ``build_connector_meta`` tells the workers, per
 step, which of a request's blocks to load from the pool and which newly
-computed full prompt blocks to save into it.
+computed full blocks to save into it: prompt and generated tokens alike (the
+request's token ids, read as it runs), hashed as lookups hash them, so a
+later prompt that repeats a request's prompt and answer finds both.
 
 Worker side (each worker process): its own kvpool client maps the pool
 (``Client.kv_cache()``).  ``start_load_kv`` pins the cached prefix in the pool
 (``create_sequence``: the blocks cannot be evicted while copied, and lower
 tiers are brought back first); ``wait_for_layer_load`` copies a layer's
 blocks into vLLM's; saves take pool blocks for the new full blocks
-(``create_sequence`` of the prompt's full blocks: the cached ones are shared,
-the rest are new) and ``save_kv_layer`` fills them layer by layer;
-``wait_for_save`` frees the sequences, which tells the daemon their KV is
-written (other processes see the blocks from then on).
+(``create_sequence`` of the request's full blocks: the cached ones are shared,
+the rest are new; asked for in a background thread while the forward runs)
+and ``save_kv_layer`` fills them layer by layer; ``wait_for_save`` finishes
+the copies (vLLM may reuse a block once the step is over) and leaves the free
+of the sequences, which tells the daemon their KV is written (other processes
+see the blocks from then on), to that thread.
 
 A load that cannot be done (daemon gone, blocks evicted between lookup and
 load) reports its vLLM blocks in ``get_block_ids_with_load_errors``; with
@@ -31,8 +35,7 @@ and saves are not counted, so ``kvpoolctl stats`` agrees with vLLM's
 ``external_prefix_cache_queries`` / ``_hits``.
 
 STATUS (see benchmarks/NOTES-vllm.md): CPU_ATTN layout only, synchronous
-loads and saves inside the step, no tensor parallelism, only prompt blocks are
-saved.
+loads, save copies inside the step, no tensor parallelism.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import functools
 import os
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -88,7 +92,7 @@ class SaveSpec:
     """Copy vLLM blocks ``block_ids[:len(tokens) // block_size]`` into the pool (those it lacks)."""
 
     req_id: str
-    tokens: list[int]  # whole blocks of the prompt
+    tokens: list[int]  # the request's whole blocks (prompt and generated tokens)
     extra_key: str
     block_ids: list[int]
 
@@ -103,10 +107,10 @@ class KvpoolConnectorMetadata(KVConnectorMetadata):
 class _Track:
     """Scheduler-side state of one running request."""
 
-    prompt: list[int]
+    tokens: Any  # the Request's all_token_ids: a live view, generated tokens are appended as they are sampled
     extra_key: str
     block_ids: list[int]
-    saved_blocks: int = 0  # prompt blocks known to be in the pool (loaded or saved)
+    saved_blocks: int = 0  # blocks known to be in the pool (loaded or saved)
 
 
 def _locked(method):
@@ -178,7 +182,7 @@ class KvpoolConnector(KVConnectorBase_V1):
         self._client: Client | None = None
         self._lock = threading.RLock()  # the vLLM thread's calls vs the shutdown watcher
         # scheduler side
-        self._pending: dict[str, tuple[str, int]] = {}  # req_id -> (extra_key, external tokens to load)
+        self._pending: dict[str, tuple["Request", str, int]] = {}  # req_id -> (request, extra_key, tokens to load)
         self._looked_up: dict[str, int] = {}  # req_id -> pool hit (tokens) of a request still waiting
         self._reqs: dict[str, _Track] = {}
         # worker side
@@ -186,10 +190,13 @@ class KvpoolConnector(KVConnectorBase_V1):
         self._layer_index: dict[str, int] = {}
         self._pool: torch.Tensor | None = None
         self._step_loads: list[tuple[list[int], list[int]]] = []  # (pool block ids, vLLM block ids)
-        self._step_saves: list[tuple[list[int], list[int]]] = []  # (pool block ids, vLLM block ids)
+        # per save group: ([(pool block ids, vLLM block ids)], the layers copied)
+        self._save_groups: list[tuple[list[tuple[list[int], list[int]]], set[str]]] = []
+        self._save_plan: Future | None = None  # the saves' creates, in the RPC thread
         self._step_seqs: list = []
         self._loaded_layers: set[str] = set()
-        self._saved_layers: set[str] = set()
+        # the worker's daemon calls that leave the step (the saves' creates, the frees), in order
+        self._rpc = ThreadPoolExecutor(1, thread_name_prefix="kvpool-connector-rpc")
         self._failed: set[int] = set()
         self._attach(wait=True)  # kvpoold must be there at start-up (a wrong socket is an error)
         logger.info("KvpoolConnector %s attached to kvpoold at %s as %s", self._name, self._socket, self._layout)
@@ -249,7 +256,8 @@ class KvpoolConnector(KVConnectorBase_V1):
             # closing unmaps the pool: this step's copies are abandoned (their loads recomputed)
             for _, vllm_ids in self._step_loads:
                 self._failed.update(vllm_ids)
-            self._step_loads, self._step_saves, self._step_seqs, self._pool = [], [], [], None
+            self._step_loads, self._save_groups, self._step_seqs, self._pool = [], [], [], None
+            self._save_plan = None
             try:
                 c.close()
             except Exception:  # noqa: BLE001 - the daemon is gone
@@ -258,9 +266,10 @@ class KvpoolConnector(KVConnectorBase_V1):
     # ============================== scheduler side ==============================
     @_locked
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
-        prompt = request.prompt_token_ids
+        # all_token_ids: the prompt for a new request; prompt and generated tokens for a preempted one
+        prompt = list(request.all_token_ids)
         key = extra_key_for(request, self._vllm_config)
-        self._pending[request.request_id] = (key, 0)
+        self._pending[request.request_id] = (request, key, 0)
         hit = self._looked_up.get(request.request_id)
         if hit is None:
             # One lookup per admission: vLLM asks again each step a request waits for room, and
@@ -280,8 +289,8 @@ class KvpoolConnector(KVConnectorBase_V1):
         return max(0, hit - num_computed_tokens), False
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
-        key, _ = self._pending.get(request.request_id, ("", 0))
-        self._pending[request.request_id] = (key, num_external_tokens)
+        _, key, _ = self._pending.get(request.request_id, (request, "", 0))
+        self._pending[request.request_id] = (request, key, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         meta = KvpoolConnectorMetadata()
@@ -289,9 +298,12 @@ class KvpoolConnector(KVConnectorBase_V1):
         for new in so.scheduled_new_reqs:
             if not new.prompt_token_ids:
                 continue
-            key, ext = self._pending.pop(new.req_id, ("", 0))
+            pending = self._pending.pop(new.req_id, None)
             self._looked_up.pop(new.req_id, None)
-            t = self._reqs[new.req_id] = _Track(list(new.prompt_token_ids), key, list(new.block_ids[0]))
+            if pending is None:
+                continue  # not seen by get_num_new_matched_tokens: its token ids are not at hand
+            request, key, ext = pending
+            t = self._reqs[new.req_id] = _Track(request.all_token_ids, key, list(new.block_ids[0]))
             self._plan(meta, new.req_id, t, new.num_computed_tokens, ext, so.num_scheduled_tokens.get(new.req_id, 0))
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -303,7 +315,7 @@ class KvpoolConnector(KVConnectorBase_V1):
             if req_id in cached.resumed_req_ids:  # preempted and back: all its blocks are new
                 t.block_ids = list(new_ids[0]) if new_ids is not None else []
                 t.saved_blocks = 0
-                ext = self._pending.pop(req_id, ("", 0))[1]
+                ext = self._pending.pop(req_id, (None, "", 0))[2]
                 self._looked_up.pop(req_id, None)
             elif new_ids is not None:
                 t.block_ids.extend(new_ids[0])
@@ -312,16 +324,22 @@ class KvpoolConnector(KVConnectorBase_V1):
 
     def _plan(self, meta: KvpoolConnectorMetadata, req_id: str, t: _Track, computed: int, ext: int,
               scheduled: int) -> None:
-        """This step's load (``ext`` tokens before ``computed``) and save (new full prompt blocks)."""
+        """This step's load (``ext`` tokens before ``computed``) and save (new full blocks).
+
+        After the step the KV of positions ``[0, computed + scheduled)`` is written.  A block is
+        saved once its KV is written and its token ids are known (with asynchronous scheduling a
+        sampled token is known a step after its position is scheduled: its block is saved then,
+        from the request's blocks, which stay put while it runs)."""
         bs = self._block_size
         if ext > 0:
             first = (computed - ext) // bs
             last = -(-computed // bs)
-            meta.loads.append(LoadSpec(req_id, t.prompt[:last * bs], t.extra_key, t.block_ids[:last], first, last))
+            meta.loads.append(LoadSpec(req_id, list(t.tokens[:last * bs]), t.extra_key, t.block_ids[:last], first,
+                                       last))
             t.saved_blocks = max(t.saved_blocks, computed // bs)
-        full = min(computed + scheduled, len(t.prompt)) // bs
+        full = min(computed + scheduled, len(t.tokens), len(t.block_ids) * bs) // bs
         if full > t.saved_blocks:
-            meta.saves.append(SaveSpec(req_id, t.prompt[:full * bs], t.extra_key, t.block_ids[:full]))
+            meta.saves.append(SaveSpec(req_id, list(t.tokens[:full * bs]), t.extra_key, t.block_ids[:full]))
             t.saved_blocks = full
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -345,15 +363,71 @@ class KvpoolConnector(KVConnectorBase_V1):
                     len(names))
         self._pool = self._client.kv_cache()  # the session attached in __init__ (not yet mapped)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        self._begin_step(connector_metadata)
+
+    @_locked
+    def _begin_step(self, meta: KVConnectorMetadata) -> None:
+        """Runs before every step's forward (``start_load_kv`` runs after it when nothing loads
+        synchronously).  The pool blocks of the saves are asked for here, in the RPC thread, so the
+        daemon's round trip overlaps the forward and its ``save_kv_layer`` hooks copy each layer as
+        soon as it is written.  A request that also loads this step is left to ``start_load_kv``:
+        whether its load failed (then it must not save) is known only there."""
+        self._step_loads, self._save_groups, self._step_seqs = [], [], []
+        self._loaded_layers = set()
+        self._save_plan = None
+        loading = {ld.req_id for ld in getattr(meta, "loads", ())}
+        saves = [sv for sv in getattr(meta, "saves", ()) if sv.req_id not in loading]
+        client = self._live() if saves else None
+        if client is not None and self._pool is not None:
+            self._save_plan = self._rpc.submit(self._create_saves, client, saves)
+
+    @staticmethod
+    def _create_saves(client: Client, saves: list[SaveSpec]):
+        """In the RPC thread (never under the connector's lock: the vLLM thread waits for this
+        while holding it).  Returns the client and, per save, (save, sequence or None, pool block
+        ids or the error)."""
+        out = []
+        for sv in saves:
+            try:
+                seq = client.create_sequence(sv.tokens, extra_key=sv.extra_key, counted=False)
+                out.append((sv, seq, client.block_ids(seq)))
+            except Exception as exc:  # noqa: BLE001 - reported by the vLLM thread
+                out.append((sv, None, exc))
+        return client, out
+
+    def _take_saves(self, wait: bool) -> None:
+        """Adds the background creates' copies to this step's saves once the daemon answered
+        (``wait``: waits for it)."""
+        plan = self._save_plan
+        if plan is None or not (wait or plan.done()):
+            return
+        self._save_plan = None
+        client, created = plan.result()
+        bs, pairs = self._block_size, []
+        for sv, seq, ids in created:
+            if client is not self._client:
+                return  # the session was dropped meanwhile: its pool is unmapped
+            if seq is None:
+                self._failed_call(f"save of {sv.req_id} (skipped)", ids)
+                continue
+            self._step_seqs.append(seq)
+            cached, n = seq.num_cached_tokens // bs, len(sv.tokens) // bs
+            if cached < n:
+                pairs.append((ids[cached:n], sv.block_ids[cached:n]))
+        if pairs:
+            self._save_groups.append((pairs, set()))
+
     @_locked
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvpoolConnectorMetadata)
-        self._step_loads, self._step_saves, self._step_seqs = [], [], []
-        self._loaded_layers, self._saved_layers = set(), set()
         bs = self._block_size
         failed_reqs = set()
-        client = self._live() if meta.loads or meta.saves else None
+        loading = {ld.req_id for ld in meta.loads}
+        saves = [sv for sv in meta.saves if sv.req_id in loading]  # the others: _begin_step
+        client = self._live() if meta.loads else None
         for ld in meta.loads:
             want = ld.block_ids[ld.first:ld.last]
             try:
@@ -375,7 +449,8 @@ class KvpoolConnector(KVConnectorBase_V1):
             pool_ids = client.block_ids(seq)
             if have > ld.first:
                 self._step_loads.append((pool_ids[ld.first:have], ld.block_ids[ld.first:have]))
-        for sv in meta.saves:
+        pairs = []
+        for sv in saves:
             if sv.req_id in failed_reqs or client is None:
                 continue  # blocks that did not load hold no KV this step: never publish them
             try:
@@ -388,13 +463,18 @@ class KvpoolConnector(KVConnectorBase_V1):
             cached = seq.num_cached_tokens // bs
             n = len(sv.tokens) // bs
             if cached < n:
-                self._step_saves.append((client.block_ids(seq)[cached:n], sv.block_ids[cached:n]))
+                pairs.append((client.block_ids(seq)[cached:n], sv.block_ids[cached:n]))
+        if pairs:
+            self._save_groups.append((pairs, set()))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         self._copy_layer(layer_name, self._step_loads, self._loaded_layers, to_vllm=True)
 
+    @_locked
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
-        self._copy_layer(layer_name, self._step_saves, self._saved_layers, to_vllm=False)
+        self._take_saves(wait=False)
+        for pairs, done in self._save_groups:
+            self._copy_layer(layer_name, pairs, done, to_vllm=False)
 
     @_locked
     def _copy_layer(self, layer_name: str, pairs, done: set[str], to_vllm: bool) -> None:
@@ -412,25 +492,37 @@ class KvpoolConnector(KVConnectorBase_V1):
 
     @_locked
     def wait_for_save(self):
+        """Every save copy is done when this returns: vLLM may reuse a block as soon as the step
+        ends (a finished or preempted request's blocks are reallocated, and zeroed, before any
+        hook of the next step runs), so the copies cannot outlive the step.  Only the daemon call
+        that publishes the copied blocks (``free``) is left to the RPC thread; the next step's
+        calls queue behind it."""
         if self._step_loads and len(self._loaded_layers) < len(self._layer_index):
             # a layer ran without wait_for_layer_load: its copy is missing, recompute those blocks
             for _, vllm_ids in self._step_loads:
                 self._failed.update(vllm_ids)
-        for name in self._layer_index:
-            if name not in self._saved_layers:
-                self.save_kv_layer(name, self._kv_caches[name], None)
+        self._take_saves(wait=True)
+        for name in self._layer_index:  # the layers whose hook ran before the pool blocks were known
+            for pairs, done in self._save_groups:
+                self._copy_layer(name, pairs, done, to_vllm=False)
         seqs, self._step_seqs = self._step_seqs, []
-        self._step_loads, self._step_saves = [], []
+        self._step_loads, self._save_groups = [], []
         if seqs and self._client is not None:
-            try:
-                self._client.free(seqs)  # says the saved KV is written: other processes may read it now
-            except Exception as exc:  # noqa: BLE001
-                self._failed_call("free", exc)
+            self._rpc.submit(self._free, self._client, seqs)
+
+    def _free(self, client: Client, seqs: list) -> None:
+        """In the RPC thread: tells the daemon the saved KV is written (other processes may read it
+        from then on) and unpins the loaded blocks."""
+        try:
+            client.free(seqs)
+        except Exception as exc:  # noqa: BLE001 - a daemon gone is noticed by the next call
+            logger.warning("KvpoolConnector: free failed (%s)", exc)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed = self._failed, set()
         return failed
 
-    @_locked
     def shutdown(self):
-        self._drop()
+        self._rpc.shutdown(wait=True)  # the last step's free: its saves reach the pool
+        with self._lock:
+            self._drop()

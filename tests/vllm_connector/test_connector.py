@@ -118,6 +118,23 @@ def test_second_engine_skips_the_prefill_and_the_statistics_agree(kvpoold, engin
     assert pool["prefix_hit_tokens"] - pool_before["prefix_hit_tokens"] == hits == 6 * BLOCK
 
 
+def test_a_follow_up_prompt_finds_the_generated_answer_in_the_pool(kvpoold, engines):
+    a, b, p = engines["A"], engines["B"], engines["P"]
+    prompt = _prompt(7)  # 6 full blocks and 8 tokens
+    (answer,) = a.generate([prompt], max_tokens=80)
+    # A computed the KV of 279 tokens (the last sampled one is never fed back): 8 full blocks, of
+    # which 2 hold only generated tokens and 1 the prompt's tail and generated tokens
+    follow_up = prompt + answer["tokens"] + _prompt(71, 20)
+    before = b.metrics()
+    (second,) = b.generate([follow_up])
+    assert second["num_cached_tokens"] == 8 * BLOCK  # past the 6 blocks of A's prompt
+    assert _delta(b.metrics(), before, EXT_H) == 8 * BLOCK  # all of them from kvpoold
+    (plain,) = p.generate([follow_up])
+    assert second["tokens"] == plain["tokens"]
+    assert max(abs(x - y) for x, y in zip(second["logprobs"], plain["logprobs"])) < 0.05
+    assert answer["tokens"] == p.generate([prompt], max_tokens=80)[0]["tokens"]
+
+
 def _scramble_cached_prefix(socket: str, tokens: list[int], model: str) -> int:
     """Overwrite the pool's cached blocks of ``tokens`` with noise (a test-only write); returns how many."""
     import torch
