@@ -10,9 +10,9 @@ from typing import Callable, Iterable, Sequence as Seq
 from ..errors import InvalidArgument
 from ..hf import PagedModel
 from .detok import TextTracker
+from .graphs import GraphRunner
 from .params import EngineConfig, SamplingParams
 from .request import Request, RequestOutput
-from .graphs import GraphRunner
 from .runner import StepRunner
 from .sampler import Sampler
 from .scheduler import Scheduler

@@ -120,6 +120,7 @@ class GraphRunner(StepRunner):
         with torch.cuda.device(self.model.device), \
                 torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             logits = self.run_eager(size, size, capacity, decode=True)
-        self.capture_seconds += time.perf_counter() - t0
-        log.info("captured the decode graph of %d sequences in %.2f s", size, time.perf_counter() - t0)
+        took = time.perf_counter() - t0
+        self.capture_seconds += took
+        log.info("captured the decode graph of %d sequences in %.2f s", size, took)
         return graph, logits

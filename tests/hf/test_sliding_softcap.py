@@ -96,17 +96,43 @@ def paged(model, pool, model_id: str, **kw):
     return kvpool_hf.PagedModel.connect(model, pool.socket, name=model_id, model_id=model_id, block_size=8, **kw)
 
 
+def check_windowed_batch(pm, ref, *, atol: float = ATOL, rtol: float = RTOL) -> None:
+    """One batch of ``LENGTHS`` prompts through ``pm``: tokens equal to ``ref``'s eager generate of each
+    prompt alone, logits within ``atol`` / ``rtol``."""
+    prompts = [tokens(n, seed=i) for i, n in enumerate(LENGTHS)]
+    gen = pm.generate(prompts, max_new_tokens=NEW_TOKENS, output_logits=True)
+    for p, got_tokens, got_logits in zip(prompts, gen.tokens, gen.logits):
+        want_tokens, want_logits = reference_generate(ref, p, NEW_TOKENS)
+        assert got_tokens == want_tokens
+        torch.testing.assert_close(got_logits, want_logits.cpu(), atol=atol, rtol=rtol)
+
+
+def check_fp8_close(connect, prompts: list[list[int]], steps: int = 6) -> None:
+    """A model on an fp8 pool, teacher-forced along its greedy tokens on a pool of its own dtype: the first
+    token is the same and each step's logits stay within 0.05 of the spread of the reference's.
+    ``connect(name, **kw)`` makes a ``PagedModel`` of the model (``kw``: ``kv_dtype``)."""
+    with connect("fp8-reference") as pm:
+        want = pm.generate(prompts, max_new_tokens=steps + 1, output_logits=True)
+    with connect("fp8", kv_dtype="float8_e4m3fn") as pm:
+        assert pm.layout.dtype == "float8_e4m3fn" and pm.kv.dtype == torch.float8_e4m3fn
+        seqs, first = pm.prefill(prompts)
+        got = [first.float().cpu()]
+        for j in range(steps):  # teacher-forced along the reference pool's tokens
+            got.append(pm.forward(seqs, [t[j] for t in want.tokens]).float().cpu())
+        pm.free(seqs)
+    got = torch.stack(got, 1)
+    for i, w in enumerate(want.logits):
+        assert int(got[i, 0].argmax()) == want.tokens[i][0]
+        err = (got[i] - w).abs().max().item()
+        assert err <= 0.05 * (w.max() - w.min()).item(), err
+
+
 @pytest.mark.parametrize("arch", list(BUILDERS))
 def test_windowed_batch_matches_eager(pool, arch):
     model = make(arch)
     ref = eager_copy(model)
-    prompts = [tokens(n, seed=i) for i, n in enumerate(LENGTHS)]
     with paged(model, pool, f"{arch}-window") as pm:
-        gen = pm.generate(prompts, max_new_tokens=NEW_TOKENS, output_logits=True)
-    for p, got_tokens, got_logits in zip(prompts, gen.tokens, gen.logits):
-        want_tokens, want_logits = reference_generate(ref, p, NEW_TOKENS)
-        assert got_tokens == want_tokens
-        torch.testing.assert_close(got_logits, want_logits, atol=ATOL, rtol=RTOL)
+        check_windowed_batch(pm, ref)
 
 
 def test_cached_prefix_with_windows(pool):
@@ -137,21 +163,7 @@ def test_window_really_cuts():
 def test_fp8_pool_close_to_float32_pool(pool):
     model = make("gemma2", seed=1)
     prompts = [tokens(n, seed=10 + i) for i, n in enumerate((21, 6))]
-    steps = 6
-    with paged(model, pool, "gemma2-f32-for-fp8") as pm:
-        want = pm.generate(prompts, max_new_tokens=steps + 1, output_logits=True)
-    with paged(model, pool, "gemma2-fp8", kv_dtype="float8_e4m3fn") as pm:
-        assert pm.layout.dtype == "float8_e4m3fn" and pm.kv.dtype == torch.float8_e4m3fn
-        seqs, first = pm.prefill(prompts)
-        got = [first.float()]
-        for j in range(steps):  # teacher-forced along the float32 pool's tokens
-            got.append(pm.forward(seqs, [t[j] for t in want.tokens]).float())
-        pm.free(seqs)
-    got = torch.stack(got, 1)
-    for i, w in enumerate(want.logits):
-        assert int(got[i, 0].argmax()) == want.tokens[i][0]
-        err = (got[i] - w).abs().max().item()
-        assert err <= 0.05 * (w.max() - w.min()).item(), err
+    check_fp8_close(lambda name, **kw: paged(model, pool, f"gemma2-{name}", **kw), prompts)
 
 
 def test_fp8_scales_and_dtype_checks(pool):
