@@ -34,7 +34,12 @@ GPU calls never synchronize the host and can be captured in a CUDA graph
 uses to size split-KV; the CPU path ignores it.
 """
 
-from .attention import paged_decode_attention, paged_prefill_attention
-from .kv_write import write_kv
+if __name__ == "kernels":  # this folder found as a top-level package: see _top_level
+    from ._top_level import give_way
+
+    give_way()
+else:
+    from .attention import paged_decode_attention, paged_prefill_attention
+    from .kv_write import write_kv
 
 __all__ = ["paged_decode_attention", "paged_prefill_attention", "write_kv"]

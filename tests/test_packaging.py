@@ -6,6 +6,8 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -76,3 +78,32 @@ def test_cpu_path_never_imports_cupy():
         "assert 'cupy' not in sys.modules, 'cupy imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def _run_in_checkout(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def test_the_kernels_folder_gives_the_top_level_name_to_the_installed_kernels_package():
+    """From the checkout's root, kernels/ is also importable as top-level ``kernels``, the import
+    name of Hugging Face's ``kernels`` (a dependency of transformers from 5.25, which imports it):
+    that import gets the installed package, and transformers imports from here."""
+    import importlib.metadata
+
+    try:
+        importlib.metadata.distribution("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("no `kernels` distribution installed here")
+    got = _run_in_checkout("-c", "import kernels; print(kernels.__file__)")
+    assert got.returncode == 0, got.stderr
+    assert not Path(got.stdout.strip()).resolve().is_relative_to(ROOT)
+    pytest.importorskip("transformers")
+    got = _run_in_checkout("-c", "from transformers.integrations import hub_kernels; import kvpool.kernels as k; "
+                                 "print(k.paged_decode_attention.__module__)")  # fmt: skip
+    assert got.returncode == 0 and got.stdout.strip() == "kvpool.kernels.attention", got.stderr
+
+
+def test_without_a_kernels_package_the_top_level_import_says_what_the_folder_is():
+    # -S: no site-packages, so no installed `kernels`; the checkout's root first on the path.
+    got = _run_in_checkout("-S", "-c", f"import sys; sys.path.insert(0, {str(ROOT)!r}); import kernels")
+    assert got.returncode != 0 and "imports as kvpool.kernels" in got.stderr
