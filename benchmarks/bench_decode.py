@@ -1,7 +1,7 @@
 """Paged decode and prefill on the GPU: ours vs FlashInfer vs SDPA on contiguous K/V.
 
     python3 benchmarks/bench_decode.py [--grid none|quick|full | --shapes 16x4096,...] [--variants v7]
-        [--prefill 1024,4096] [--prefill-variants v8] [--no-gather] [--json PATH]
+        [--prefill 1024,4096] [--prefill-variants v8] [--no-gather] [--json PATH] [--division PER_SM:OVERHEAD]
 
 Decode shape (the kernel notes' grid): bfloat16, head_dim 128, 32 query / 8 KV heads,
 block size 16, block tables = random permutations of the pool. Timing: a
@@ -106,6 +106,25 @@ def graph_time_us(make_call, copies: int, replays: int = 20) -> float:
         e.synchronize()
         times.append(s.elapsed_time(e) * 1e3 / copies)
     return statistics.median(times)
+
+
+def time_in_turn(timers, passes: int, case: str) -> tuple[dict[str, float], dict[str, str]]:
+    """Run every ``(impl, () -> us)`` of ``timers`` ``passes`` times in turn (a, b, c, a, b, c,
+    ...) and keep each one's lowest median, so that a drift of the clocks during a case spares
+    no side; returns (us by impl, error by impl). A timer that raises is recorded and not run
+    again."""
+    best: dict[str, float] = {}
+    errors: dict[str, str] = {}
+    for _ in range(max(1, passes)):
+        for impl, time_it in timers:
+            if impl in errors:
+                continue
+            try:
+                best[impl] = min(best.get(impl, math.inf), time_it())
+            except Exception as e:  # noqa: BLE001 - record and go on
+                print(f"# {impl} {case} failed: {type(e).__name__}: {str(e)[:300]}")
+                errors[impl] = f"{type(e).__name__}: {e}"[:500]
+    return best, errors
 
 
 def eager_time_us(make_call, copies: int, replays: int = 20) -> float:
@@ -363,7 +382,17 @@ def main() -> None:
     p.add_argument("--no-flashinfer", action="store_true", help="skip FlashInfer even if it imports")
     p.add_argument("--prefill", default="1024,4096", help="prefill lengths ('' to skip)")
     p.add_argument("--json", default=None, help="write all rows here")
+    p.add_argument("--division", default="", help="page-aware knobs for every call, PER_SM:OVERHEAD "
+                   "(bench_mixed_decode.py --sweep's fields; default: the planner's)")
     args = p.parse_args()
+    from bench_mixed_decode import parse_sweep
+
+    with kernel_variants.division(*(parse_sweep(args.division) or [()])[0]):
+        bench(args)
+
+
+def bench(args) -> None:
+    """The tables and JSON of ``main``'s arguments."""
     gen = torch.Generator().manual_seed(0)
     split_options = [int(x) for x in args.splits.split(",") if x]
     split_batches = {int(x) for x in args.splits_batches.split(",") if x}

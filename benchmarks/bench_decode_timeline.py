@@ -49,7 +49,7 @@ _STAMP_NOW = (
     "    unsigned long long t;\n    asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(t));\n    return t;\n}\n"
 )
 _KERNEL = "template <int DT, int DA, int KF, int WKV, int NS, int KT, bool PAIR>\n__device__ __forceinline__ void attention_cta("
-_CTA_START = "    const bool paged = work_target > 0;        // page-aware decode: grid (items x KV heads)\n"
+_CTA_START = "    const bool paged = work_target > 0;        // page-aware: grid (items x KV heads)\n"
 _FIRST_TILE = "        const int base = first + step * k;\n        if (base >= w_hi) continue;"
 _LOOP_END = "    __syncthreads();                                         // the rings are free: reuse them\n"
 _EPILOGUE_END = "        if (nsplit == 1 || counters == nullptr) return;      // merge_splits_kernel follows\n"

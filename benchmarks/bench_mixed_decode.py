@@ -1,6 +1,8 @@
 """Decode on real batches: mixed lengths, ours vs FlashInfer, and float8 vs bfloat16 KV.
 
     python3 benchmarks/bench_mixed_decode.py [--grid quick|full] [--variants v9,v7] [--no-fp8] [--json PATH]
+        [--sweep a:256,1:0,2:] [--passes 2] [--cases skewed,spread] [--fp8-variants v9,v9s2]
+        [--fp8-shapes 64x4096,256x4096]
 
 Shape as bench_decode.py: bfloat16, head_dim 128, 32 query / 8 KV heads, block size 16,
 random-permutation block tables, CUDA graphs with inputs rotated past L2, median per call.
@@ -17,8 +19,15 @@ sequence with a key mask; only where the padded K/V fit in 8 GB: it reads B x L 
 ``copy%``: K/V bytes the batch really holds over the time, against the 4.18 TB/s
 device-to-device copy. ``vs fi``: our time over FlashInfer's best (<= 1 is the target).
 
-float8: ``ours`` on a float8 e4m3 pool against the same shape in bfloat16, uniform batches
-(the target: at most 0.55x the bfloat16 time from B64 x 4k up).
+``--sweep PER_SM:OVERHEAD,...`` adds rows ``v9 sPER_SM oOVERHEAD``: page-aware decode planned
+with other knobs (``kernel_variants.division``: CTAs per SM of the wave, an item's fixed cost).
+``--passes N`` times every row N times in turn and keeps the lowest median.
+
+float8: ``ours`` (and ``--fp8-variants``, with ``kernel_variants.PROBES``) on a float8 e4m3
+pool against the same shape in bfloat16, uniform batches (the target: at most 0.55x the
+bfloat16 time from B64 x 4k up), with FlashInfer's float8 decode on the same pool; before
+them, the bandwidth of random gathers of 1-8 KiB rows (a float8 block's rows of one KV head
+are 2 KiB, bfloat16's 4 KiB).
 """
 
 from __future__ import annotations
@@ -33,7 +42,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench_decode import BS, COPY_TBPS, D, HKV, HQ, L2_BYTES, _finite, fi_workspace, flashinfer_or_none, graph_time_us
+from bench_decode import (
+    BS, COPY_TBPS, D, HKV, HQ, L2_BYTES, _finite, fi_workspace, flashinfer_or_none, graph_time_us, time_in_turn,
+)
 
 
 def skewed(batch: int, longest: int, n_long: int, rng: random.Random) -> list[int]:
@@ -82,9 +93,13 @@ def make_pool(lens: list[int], copies: int, dtype: torch.dtype, gen: torch.Gener
     return pool, tables, flat
 
 
-def bench_case(name, lens, variants, fi, gen, dtype=torch.bfloat16, with_sdpa=True) -> list[dict]:
+def bench_case(name, lens, variants, fi, gen, dtype=torch.bfloat16, with_sdpa=True, sweep=(), passes=1) -> list[dict]:
+    """Rows for one batch: each timed ``passes`` times in turn (ours, FlashInfer, ours, ...),
+    the lowest median kept, so that a drift of the clocks during the case spares no side."""
     from kvpool.kernels import cuda_attention
     from kvpool.kernels._validate import check_attention
+
+    import kernel_variants
 
     batch, longest = len(lens), max(lens)
     es = torch.empty(0, dtype=dtype).element_size()
@@ -95,6 +110,44 @@ def bench_case(name, lens, variants, fi, gen, dtype=torch.bfloat16, with_sdpa=Tr
     seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
     qs = torch.randn((copies, batch, HQ, D), dtype=torch.bfloat16, device="cuda")
     outs = torch.empty_like(qs)
+    timers = []  # (impl, () -> us)
+
+    def ours(variant, knobs=None):
+        def make(i):
+            a = check_attention(qs[i], k, v, tables[i], seq_lens, None, None, outs[i])
+            return lambda: cuda_attention.paged_attention(a, qs[i], k, v, tables[i], seq_lens, None, variant=variant)
+
+        def time_it():
+            if knobs is None:
+                return graph_time_us(make, copies)
+            with kernel_variants.division(*knobs):
+                return graph_time_us(make, copies)
+
+        return time_it
+
+    for variant in variants:
+        timers.append((f"ours {variant}", ours(variant)))
+    for per_sm, overhead, order in sweep:
+        timers.append((f"v9 s{per_sm or 'a'} o{overhead} r{order}", ours("v9", (per_sm, overhead, order))))
+    fi_impls = []
+    if fi is not None:
+        need = [-(-n // BS) for n in lens]
+        indptr = torch.tensor([0, *torch.tensor(need).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+        last = torch.tensor([n - (m - 1) * BS for n, m in zip(lens, need)], dtype=torch.int32, device="cuda")
+        paged = pool[:, 0]
+        for tc in (True, False):
+            def fi_time(tc=tc):
+                wrappers = []
+                for i in range(copies):
+                    w = fi.BatchDecodeWithPagedKVCacheWrapper(fi_workspace(), "HND", use_tensor_cores=tc)
+                    w.plan(indptr, flat[i], last, HQ, HKV, D, BS, q_data_type=torch.bfloat16, kv_data_type=dtype)
+                    wrappers.append(w)
+                return graph_time_us(lambda i: lambda: wrappers[i].run(qs[i], paged, out=outs[i]), copies)
+
+            impl = "fi-tc" if tc else "fi-cc"
+            fi_impls.append(impl)
+            timers.append((impl, fi_time))
+    best, errors = time_in_turn(timers, passes, name)
     rows = []
 
     def add(impl, us, **extra):
@@ -102,34 +155,14 @@ def bench_case(name, lens, variants, fi, gen, dtype=torch.bfloat16, with_sdpa=Tr
                          frac_copy=kv_bytes / (us * 1e-6) / 1e12 / COPY_TBPS if math.isfinite(us) else float("nan"),
                          **extra))  # fmt: skip
 
-    for variant in variants:
-        def make(i, variant=variant):
-            a = check_attention(qs[i], k, v, tables[i], seq_lens, None, None, outs[i])
-            return lambda: cuda_attention.paged_attention(a, qs[i], k, v, tables[i], seq_lens, None, variant=variant)
-
-        add(f"ours {variant}", graph_time_us(make, copies))
-    if fi is not None and dtype == torch.bfloat16:
-        need = [-(-n // BS) for n in lens]
-        indptr = torch.tensor([0, *torch.tensor(need).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-        last = torch.tensor([n - (m - 1) * BS for n, m in zip(lens, need)], dtype=torch.int32, device="cuda")
-        best = math.inf
-        for tc in (True, False):
-            impl = "fi-tc" if tc else "fi-cc"
-            try:
-                wrappers = []
-                for i in range(copies):
-                    w = fi.BatchDecodeWithPagedKVCacheWrapper(fi_workspace(), "HND", use_tensor_cores=tc)
-                    w.plan(indptr, flat[i], last, HQ, HKV, D, BS, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
-                    wrappers.append(w)
-                paged = pool[:, 0]
-                us = graph_time_us(lambda i: lambda: wrappers[i].run(qs[i], paged, out=outs[i]), copies)
-                best = min(best, us)
-                add(impl, us)
-            except Exception as e:  # noqa: BLE001 - record and go on
-                print(f"# {impl} {name} failed: {type(e).__name__}: {str(e)[:200]}")
-                add(impl, float("nan"), error=f"{type(e).__name__}: {e}"[:300])
-        if math.isfinite(best):
-            add("best-fi", best)
+    for impl, _ in timers:
+        if impl in errors:
+            add(impl, float("nan"), error=errors[impl])
+        else:
+            add(impl, best[impl])
+    fi_best = min((best[i] for i in fi_impls if i in best), default=math.inf)
+    if math.isfinite(fi_best):
+        add("best-fi", fi_best)
     padded = batch * longest * HKV * D * 2 * 2
     if with_sdpa and padded <= 8e9:
         kpad = torch.zeros((batch, HKV, longest, D), dtype=torch.bfloat16, device="cuda")
@@ -147,17 +180,48 @@ def bench_case(name, lens, variants, fi, gen, dtype=torch.bfloat16, with_sdpa=Tr
     return rows
 
 
+def parse_sweep(text: str) -> list[tuple[int | None, int | None]]:
+    """``"a:256,1:0"`` -> [(None, 256), (1, 0)]: CTAs per SM planned (a: the planner's rule) and
+    an item's overhead in keys, per page-aware configuration to time; an empty field keeps the
+    planner's."""
+    out = []
+    for part in filter(None, text.split(",")):
+        per_sm, overhead = (part.split(":") + [""])[:2]
+        out.append((None if per_sm in ("a", "") else int(per_sm), int(overhead) if overhead else None))
+    return out
+
+
+def gather_tb_per_s(row_bytes: int, total: int = 1 << 31) -> float:
+    """Bytes read plus written per second by a gather of every ``row_bytes`` row of a
+    ``total``-byte buffer in random order: what the memory system gives reads of that size at
+    random places (a float8 block's rows of one KV head are 2 KiB, bfloat16's 4 KiB)."""
+    rows = total // row_bytes
+    src = torch.randint(0, 255, (rows, row_bytes // 16, 16), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    idx = torch.randperm(rows, device="cuda")
+    us = graph_time_us(lambda i: lambda: torch.index_select(src, 0, idx, out=dst), 1)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * rows * row_bytes / (us * 1e-6) / 1e12
+
+
 FP8_SHAPES = [(64, 4096), (128, 4096), (64, 16384), (256, 4096), (16, 4096), (1, 16384)]
 
 
 def main() -> None:
     import kernel_variants
 
-    kernel_variants.register()
+    kernel_variants.register(probes=True)
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--grid", choices=["quick", "full"], default="quick")
     p.add_argument("--variants", default="v9,v7", help="our decode variants to time")
     p.add_argument("--no-fp8", action="store_true", help="skip the float8 rows")
+    p.add_argument("--sweep", default="", help="page-aware knobs to time besides the variants, PER_SM:OVERHEAD,... "
+                   "(PER_SM a: the planner's rule; an empty field: the planner's), e.g. a:0,1:256,2:")
+    p.add_argument("--passes", type=int, default=1, help="time every row this many times in turn, keep the lowest")
+    p.add_argument("--fp8-variants", default="", help="decode variants to time on the float8 shapes (default: the first)")
+    p.add_argument("--fp8-shapes", default=",".join(f"{b}x{c}" for b, c in FP8_SHAPES), help="BxCTX,... of the float8 rows")
+    p.add_argument("--cases", default="", help="only the cases whose names contain one of these, comma-separated")
     p.add_argument("--no-flashinfer", action="store_true")
     p.add_argument("--json", default=str(Path(__file__).parent / "results" / "mixed-decode.json"))
     args = p.parse_args()
@@ -174,8 +238,12 @@ def main() -> None:
                    mixed=rows, fp8=fp8)  # fmt: skip
         Path(args.json).write_text(json.dumps(_finite(doc), indent=1))
 
+    sweep = parse_sweep(args.sweep)
+    wanted = [c for c in args.cases.split(",") if c]
     for name, lens in cases(args.grid):
-        got = bench_case(name, lens, variants, fi, gen)
+        if wanted and not any(w in name for w in wanted):
+            continue
+        got = bench_case(name, lens, variants, fi, gen, sweep=sweep, passes=args.passes)
         best = next((r["us"] for r in got if r["impl"] == "best-fi"), float("nan"))
         for r in got:
             r["vs_fi"] = r["us"] / best if math.isfinite(best) else float("nan")
@@ -184,12 +252,19 @@ def main() -> None:
         save()
     if not args.no_fp8:
         print(f"{'fp8 shape':>22} {'bf16 us':>9} {'fp8 us':>9} {'ratio':>6}")
-        for batch, ctx in FP8_SHAPES:
+        for row in (1024, 2048, 4096, 8192):
+            tb = gather_tb_per_s(row)
+            fp8.append(dict(gather_row_bytes=row, tb_per_s=tb))
+            print(f"# random gather of {row}-byte rows: {tb:.2f} TB/s ({100 * tb / COPY_TBPS:.0f}% of copy)", flush=True)
+        fp8_variants = [x for x in args.fp8_variants.split(",") if x] or variants[:1]
+        for batch, ctx in [tuple(map(int, x.split("x"))) for x in args.fp8_shapes.split(",") if x]:
             lens = [ctx] * batch
             t16 = bench_case(f"{batch}x{ctx}", lens, variants[:1], None, gen, torch.bfloat16, False)[0]["us"]
-            t8 = bench_case(f"{batch}x{ctx}", lens, variants[:1], None, gen, torch.float8_e4m3fn, False)[0]["us"]
-            fp8.append(dict(batch=batch, ctx=ctx, bf16_us=t16, fp8_us=t8, ratio=t8 / t16))
-            print(f"{f'{batch}x{ctx}':>22} {t16:>9.1f} {t8:>9.1f} {t8 / t16:>6.2f}", flush=True)
+            got = bench_case(f"{batch}x{ctx}", lens, fp8_variants, fi, gen, torch.float8_e4m3fn, False, sweep=sweep)
+            for r in got:
+                impl, t8 = r["impl"], r["us"]
+                fp8.append(dict(batch=batch, ctx=ctx, variant=impl, bf16_us=t16, fp8_us=t8, ratio=t8 / t16))
+                print(f"{f'{batch}x{ctx} {impl}':>22} {t16:>9.1f} {t8:>9.1f} {t8 / t16:>6.2f}", flush=True)
             save()
     save()
     print(f"# wrote {args.json}")

@@ -17,11 +17,15 @@ kernel source of their own: each is a template instance of the shipped kernels.
 * ``v7a``: v7 with two splits merged by the arrival counter instead of as a cluster pair.
 * ``v8f``: v8 with the warpgroup-MMA prefill whatever the grid (where the device has it).
 
+``PROBES`` (``register(probes=True)``, benchmarks only): ``v9s2`` / ``v9s4``, page-aware decode
+with 2 / 4 ring stages whatever the shape; ``v9k8``, with 8-key stages (float8 caches only).
+
     import kernel_variants; kernel_variants.register()   # benchmarks/ on sys.path
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import replace
 
 from kvpool.kernels import cuda_attention as ca
@@ -36,11 +40,37 @@ EXTRA: dict[str, tuple[ca.Pipeline, ca.Pipeline]] = {
     "v7a": (replace(ca.AUTO_DECODE, pair=False), ca.DEDICATED),
     "v8f": (ca.AUTO_DECODE, ca.WGMMA),
 }
+# Probes that only benchmarks time (bench_mixed_decode.py --fp8-variants), on float8 caches:
+# the page-aware decode with its ring stages fixed, and with 8-key stages (16 keys on float8,
+# whose stages hold twice the keys; a 16-bit cache cannot run it: stages are whole 16-key steps).
+PROBES: dict[str, tuple[ca.Pipeline, ca.Pipeline]] = {
+    "v9s2": (ca.Pipeline(2, 16, True, paged=True), replace(ca.WGMMA, mtiles=0)),
+    "v9s4": (ca.Pipeline(4, 16, True, paged=True), replace(ca.WGMMA, mtiles=0)),
+    "v9k8": (ca.Pipeline(3, 8, True, paged=True), replace(ca.WGMMA, mtiles=0)),
+}
 
 
-def register() -> list[str]:
-    """Adds ``EXTRA`` to ``cuda_attention.VARIANTS`` (idempotent); returns every variant name."""
-    for name, pipes in EXTRA.items():
+def register(probes: bool = False) -> list[str]:
+    """Adds ``EXTRA`` (and with ``probes``, ``PROBES``) to ``cuda_attention.VARIANTS``
+    (idempotent); returns every variant name."""
+    for name, pipes in {**EXTRA, **(PROBES if probes else {})}.items():
         if ca.VARIANTS.setdefault(name, pipes) != pipes:
             raise ValueError(f"kernel variant {name!r} is already registered with other pipelines")
     return sorted(ca.VARIANTS)
+
+
+@contextmanager
+def division(per_sm: int | None = None, overhead: int | None = None):
+    """Page-aware decode planned with other knobs while the block runs (the planner reads them
+    at each call, so a CUDA graph captured inside keeps them): ``per_sm`` CTAs per SM for the
+    wave that ``work_items`` aims at (None: ``decode_work``'s rule), ``overhead`` an item's
+    fixed cost in keys (None: ``DECODE_ITEM_OVERHEAD``)."""
+    saved = ca.decode_work, ca.DECODE_ITEM_OVERHEAD
+    if per_sm is not None:
+        ca.decode_work = lambda num_seqs, num_kv_heads, tiles, num_sms: max(1, num_sms * per_sm // num_kv_heads)
+    if overhead is not None:
+        ca.DECODE_ITEM_OVERHEAD = overhead
+    try:
+        yield
+    finally:
+        ca.decode_work, ca.DECODE_ITEM_OVERHEAD = saved

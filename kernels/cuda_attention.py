@@ -8,10 +8,10 @@ the fused merge, the last split CTA of each tile merges it: one launch). The pla
 bound of the sequence lengths (``max_seq_len``, default: what the block
 table can hold), never on the *contents* of ``seq_lens``: nothing here reads
 device memory, so a call never synchronizes and can be captured in a CUDA
-graph. Prefill maps CTAs to (sequence, query tile) through a device-side
-prefix sum of tiles per sequence, again without a sync: the dedicated prefill
-kernel computes it from ``cu_seqlens`` in each CTA (one launch per call), the
-split-KV kernel reads it from a ``tile_cum`` tensor made before the launch.
+graph. Prefill maps CTAs to (sequence, query tile) on the device, again without a sync:
+the dedicated prefill kernels scan ``cu_seqlens`` in each CTA; the split-KV kernel is
+page-aware (below); only its fixed grid of a forced ``num_splits`` reads a ``tile_cum``
+tensor made before the launch.
 
 Split-KV: when (query tiles x KV heads) alone would not fill the GPU, the
 key range is cut into ``num_splits`` chunks of ``chunk`` tokens; each CTA
@@ -19,11 +19,14 @@ writes a normalized partial output plus its log2-sum-exp, which the merge
 (kernel or fused tail) combines. That is what keeps a single 128k-token sequence from
 running on 8 SMs.
 
-Decode of two or more sequences is page-aware by default (``decode_items``): the grid is a
+Decode of two or more sequences is page-aware by default (``work_items``): the grid is a
 bound on work items, not (sequences x splits), and each CTA finds its item from the lengths
 on the device, so a batch that mixes one long sequence with many short ones gives the long
 one many CTAs and each short one exactly one, in one launch that a CUDA graph replays with
-new lengths. One sequence has nothing to balance and runs the fixed grid.
+new lengths. One sequence has nothing to balance and runs the fixed grid. Prefill on the
+split-KV kernel is page-aware in the same way over query tiles: a chunk of a long prompt
+beside one-token decodes splits the chunk's tiles by their keys and gives each decode one
+item, with the merge fused (one launch).
 
 Models: head_dim 64, 80, 96, 112, 128, 192, 256 (the generic kernel computes on the next of
 64/128/256 with zero pad dims, reading only the real ones); float16/bfloat16/float32
@@ -69,6 +72,10 @@ HEAD_DIMS = (64, 80, 96, 112, 128, 192, 256)
 # Page-aware decode: work items planned per SM (see decode_work) and the fewest keys per
 # item (one 16-key tile per warp of a 4-warp CTA).
 DECODE_ITEM_KEYS = 64
+# Page-aware attention: a work item's fixed cost (start, table reads, pipeline fill, epilogue
+# and its share of the merge), in keys streamed in the same time; work_items weighs items by
+# it. 0, 256 and 1024 timed alike on the H200's mixed batches (within 2%).
+DECODE_ITEM_OVERHEAD = 256
 
 
 def padded_dim(head_dim: int, kf: int = 0) -> int:
@@ -138,8 +145,9 @@ W8_MAX_WAVES = 4
 # only where the query tiles alone give two CTAs per SM, else split-KV as in v7.
 WGMMA = Pipeline(WG_STAGES, WG_KEYS, dedicated=True, warps=4 * WG_GROUPS, wgmma=True)
 # Prefill where the dedicated kernel does not apply (float32, head_dim 256, forced splits,
-# or too few query tiles to fill the GPU without split-KV).
-GENERIC_PREFILL = Pipeline(3, 16)
+# or too few query tiles to fill the GPU without split-KV): page-aware, each query tile split
+# by its own key count (``work_items``).
+GENERIC_PREFILL = Pipeline(3, 16, paged=True)
 
 
 # Kernel variants, (decode pipeline, prefill pipeline), by name. "v8": decode on a fixed
@@ -173,8 +181,9 @@ class AttentionPlan:
     bs_log2: int
     pair: bool = False  # two splits as a cluster of two CTAs (paged_attention_pair_kernel)
     kf: int = 0  # the cache's element format (kv_format)
-    work_target: int = 0  # page-aware decode: work items per KV head planned (0: fixed grid)
-    min_chunk: int = 0  # page-aware decode: fewest keys per work item
+    work_target: int = 0  # page-aware: the wave of work items per KV head planned (0: fixed grid)
+    min_chunk: int = 0  # page-aware: fewest keys per work item
+    item_overhead: int = 0  # page-aware: an item's fixed cost in keys (work_items)
 
 
 def check_gpu_limits(a: AttentionArgs, q: torch.Tensor) -> None:
@@ -255,7 +264,7 @@ def pipeline_for(variant: str | None, prefill: bool, dt: int, head_dim: int, pla
     return pipe
 
 
-def decode_stages(ctas: int, max_kv: int, num_sms: int) -> int:
+def decode_stages(ctas: int, max_kv: int, num_sms: int, kf: int = 0) -> int:
     """Stages per decode ring when the variant leaves it to the planner (``stages == 0``).
 
     3 stages (96 KiB: two CTAs per SM) keep the most bytes in flight per warp and are
@@ -265,7 +274,14 @@ def decode_stages(ctas: int, max_kv: int, num_sms: int) -> int:
     fits (``DECODE_SPLIT_CTAS_PER_SM``), and with two splits at B16 two stages still beat
     three. 4 stages (one unsplit CTA per SM) at B16 x 4k were no faster than this rule
     (within the spread between runs). Figures: benchmarks/NOTES-kernels.md.
+
+    A float8 cache (``kf``; stages of twice the keys, as many bytes) takes 2: three CTAs per
+    SM keep more warps converting and multiplying, which float8 needs more of per byte than
+    bfloat16 (2 stages were 4-15% faster than 3 from B64 x 4k up on the H200;
+    benchmarks/NOTES-mixed-decode.md).
     """
+    if kf:
+        return 2
     return 2 if num_sms // 2 <= ctas < 2 * num_sms and max_kv >= 4096 else 3
 
 
@@ -339,7 +355,7 @@ def choose_splits(ctas: int, tiles: int, warps_kv: int, slots: int) -> int:
 
 def decode_work(num_seqs: int, num_kv_heads: int, tiles: int, num_sms: int) -> int:
     """Page-aware decode: the wave, in CTAs per KV head, that one call's work division aims at
-    (``decode_items`` states the division; the kernel's ``locate_item`` makes it from the
+    (``work_items`` states the division; the kernel's ``locate_item`` makes it from the
     lengths on the device).
 
     ``DECODE_SPLIT_CTAS_PER_SM`` CTAs per SM over all KV heads, or one per SM where that
@@ -352,56 +368,99 @@ def decode_work(num_seqs: int, num_kv_heads: int, tiles: int, num_sms: int) -> i
     return max(1, num_sms * per_sm // num_kv_heads)
 
 
-def decode_items(
+def tile_keys(seq_lens, q_lens=None, *, tokens_per_tile: int = 1, capacity: int, window: int = 0) -> list[int]:
+    """The keys each query tile sees, in the order ``locate_item`` enumerates the tiles: decode
+    (``q_lens`` None) one tile per sequence; prefill ``ceil(q_len / tokens_per_tile)`` per
+    sequence, its last tile (the most keys) first. A tile's keys run from its first token's
+    window start (rounded down to 8) to its last token's position, within ``capacity``."""
+    out = []
+    for j, n in enumerate(seq_lens):
+        n = max(0, int(n))
+        ql = 1 if q_lens is None else int(q_lens[j])
+        tiles = 1 if q_lens is None else -(-ql // tokens_per_tile)
+        for t in reversed(range(tiles)):
+            first, tok0 = n - ql, t * tokens_per_tile
+            hi = min(min(n, capacity), first + tok0 + min(tokens_per_tile, ql - tok0))
+            lo = max(0, first + tok0 - window + 1) & ~7 if window else 0
+            out.append(max(0, hi - lo))
+    return out
+
+
+def work_items(
     seq_lens,
+    q_lens=None,
     *,
     target: int,
     capacity: int,
+    tokens_per_tile: int = 1,
     window: int = 0,
     min_chunk: int = DECODE_ITEM_KEYS,
     max_chunk: int = DECODE_MAX_CTA_KEYS,
+    overhead: int = DECODE_ITEM_OVERHEAD,
 ):
-    """The work division ``locate_item`` makes on the device, computed here from host lengths
-    (tests and benchmarks): returns ``(c, keys per item of each sequence, items per sequence)``.
+    """Page-aware attention's work division: what ``locate_item`` makes on the device, here from
+    host lengths (tests and benchmarks). Returns ``(c, keys per item of each tile, items per
+    tile)``, tiles as ``tile_keys`` lists them (decode: one per sequence).
 
-    A sequence's visible keys run from its window start (the last query's, rounded down to 8)
-    to ``min(seq_len, capacity)``. With ``c`` keys per item it gets ``max(1, ceil(visible /
-    c))`` items and its keys are shared evenly between them (a multiple of 64 each). With
-    fewer sequences B than ``target`` (the CTAs per KV head that fill the GPU once), ``c`` is
-    the smallest multiple of 64, at least ``min_chunk``, whose items number at most
-    ``max(target, 2 B)``: a uniform batch fills one wave exactly, and a long sequence among
-    short ones gets about as many items as there are short ones (theirs are cheap). Otherwise
-    ``c`` = all visible keys / ``target`` (at least ``min_chunk``), lowered to ``max_chunk``
-    where the grid of ``target + B`` items still holds them.
+    In units of 64 keys: tile i sees ``w_i`` units. With ``u`` units per item it gets ``n_i =
+    max(1, ceil(w_i / u))`` items, its keys shared evenly between them (a multiple of 64 each).
+    It is *long* when ``2 w_i > u``. With ``S = target`` (the CTAs per KV head that run at once)
+    and ``a = overhead / 64`` (an item's fixed cost), ``u`` is the smallest, at least
+    ``min_chunk / 64``, such that the long tiles' items fit one wave (``sum n_i <= S`` over long
+    i) and all the work fits S slots of one item's time (``sum (w_i + a n_i) <= S (u + a)``).
+    With S or more tiles there are several waves whatever the split: decode takes ``u =
+    ceil(sum w_i / S)``, lowered to ``max_chunk`` where the grid of ``target + B`` items still
+    holds the items; prefill splits none (one item per tile). In one wave the kernel runs the
+    long tiles' items first, then one item per short tile; else in tile order (``work_order``).
     """
-    visible = []
-    for n in seq_lens:
-        n = max(0, int(n))
-        start = max(0, n - window) & ~7 if window else 0
-        visible.append(max(0, min(n, capacity) - start))
-
-    def items(u: int) -> list[int]:
-        return [max(1, -(-v // (64 * u))) for v in visible]
-
-    units = sum((v + 63) // 64 for v in visible)
+    keys = tile_keys(seq_lens, q_lens, tokens_per_tile=tokens_per_tile, capacity=capacity, window=window)
+    if q_lens is not None and len(keys) >= target:
+        return 1 << 35, keys, [1] * len(keys)
+    units = [(k + 63) // 64 for k in keys]
+    n_units, total = len(units), sum(units)
+    a, s = overhead // 64, max(1, target)
     min_u = max(1, min_chunk // 64)
     max_u = max(min_u, max_chunk // 64)
-    if len(visible) < target:
-        limit = max(target, 2 * len(visible))
-        lo = max(min_u, -(-units // limit))
-        if sum(items(lo)) > limit:
-            hi = max(lo + 1, units)
+
+    def items(u: int) -> list[int]:
+        return [max(1, -(-w // u)) for w in units]
+
+    def fits(u: int) -> bool:
+        counts = items(u)
+        n_long = sum(n for n, w in zip(counts, units) if 2 * w > u)
+        return n_long <= s and total + a * sum(counts) <= s * (u + a)
+
+    if n_units >= target:  # decode of S or more sequences: several waves whatever the split
+        u = max(min_u, -(-total // s))
+        if u > max_u and sum(items(max_u)) <= target + n_units:
+            u = max_u
+    else:
+        lo = max(min_u, (total + a * n_units) // s - a)
+        u = lo
+        if not fits(lo):
+            hi = max(2 * max(units, default=0), -(-(total + a * n_units) // s)) + 1
+            probe = max(lo + 1, -(-3 * total // s))
+            if probe < hi and fits(probe):
+                hi = probe
             while hi - lo > 1:
                 mid = (lo + hi) // 2
-                lo, hi = (mid, hi) if sum(items(mid)) > limit else (lo, mid)
-            lo = hi
-    else:
-        lo = max(min_u, -(-units // target))
-        if lo > max_u and sum(items(max_u)) <= target + len(visible):
-            lo = max_u
-    counts = items(lo)
-    per_item = [(-(-v // n) + 63) & ~63 for v, n in zip(visible, counts)]
-    return 64 * lo, per_item, counts
+                lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+            u = hi
+    counts = items(u)
+    per_item = [(-(-k // n) + 63) & ~63 for k, n in zip(keys, counts)]
+    return 64 * u, per_item, counts
+
+
+def work_order(keys: list[int], c: int, counts: list[int], *, target: int) -> list[tuple[int, int]]:
+    """The (tile, item) that each CTA of one KV head runs, in grid order, for a division that
+    ``work_items`` returned (``c`` keys per item, ``counts`` items per tile; ``keys`` per tile as
+    ``tile_keys`` lists them): with fewer tiles than ``target`` (one wave) the long tiles'
+    items first, then the short tiles' single items, each in tile order; else in tile order."""
+    if len(keys) >= target:
+        return [(i, s) for i, n in enumerate(counts) for s in range(n)]
+    long_tile = [2 * ((k + 63) // 64) > c // 64 for k in keys]
+    first = [(i, s) for i, n in enumerate(counts) if long_tile[i] for s in range(n)]
+    return first + [(i, 0) for i in range(len(counts)) if not long_tile[i]]
 
 
 def plan_attention(
@@ -430,7 +489,7 @@ def plan_attention(
     window = a.window
     plain = not kf and window == 0 and a.soft_cap == 0.0
     pipe = pipeline_for(variant, prefill, dt, geo.head_dim, plain, kf)
-    if pipe.paged and a.num_seqs == 1 and num_splits is None:
+    if pipe.paged and not prefill and a.num_seqs == 1 and num_splits is None:
         # One sequence has no mix to balance: the fixed grid divides it alike without the
         # device-side division's scan and its spare CTAs, and runs two splits as a cluster pair.
         pipe = AUTO_DECODE
@@ -445,7 +504,7 @@ def plan_attention(
             return plan
         pipe = GENERIC_PREFILL
     if pipe.stages == 0:
-        stages = decode_stages(a.num_seqs * geo.num_kv_heads, max_kv, num_sms)
+        stages = decode_stages(a.num_seqs * geo.num_kv_heads, max_kv, num_sms, 0 if prefill else kf)
         pipe = replace(pipe, stages=stages)
     if kf and not prefill:  # float8 rows are half as wide: twice the keys keep as many bytes in flight
         pipe = replace(pipe, keys=2 * pipe.keys)
@@ -455,13 +514,24 @@ def plan_attention(
     if window:  # a tile's keys start at its first token's window
         max_kv = min(max_kv, window + tokens_per_cta + 7)
     tiles = max(1, math.ceil(max_kv / pipe.keys))  # stages, the unit of a split
+    if pipe.paged and prefill and num_splits is None:
+        # Page-aware prefill: items of query tiles (split by their own key counts while the
+        # tiles alone leave the wave unfilled); a wave of as many CTAs as fit per SM.
+        target = max(1, num_sms * ctas_per_sm(smem) // geo.num_kv_heads)
+        items = max(a.num_tokens // tokens_per_cta + a.num_seqs, 2 * target)
+        return AttentionPlan(
+            dt=dt, head_dim=geo.head_dim, warps_kv=warps_kv, pipe=replace(pipe, fused=True),
+            tokens_per_cta=tokens_per_cta, grid=(items * geo.num_kv_heads, 1, 1), num_splits=items,
+            chunk=DECODE_MAX_CTA_KEYS, smem_bytes=smem, bs_log2=bs_log2, kf=kf, work_target=target,
+            min_chunk=max(DECODE_ITEM_KEYS, pipe.keys * warps_kv), item_overhead=DECODE_ITEM_OVERHEAD,
+        )  # fmt: skip
     if pipe.paged and not prefill and num_splits is None:
         target = decode_work(a.num_seqs, geo.num_kv_heads, tiles, num_sms)
         return AttentionPlan(
             dt=dt, head_dim=geo.head_dim, warps_kv=warps_kv, pipe=pipe, tokens_per_cta=1,
             grid=((target + a.num_seqs) * geo.num_kv_heads, 1, 1), num_splits=target + a.num_seqs,
             chunk=DECODE_MAX_CTA_KEYS, smem_bytes=smem, bs_log2=bs_log2, kf=kf, work_target=target,
-            min_chunk=max(DECODE_ITEM_KEYS, pipe.keys * warps_kv),
+            min_chunk=max(DECODE_ITEM_KEYS, pipe.keys * warps_kv), item_overhead=DECODE_ITEM_OVERHEAD,
         )  # fmt: skip
     if prefill:
         # sum over sequences of ceil(q_len / tq) <= T // tq + B
@@ -587,16 +657,19 @@ def paged_attention(
         if maps is None:  # none to hand (a first call inside graph capture, the driver): mma.sync
             plan = plan_with(False)
     tile_cum = None
-    if prefill and not plan.pipe.dedicated:  # the dedicated kernel scans cu_seqlens itself
+    if prefill and not plan.pipe.dedicated and not plan.work_target:  # the others scan cu_seqlens themselves
         q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
         tiles = torch.div(q_lens + (plan.tokens_per_cta - 1), plan.tokens_per_cta, rounding_mode="floor")
         tile_cum = torch.cumsum(tiles, 0).to(torch.int32)
     part_o = part_lse = counters = None
     d = padded_dim(plan.head_dim, plan.kf)
-    if plan.work_target:  # page-aware decode: partials by work item, counters by (sequence, KV head)
-        counters = split_counters(q.device, a.num_seqs * geo.num_kv_heads)
-        part_o = torch.empty((plan.num_splits, a.num_q_heads, d), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((plan.num_splits, a.num_q_heads), dtype=torch.float32, device=q.device)
+    if plan.work_target:  # page-aware: partials and counters by (work item, KV head)
+        # Prefill splits only while its tiles number fewer than the target: items below 2 x target.
+        items = min(plan.num_splits, 2 * plan.work_target) if prefill else plan.num_splits
+        rows = items * (plan.tokens_per_cta if prefill else 1)
+        counters = split_counters(q.device, items * geo.num_kv_heads)
+        part_o = torch.empty((rows, a.num_q_heads, d), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((rows, a.num_q_heads), dtype=torch.float32, device=q.device)
     elif plan.num_splits > 1 and not plan.pair:  # a pair merges in shared memory
         if plan.pipe.fused:
             counters = split_counters(q.device, plan.grid[0] * plan.grid[1])
@@ -612,7 +685,7 @@ def paged_attention(
         np.int32(plan.chunk), np.int32(plan.num_splits),
         ptr(out), ptr(part_o), ptr(part_lse), ptr(counters),
         np.int32(a.window), np.float32(a.soft_cap * _LOG2E), np.float32(a.v_scale),
-        np.int32(plan.work_target), np.int32(plan.min_chunk),
+        np.int32(plan.work_target), np.int32(plan.min_chunk), np.int32(plan.item_overhead),
     )  # fmt: skip
     p = plan.pipe
     if p.wgmma:

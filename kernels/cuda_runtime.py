@@ -32,6 +32,9 @@ SOURCE_SM90 = cuda_source.read_sm90()
 THREADS = 128
 SMEM_OPT_IN = 227 * 1024  # largest dynamic shared memory a CTA may use on sm_80 / sm_90
 _OPTIONS = ("-std=c++17", "--use_fast_math")
+# The sm_90a module's NVRTC options. As in CuPy's own compiles: functions (and lambdas)
+# without an execution space are device code.
+SM90A_OPTIONS = (*_OPTIONS, "-arch=sm_90a", "--device-as-default-execution-space")
 
 
 def module_kernels(module_key: tuple) -> dict[str, str]:
@@ -127,7 +130,7 @@ def compile_sm90a(source: str, names: dict[str, str]) -> dict[str, Sm90aKernel]:
         for expr in names.values():
             nvrtc.addNameExpression(prog, expr)
         try:
-            nvrtc.compileProgram(prog, (*_OPTIONS, "-arch=sm_90a"))
+            nvrtc.compileProgram(prog, SM90A_OPTIONS)
         except nvrtc.NVRTCError as exc:
             raise RuntimeError(f"NVRTC failed to compile the sm_90a kernels: {nvrtc.getProgramLog(prog)}") from exc
         lowered = {short: nvrtc.getLoweredName(prog, expr) for short, expr in names.items()}

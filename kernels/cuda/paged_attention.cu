@@ -40,9 +40,10 @@
 //     With split-KV and an arrival-counter buffer (counters), the last split CTA of a
 //     (tile, KV head) merges the tile's rows itself (merge_row) and resets its counter.
 //
-//     Page-aware decode (work_target > 0): the grid is a bound on (work item, KV head)
-//     pairs and each CTA finds its item from the sequence lengths (locate_item), so the
-//     split of a sequence follows its own length; counters and partials are per item.
+//     Page-aware (work_target > 0, decode and prefill): the grid is a bound on (work item,
+//     KV head) pairs and each CTA finds its item from the lengths (locate_item for decode,
+//     locate_prefill_item over query tiles), so the split of a sequence or tile follows its
+//     own key count; counters and partials are per item.
 //
 //     DA is the model's head_dim (64, 80, 96, 112, 128, 192, 256), computed on Pad<DA, KF>::D
 //     dims with zero pads; KF = 1 reads a float8 e4m3 cache and computes in float16, with the
@@ -379,61 +380,196 @@ __device__ __forceinline__ int window_start(int pos, int window) {
     return window > 0 ? max(0, pos - window + 1) & ~7 : 0;
 }
 
-// Page-aware decode: the work item that CTA x (of one KV head) runs, from the lengths
+// Page-aware attention: the work item that CTA x (of one KV head) runs, from the lengths
 // themselves (read on the device, so a CUDA graph replays with new lengths). The rule,
-// mirrored on the host by cuda_attention.decode_items: a sequence's visible keys run from its
-// window start to its length; with c keys per item it gets ceil(visible / c) items (at least
-// one: an empty sequence's item writes zeros), and its keys are shared evenly between them (a
-// multiple of 64 each, the last takes the rest), so no item is empty or a sliver.
-//   * A batch of fewer sequences than `target` (the CTAs per KV head that fill the GPU once):
-//     c is the smallest multiple of 64 (at least min_chunk) whose items number at most
-//     max(target, 2 num_seqs): uniform batches fill one wave exactly, and a long sequence among
-//     short ones still gets about as many items as there are short ones, whose items are cheap.
-//   * Otherwise every sequence has a CTA already: c = (all visible keys) / target, at least
-//     min_chunk, and no more than max_chunk where the grid (target + num_seqs items) allows.
+// mirrored on the host by cuda_attention.work_items, in units of 64 keys. The units of work
+// are query tiles: decode has one per sequence; prefill has ceil(q_len / tq) per sequence,
+// tile t holding tokens t tq .. t tq + tq - 1 of the sequence's queries. Tile i sees w_i
+// units of keys (from its first token's window start to its last token's position); with u
+// units per item it gets n_i = max(1, ceil(w_i / u)) items (an empty decode sequence's one
+// item writes zeros), its keys shared evenly between them (a multiple of 64 each, the last
+// takes the rest), so no item is empty or a sliver. A tile is long when 2 w_i > u (its
+// items take more than half an item's time), short otherwise (one item).
+//   * Fewer tiles than S = target (the CTAs per KV head that run at once): with a = overhead
+//     (a CTA's fixed cost, in units), u is the smallest (at least min_chunk) for which the
+//     long tiles' items fit one wave (sum over long i of n_i <= S) and all the work fits S
+//     slots of one item's time (sum_i (w_i + a n_i) <= S (u + a)). The long tiles' items run
+//     first, then one item per short tile: short items fill the slots that long ones leave,
+//     instead of holding a slot that a long item then waits for.
+//   * S or more tiles (several waves whatever the split): decode takes u = ceil(sum w_i / S),
+//     lowered to max_chunk where the grid (target + num_seqs items) still holds the items;
+//     prefill splits no tile. Items run in tile order (a prefill sequence's last tile, which
+//     sees the most keys, first).
+// A tile's items are consecutive: the first, x - split, numbers its partials and counter.
 // Returns false past the last item. Every warp computes the same answer.
+
+// One wave's u (the rule above) for tiles of `units` units in all, the widest `widest`, over
+// `ntiles` tiles; long_and_work(u) returns (long tiles' items, all items) at u, summed over
+// the warp. Starts at a lower bound (the work alone, one item per tile) and a u that surely
+// fits (every tile short and alone in its item, the work within S slots), probes near the
+// answer (all units over S, a uniform batch's answer; else three times that), then bisects.
+template <typename Counts>
+__device__ __forceinline__ int one_wave_units(int units, int widest, int ntiles, int s, int a, int min_u,
+                                              Counts long_and_work) {
+    auto fits = [&](int u) {
+        const int2 n = long_and_work(u);
+        return n.x <= s && (i64)units + (i64)a * n.y <= (i64)s * (u + a);
+    };
+    int lo = max(min_u, (units + a * ntiles) / s - a);
+    if (fits(lo)) return lo;
+    int hi = max(2 * widest, (units + a * ntiles + s - 1) / s) + 1;
+    const int near = max(lo + 1, (units + s - 1) / s);
+    const int probe = max(lo + 1, (3 * units + s - 1) / s);
+    if (near < hi && fits(near)) hi = near;
+    else if (probe < hi && fits(probe)) lo = max(lo, near), hi = probe;
+    while (hi - lo > 1) {
+        const int mid = (lo + hi) >> 1;
+        if (fits(mid)) hi = mid; else lo = mid;
+    }
+    return hi;
+}
+
+// Decode (one tile per sequence; inlined: a few passes over the lengths).
 __device__ __forceinline__ bool locate_item(const int* seq_lens, int num_seqs, int cap, int window, int target,
-                                            int min_chunk, int max_chunk, int x, int& b, int& split, int& nsplit,
-                                            int& chunk) {
+                                            int min_chunk, int max_chunk, int overhead, int x, int& b, int& split,
+                                            int& nsplit, int& chunk) {
     const int lane = threadIdx.x & 31;
     auto visible = [&](int j) {
         const int len = max(0, seq_lens[j]);
         return max(0, min(len, cap) - window_start(len - 1, window));
     };
-    auto warp_sum = [&](int v) {
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
-        return v;
-    };
-    auto items = [&](int u) {                                // items with u 64-key units per item
-        int n = 0;
-        for (int j = lane; j < num_seqs; j += 32) n += max(1, (visible(j) + 64 * u - 1) / (64 * u));
-        return warp_sum(n);
-    };
-    int units = 0;                                           // visible keys in 64-key units
-    for (int j = lane; j < num_seqs; j += 32) units += (visible(j) + 63) >> 6;
-    units = warp_sum(units);
-    const int min_u = max(1, min_chunk >> 6), max_u = max(min_u, max_chunk >> 6);
-    int lo;
-    if (num_seqs < target) {
-        const int limit = max(target, 2 * num_seqs);
-        lo = max(min_u, (units + limit - 1) / limit);
-        if (items(lo) > limit) {                             // the smallest u in (lo, hi] that fits
-            int hi = max(lo + 1, units);                     // one item per sequence: fits
-            while (hi - lo > 1) {
-                const int mid = (lo + hi) >> 1;
-                if (items(mid) > limit) lo = mid; else hi = mid;
-            }
-            lo = hi;
-        }
-    } else {
-        lo = max(min_u, (units + target - 1) / target);
-        if (lo > max_u && items(max_u) <= target + num_seqs) lo = max_u;
+    auto warp_sum = [](int v) { return (int)__reduce_add_sync(FULL_MASK, (unsigned)v); };
+    auto units_of = [&](int j) { return (visible(j) + 63) >> 6; };
+    auto items_of = [](int w, int u) { return max(1, (w + u - 1) / u); };
+    int units = 0, widest = 0;                               // visible keys in 64-key units
+    for (int j = lane; j < num_seqs; j += 32) {
+        const int w = units_of(j);
+        units += w;
+        widest = max(widest, w);
     }
-    const int u = lo;
-    if (!locate_scan(num_seqs, x, [&](int j) { return max(1, (visible(j) + 64 * u - 1) / (64 * u)); }, b, split, nsplit))
-        return false;
+    units = warp_sum(units);
+    widest = __reduce_max_sync(FULL_MASK, widest);
+    const int s = max(1, target), a = overhead >> 6;
+    const int min_u = max(1, min_chunk >> 6), max_u = max(min_u, max_chunk >> 6);
+    const bool one_wave = num_seqs < target;
+    int u;
+    if (one_wave) {
+        u = one_wave_units(units, widest, num_seqs, s, a, min_u, [&](int u) {
+            int nl = 0, nall = 0;
+            for (int j = lane; j < num_seqs; j += 32) {
+                const int w = units_of(j), n = items_of(w, u);
+                nall += n;
+                if (2 * w > u) nl += n;
+            }
+            return make_int2(warp_sum(nl), warp_sum(nall));
+        });
+    } else {
+        u = max(min_u, (units + s - 1) / s);
+        if (u > max_u) {
+            int nall = 0;
+            for (int j = lane; j < num_seqs; j += 32) nall += items_of(units_of(j), max_u);
+            if (warp_sum(nall) <= target + num_seqs) u = max_u;
+        }
+    }
+    int found;
+    if (one_wave) {                                          // long sequences' items, then short ones'
+        int n_long = 0;
+        for (int j = lane; j < num_seqs; j += 32) {
+            const int w = units_of(j);
+            if (2 * w > u) n_long += items_of(w, u);
+        }
+        n_long = warp_sum(n_long);
+        found = x < n_long
+            ? locate_scan(num_seqs, x, [&](int j) { const int w = units_of(j); return 2 * w > u ? items_of(w, u) : 0; },
+                          b, split, nsplit)
+            : locate_scan(num_seqs, x - n_long, [&](int j) { return 2 * units_of(j) > u ? 0 : 1; }, b, split, nsplit);
+    } else {
+        found = locate_scan(num_seqs, x, [&](int j) { return items_of(units_of(j), u); }, b, split, nsplit);
+    }
+    if (!found) return false;
     chunk = ((visible(b) + nsplit - 1) / nsplit + 63) & ~63;  // this sequence's keys per item
+    return true;
+}
+
+// Prefill (ceil(q_len / tq) tiles per sequence). Not inlined: inlined, its loops raised the
+// kernel's registers from 168 to 224 (two CTAs per SM where three fit), although none of
+// them is live in the key loop. Lane l holds sequences l k .. l k + k - 1 (k =
+// ceil(num_seqs / 32)), so that a tile's place is one warp scan.
+__device__ __noinline__ bool locate_prefill_item(const int* seq_lens, const int* cu_seqlens, int num_seqs, int tq,
+                                                 int cap, int window, int target, int min_chunk, int overhead, int x,
+                                                 int& b, int& tile, int& split, int& nsplit, int& chunk) {
+    const int lane = threadIdx.x & 31;
+    const int per = (num_seqs + 31) >> 5;
+    const int j0 = min(num_seqs, lane * per), j1 = min(num_seqs, j0 + per);
+    auto tile_keys = [&](int j, int t) {                     // keys that tile t of sequence j sees
+        const int len = max(0, seq_lens[j]);
+        const int ql = cu_seqlens[j + 1] - cu_seqlens[j];
+        const int first_pos = len - ql, tok0 = t * tq;
+        const int hi = min(min(len, cap), first_pos + tok0 + min(tq, ql - tok0));
+        return max(0, hi - window_start(first_pos + tok0, window));
+    };
+    auto tiles_of = [&](int j) { return (cu_seqlens[j + 1] - cu_seqlens[j] + tq - 1) / tq; };
+    auto each = [&](auto f) {                                // f(sequence, tile, units) over this lane's tiles
+        for (int j = j0; j < j1; ++j)
+            for (int t = tiles_of(j) - 1; t >= 0; --t) f(j, t, (tile_keys(j, t) + 63) >> 6);
+    };
+    auto warp_sum = [](int v) { return (int)__reduce_add_sync(FULL_MASK, (unsigned)v); };
+    auto items_of = [](int w, int u) { return max(1, (w + u - 1) / u); };
+    // The lane whose share c holds item y (l = -1: none), and y's offset into that share.
+    auto find_lane = [&](int c, int y, int& l) {
+        int inc = c;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int t = __shfl_up_sync(FULL_MASK, inc, o);
+            if (lane >= o) inc += t;
+        }
+        const unsigned hit = __ballot_sync(FULL_MASK, inc > y);
+        l = hit ? __ffs(hit) - 1 : -1;
+        return y - (inc - c);
+    };
+    int mine = 0;
+    for (int j = j0; j < j1; ++j) mine += tiles_of(j);
+    const int ntiles = warp_sum(mine);
+    int u = 1 << 29, l;                                      // S or more tiles: one item each
+    if (ntiles < target) {
+        int held = 0, widest = 0;
+        each([&](int, int, int w) { held += w; widest = max(widest, w); });
+        const int units = warp_sum(held);
+        widest = __reduce_max_sync(FULL_MASK, widest);
+        const int s = max(1, target), a = overhead >> 6, min_u = max(1, min_chunk >> 6);
+        u = one_wave_units(units, widest, ntiles, s, a, min_u, [&](int u) {
+            int nl = 0, nall = 0;
+            each([&](int, int, int w) {
+                const int n = items_of(w, u);
+                nall += n;
+                if (2 * w > u) nl += n;
+            });
+            return make_int2(warp_sum(nl), warp_sum(nall));
+        });
+    }
+    // cls 0 counts the long tiles' items, 1 the short tiles' (one each).
+    int n_long = 0;
+    each([&](int, int, int w) { if (2 * w > u) n_long += items_of(w, u); });
+    n_long = warp_sum(n_long);
+    const int cls = x < n_long ? 0 : 1;
+    const int y = cls ? x - n_long : x;
+    auto count = [&](int w) { return (2 * w > u) == (cls == 0) ? (cls ? 1 : items_of(w, u)) : 0; };
+    int c = 0;
+    each([&](int, int, int w) { c += count(w); });
+    int rest = find_lane(c, y, l), fb = -1, ft = 0, fs = 0, fn = 1;  // lane l walks its own tiles
+    if (l < 0) return false;
+    if (lane == l) {
+        each([&](int j, int t, int w) {
+            const int k = count(w);
+            if (fb < 0 && rest < k) { fb = j; ft = t; fs = rest; fn = cls ? 1 : items_of(w, u); }
+            rest -= k;
+        });
+    }
+    b = __shfl_sync(FULL_MASK, fb, l);
+    tile = __shfl_sync(FULL_MASK, ft, l);
+    split = __shfl_sync(FULL_MASK, fs, l);
+    nsplit = __shfl_sync(FULL_MASK, fn, l);
+    chunk = ((tile_keys(b, tile) + nsplit - 1) / nsplit + 63) & ~63;  // this tile's keys per item
     return true;
 }
 
@@ -534,11 +670,11 @@ __device__ __forceinline__ int splits_run(int lim, int chunk, int num_splits) {
 
 // The argument list every attention kernel takes (cuda_attention.paged_attention passes one
 // tuple to whichever it launches; the Hopper prefill kernel appends its two TMA maps), with
-// the macro's argument the cache's element type. window (0: none), softcap_log2 (0: none; the soft cap times
-// log2 e), v_scale (the V cache's dequantization scale) and work_target / min_chunk (> 0:
-// page-aware decode, see locate_item, which then takes `chunk` as its max_chunk) only reach
-// the generic kernel; the host never gives the dedicated prefill kernels other values than
-// 0, 0, 1, 0, 0.
+// the macro's argument the cache's element type. window (0: none), softcap_log2 (0: none; the
+// soft cap times log2 e), v_scale (the V cache's dequantization scale) and work_target /
+// min_chunk / item_overhead (work_target > 0: page-aware, see locate_item, which then takes
+// `chunk` as its max_chunk) only reach the generic kernel; the host never gives the dedicated
+// prefill kernels other values than 0, 0, 1, 0, 0, 0.
 #define ATTENTION_PARAMS_KV(...)                                                                           \
     const typename Store<DT>::T* __restrict__ q, i64 q_stride_t, i64 q_stride_h,                          \
     const __VA_ARGS__* __restrict__ k_cache, const __VA_ARGS__* __restrict__ v_cache,                     \
@@ -547,7 +683,7 @@ __device__ __forceinline__ int splits_run(int lim, int chunk, int num_splits) {
     const int* __restrict__ seq_lens, const int* __restrict__ cu_seqlens, const int* __restrict__ tile_cum, \
     int num_seqs, int group, float scale_log2, int chunk, int num_splits,                                 \
     typename Store<DT>::T* __restrict__ out, float* part_o, float* part_lse, int* __restrict__ counters,  \
-    int window, float softcap_log2, float v_scale, int work_target, int min_chunk
+    int window, float softcap_log2, float v_scale, int work_target, int min_chunk, int item_overhead
 #define ATTENTION_PARAMS ATTENTION_PARAMS_KV(typename Store<DT>::T)
 
 // The names of ATTENTION_PARAMS, to pass them on.
@@ -555,7 +691,7 @@ __device__ __forceinline__ int splits_run(int lim, int chunk, int num_splits) {
     q, q_stride_t, q_stride_h, k_cache, v_cache, k_stride, v_stride, num_blocks, num_kv_heads, \
     bs_log2, block_tables, bt_stride, max_blocks, seq_lens, cu_seqlens, tile_cum, num_seqs,   \
     group, scale_log2, chunk, num_splits, out, part_o, part_lse, counters,                    \
-    window, softcap_log2, v_scale, work_target, min_chunk
+    window, softcap_log2, v_scale, work_target, min_chunk, item_overhead
 
 // Shared memory of a pair CTA (PAIR below) past its rings and epilogue: where split 1's
 // normalized rows ([16 * 4 / WKV][D] floats) and their log-sum-exps land. KES: bytes per
@@ -601,12 +737,18 @@ __device__ __forceinline__ void attention_cta(ATTENTION_PARAMS_KV(typename Kv<DT
     const int g = lane >> 2, t4 = lane & 3;
     // What this CTA works on: (sequence b, query tile, KV head, split of nsplit of chunk keys).
     int b, tile, kvh, split, nsplit, chunk_c;
-    const bool paged = work_target > 0;        // page-aware decode: grid (items x KV heads)
+    const int tq = (RW * warps_row) / group;                 // query tokens per CTA tile
+    const bool paged = work_target > 0;        // page-aware: grid (items x KV heads)
     if (paged) {
         kvh = blockIdx.x % num_kv_heads;
+        const int x = blockIdx.x / num_kv_heads;
         tile = 0;
-        if (!locate_item(seq_lens, num_seqs, max_blocks << bs_log2, window, work_target, min_chunk, chunk,
-                         blockIdx.x / num_kv_heads, b, split, nsplit, chunk_c)) return;
+        const bool found = cu_seqlens
+            ? locate_prefill_item(seq_lens, cu_seqlens, num_seqs, tq, max_blocks << bs_log2, window, work_target,
+                                  min_chunk, item_overhead, x, b, tile, split, nsplit, chunk_c)
+            : locate_item(seq_lens, num_seqs, max_blocks << bs_log2, window, work_target, min_chunk, chunk,
+                          item_overhead, x, b, split, nsplit, chunk_c);
+        if (!found) return;
     } else {
         // The grid is (tiles, KV heads, splits) and launches x fastest; CTAs take their (tile,
         // KV head) in KV-head-fastest order instead, so that the KV heads of a sequence run
@@ -619,7 +761,6 @@ __device__ __forceinline__ void attention_cta(ATTENTION_PARAMS_KV(typename Kv<DT
         if (!locate_tile(tile_cum, num_seqs, xy / gridDim.y, b, tile)) return;
     }
     const int* bt = block_tables + (i64)b * bt_stride;
-    const int tq = (RW * warps_row) / group;                 // query tokens per CTA tile
     const int q_begin = cu_seqlens ? cu_seqlens[b] : b;
     const int q_len = cu_seqlens ? cu_seqlens[b + 1] - q_begin : 1;
     const int tok0 = tile * tq;
@@ -655,42 +796,9 @@ __device__ __forceinline__ void attention_cta(ATTENTION_PARAMS_KV(typename Kv<DT
     if (window > 0) read_first_ids(first);
     if (kv_begin >= cta_hi && split > 0 && !PAIR) return;    // merge skips this split (a pair's
                                                              // split 1 delivers an empty row)
-    const int kv_end = split == nsplit - 1 ? cta_hi : min(cta_hi, kv_begin + chunk_c);
-
-    // This lane's rows: r0 = RW * wr + g and r0 + 8; row r = (token r / group, head r % group).
-    int lim[2], lo[2];                                       // row attends to positions lo .. lim - 1
-    u32 qh[2][NQ][4], ql[2][NQ][4];
-    int lim_hi = 0;
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        const int r = RW * wr + g + 8 * i;
-        const int tok = r / group, head = r - tok * group;
-        const bool valid = r < ntok * group;
-        const int pos = first_pos + tok0 + tok;
-        lim[i] = valid ? min(pos + 1, kv_end) : 0;
-        lo[i] = window > 0 ? pos - window + 1 : 0;
-        lim_hi = max(lim_hi, lim[i]);
-        const T* qp = q + (i64)(q_begin + tok0 + tok) * q_stride_t + (i64)(kvh * group + head) * q_stride_h + 8 * t4;
-#pragma unroll
-        for (int c = 0; c < NQ; ++c) {
-            load8<DT>(qp + 32 * c, valid && 32 * c + 8 * t4 < DA, qh[i][c], ql[i][c]);
-            if constexpr (CT != DT) {                        // bfloat16 q on a float8 cache
-#pragma unroll
-                for (int k = 0; k < 4; ++k) qh[i][c][k] = pack2<1>(bf16_low(qh[i][c][k]), bf16_high(qh[i][c][k]));
-            }
-        }
-    }
-    const int w_hi = __reduce_max_sync(FULL_MASK, lim_hi);
-
-    float acc[8 * NV][4];
-#pragma unroll
-    for (int n = 0; n < 8 * NV; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
-    float m_run[2], l_run[2];
-    m_run[0] = m_run[1] = NEG_INF, l_run[0] = l_run[1] = 0.f;
 
     const int bs_mask = (1 << bs_log2) - 1;
     const int head_row = kvh << bs_log2;                     // first row of this KV head in a block
-    const int ntiles = kv_end > first ? (kv_end - first + step - 1) / step : 0;
     unsigned char* ring = smem + wk * (NS * SB);
 
     // Ring filling: a stage holds KT K rows, then KT V rows, of CPR 16-byte chunks.
@@ -748,6 +856,40 @@ __device__ __forceinline__ void attention_cta(ATTENTION_PARAMS_KV(typename Kv<DT
             cp_async16(st + (KT + r) * RB + xo, vb + (ok ? vo + in_grp : 0), ok);
         }
     };
+
+    const int kv_end = split == nsplit - 1 ? cta_hi : min(cta_hi, kv_begin + chunk_c);
+    const int ntiles = kv_end > first ? (kv_end - first + step - 1) / step : 0;
+
+    // This lane's rows: r0 = RW * wr + g and r0 + 8; row r = (token r / group, head r % group).
+    int lim[2], lo[2];                                       // row attends to positions lo .. lim - 1
+    u32 qh[2][NQ][4], ql[2][NQ][4];
+    int lim_hi = 0;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int r = RW * wr + g + 8 * i;
+        const int tok = r / group, head = r - tok * group;
+        const bool valid = r < ntok * group;
+        const int pos = first_pos + tok0 + tok;
+        lim[i] = valid ? min(pos + 1, kv_end) : 0;
+        lo[i] = window > 0 ? pos - window + 1 : 0;
+        lim_hi = max(lim_hi, lim[i]);
+        const T* qp = q + (i64)(q_begin + tok0 + tok) * q_stride_t + (i64)(kvh * group + head) * q_stride_h + 8 * t4;
+#pragma unroll
+        for (int c = 0; c < NQ; ++c) {
+            load8<DT>(qp + 32 * c, valid && 32 * c + 8 * t4 < DA, qh[i][c], ql[i][c]);
+            if constexpr (CT != DT) {                        // bfloat16 q on a float8 cache
+#pragma unroll
+                for (int k = 0; k < 4; ++k) qh[i][c][k] = pack2<1>(bf16_low(qh[i][c][k]), bf16_high(qh[i][c][k]));
+            }
+        }
+    }
+    const int w_hi = __reduce_max_sync(FULL_MASK, lim_hi);
+
+    float acc[8 * NV][4];
+#pragma unroll
+    for (int n = 0; n < 8 * NV; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+    float m_run[2], l_run[2];
+    m_run[0] = m_run[1] = NEG_INF, l_run[0] = l_run[1] = 0.f;
 
 #pragma unroll
     for (int k = 0; k < NS - 1; ++k) {
@@ -971,12 +1113,16 @@ __device__ __forceinline__ void attention_cta(ATTENTION_PARAMS_KV(typename Kv<DT
         }
     } else {
         // Partials: row r of split s at part_row(r, s); the splits of one row lie split_stride
-        // rows apart. Page-aware decode numbers them by work item (item0 + s, items of all
-        // sequences in a row, one token each), the fixed grid by (token, head, split).
-        const int item0 = (int)blockIdx.x / num_kv_heads - split;
-        const i64 split_stride = paged ? hq : 1;
+        // rows apart. Page-aware attention numbers them by work item (item0 + s; an item's rows
+        // are its tile's tq tokens, one in decode, x all query heads), the fixed grid by (token,
+        // head, split).
+        const int item0 = (int)blockIdx.x / num_kv_heads - split;  // the tile's first item
+        const int tqp = cu_seqlens ? tq : 1;
+        const i64 split_stride = paged ? (i64)tqp * hq : 1;
         auto part_row = [&](int r, int s) {
-            return paged ? (i64)(item0 + s) * hq + kvh * group + r : out_row(r) * num_splits + s;
+            const int tok = r / group;
+            return paged ? ((i64)(item0 + s) * tqp + tok) * hq + kvh * group + (r - tok * group)
+                         : out_row(r) * num_splits + s;
         };
         for (int idx = threadIdx.x; idx < rows * DA; idx += blockDim.x) {
             const int r = idx / DA, d = idx - r * DA;
@@ -997,7 +1143,7 @@ __device__ __forceinline__ void attention_cta(ATTENTION_PARAMS_KV(typename Kv<DT
         __syncthreads();                                     // every partial of this CTA is written
         if (threadIdx.x == 0) {
             const int expected = paged ? nsplit : splits_run(cta_hi - kv_lo, chunk_c, nsplit);
-            int* c = counters + (paged ? (i64)b * num_kv_heads + kvh : (i64)blockIdx.x * gridDim.y + blockIdx.y);
+            int* c = counters + (paged ? (i64)item0 * num_kv_heads + kvh : (i64)blockIdx.x * gridDim.y + blockIdx.y);
             const int last = arrive(c) == expected - 1;
             if (last) *c = 0;                                // ready for the next call on this stream
             *flag = last;

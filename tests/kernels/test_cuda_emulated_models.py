@@ -1,7 +1,8 @@
 """The GPU kernels on real batches and the models people run, emulated on the CPU
 (``tests/kernels/support/cuda_emulator.py``): page-aware decode over skewed and spread
-length mixes, head_dim 80/96/112/192, sliding windows, logit soft caps and float8 caches,
-each against the float64 reference."""
+length mixes and page-aware prefill (a chunk beside decodes), the work division's rule
+(``cuda_attention.work_items``), head_dim 80/96/112/192, sliding windows, logit soft caps and
+float8 caches, each against the float64 reference."""
 
 import random
 
@@ -10,6 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from benchmarks import kernel_variants
 from kvpool.kernels import cuda_attention
 from kvpool.kernels._validate import check_attention
 from tests.kernels.support import cuda_emulator
@@ -71,14 +73,14 @@ def test_page_aware_division_gives_the_long_sequence_many_items_and_short_ones_o
     # An H200 (132 SMs), 8 KV heads: the planner's target items per head; the kernel divides alike.
     lens = [100_000, 1, 2, 5, 17, 3, 0, 8]
     target = cuda_attention.decode_work(len(lens), 8, 100_000 // 16 + 1, 132)
-    c, per_item, items = cuda_attention.decode_items(lens, target=target, capacity=1 << 17)
+    c, per_item, items = cuda_attention.work_items(lens, target=target, capacity=1 << 17)
     assert items[0] > 8 and items[1:] == [1] * 7 and sum(items) <= target + len(lens)
     assert per_item[0] * (items[0] - 1) < 100_000 <= per_item[0] * items[0]
 
 
 def test_page_aware_division_of_a_uniform_batch_is_even():
     # 16 sequences of 4096 keys, 33 CTAs per head: two items of 2048 each, none a sliver.
-    c, per_item, items = cuda_attention.decode_items([4096] * 16, target=33, capacity=4096)
+    c, per_item, items = cuda_attention.work_items([4096] * 16, target=33, capacity=4096)
     assert items == [2] * 16 and per_item == [2048] * 16
 
 
@@ -87,16 +89,60 @@ def test_page_aware_division_of_a_uniform_batch_is_even():
     lens=st.lists(st.integers(0, 200_000), min_size=1, max_size=300),
     target=st.integers(1, 300),
     window=st.sampled_from([0, 1, 7, 100, 4096]),
+    overhead=st.sampled_from([0, 64, 256, 1024]),
 )
-def test_work_division_items_are_nonempty_bounded_and_fit_the_grid(lens, target, window):
-    c, per_item, items = cuda_attention.decode_items(lens, target=target, capacity=1 << 20, window=window)
+def test_work_division_items_are_nonempty_bounded_and_fit_the_grid(lens, target, window, overhead):
+    cap = 1 << 20
+    c, per_item, items = cuda_attention.work_items(lens, target=target, capacity=cap, window=window,
+                                                     overhead=overhead)  # fmt: skip
     assert sum(items) <= target + len(lens)  # always within the planner's grid
     assert c % 64 == 0 and c >= cuda_attention.DECODE_ITEM_KEYS
+    units = []
     for n, k, keys in zip(lens, items, per_item):
         start = max(0, n - window) & ~7 if window else 0
         visible = n - start
+        units.append((visible + 63) // 64)
         assert keys % 64 == 0 and keys <= c
         assert k == 1 or (k - 1) * keys < visible <= k * keys  # no empty item, none past the end
+    # Uncapped (no max_chunk): with fewer sequences than the target (one wave) the long
+    # sequences' items fit the wave and all the work fits its slots, and one unit less per item
+    # would not; with more, c is all the keys over the target. The cap only lowers c where the
+    # grid holds the items.
+    c_free, _, free = cuda_attention.work_items(lens, target=target, capacity=cap, window=window,
+                                                overhead=overhead, max_chunk=1 << 30)  # fmt: skip
+    assert c == c_free or (len(lens) >= target and c == cuda_attention.DECODE_MAX_CTA_KEYS < c_free)
+    u, a = c_free // 64, overhead // 64
+    assert free == [max(1, -(-w // u)) for w in units]
+    if len(lens) >= target:
+        assert u == max(1, -(-sum(units) // target))
+        return
+
+    def fits(u):
+        n = [max(1, -(-w // u)) for w in units]
+        return sum(k for k, w in zip(n, units) if 2 * w > u) <= target and sum(units) + a * sum(n) <= target * (u + a)
+
+    assert fits(u) and (u == 1 or not fits(u - 1))
+
+
+def test_page_aware_items_run_long_sequences_first():
+    lens = [300, 20_000, 5, 9_000, 0, 40]
+    c, _, items = cuda_attention.work_items(lens, target=16, capacity=1 << 17)
+    order = cuda_attention.work_order(cuda_attention.tile_keys(lens, capacity=1 << 17), c, items, target=16)
+    assert len(order) == sum(items) and sorted(set(order)) == sorted(order)
+    long_ones = [j for j, _ in order[: items[1] + items[3]]]
+    assert set(long_ones) == {1, 3} and items[1] > items[3] > 1
+    assert order[items[1] + items[3] :] == [(0, 0), (2, 0), (4, 0), (5, 0)]
+
+
+def test_an_item_overhead_gives_short_sequences_room_beside_the_long_ones():
+    # One 32k sequence among 7 short ones, 33 CTAs per head: without an overhead the long one
+    # takes as many items as the wave has slots left after the short ones' keys; weighing each
+    # item's fixed cost gives it fewer, longer items.
+    lens = [32768] + [500] * 7
+    _, _, free = cuda_attention.work_items(lens, target=33, capacity=1 << 17, overhead=0)
+    _, _, weighed = cuda_attention.work_items(lens, target=33, capacity=1 << 17, overhead=1024)
+    assert free[1:] == weighed[1:] == [1] * 7
+    assert 1 < weighed[0] < free[0] <= 33
 
 
 @settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -106,8 +152,10 @@ def test_page_aware_decode_on_random_mixes(launcher, data):
     short = data.draw(st.lists(st.integers(0, 40), min_size=0, max_size=12))
     lens = data.draw(st.permutations([long_len, *short]))
     window = data.draw(st.sampled_from([None, 1, 24, 300]))
+    overhead = data.draw(st.sampled_from([0, 256, 4096]))
     case, q = _decode_case(lens, seed=long_len)
-    out, want = _attend(launcher, case, q, sliding_window=window)
+    with kernel_variants.division(overhead=overhead):
+        out, want = _attend(launcher, case, q, sliding_window=window)
     assert_matches_reference(out, want, "cuda")
 
 
@@ -188,3 +236,81 @@ def test_float8_single_sequence_runs_the_fixed_grid(launcher, splits):
     variant = None if splits is None else "v7"
     out, want = _attend(launcher, case, q, variant=variant, num_splits=splits, k_scale=2.0, v_scale=0.5)
     assert_matches_reference(out, want, "cuda")
+
+
+def _chunk_beside_decodes(seed, window=None, cap=None, chunk=(150, 1300), decodes=(5, 40, 900, 0, 260, 17)):
+    """One chunk of a long prompt (q_len, position) among decodes of one token each."""
+    q_len, pos = chunk
+    lens = [pos + q_len, *[n + 1 for n in decodes]]
+    q_lens = [q_len, *[1] * len(decodes)]
+    case = make_case(lens, num_kv_heads=2, block_size=16, head_dim=64, dtype=torch.bfloat16, seed=seed)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    q = (2 * torch.randn(int(cu[-1]), 8, 64, generator=torch.Generator().manual_seed(seed))).to(torch.bfloat16)
+    return case, q, cu, lens, q_lens
+
+
+@pytest.mark.parametrize("window, cap", [(None, 30.0), (200, None)])  # neither is plain: the split-KV kernel
+def test_page_aware_prefill_splits_the_chunks_tiles_by_their_keys(launcher, window, cap):
+    case, q, cu, lens, q_lens = _chunk_beside_decodes(7, window, cap)
+    # The emulator's 32 SMs, 2 KV heads: the planner's target, and what the kernel divides alike.
+    target = 32 * cuda_attention.ctas_per_sm(cuda_attention.smem_bytes(2, 64, 1)) // 2
+    tq = 64 // 4
+    keys = cuda_attention.tile_keys(lens, q_lens, tokens_per_tile=tq, capacity=1 << 20, window=window or 0)
+    c, per_item, items = cuda_attention.work_items(lens, q_lens, target=target, capacity=1 << 20,
+                                                   tokens_per_tile=tq, window=window or 0)  # fmt: skip
+    chunk_tiles = -(-q_lens[0] // tq)
+    assert len(keys) < target and sum(items) <= 2 * target
+    assert all(n == 1 for k, n in zip(keys, items) if 2 * -(-k // 64) <= c // 64)  # short tiles: one item
+    if window is None:  # the chunk's tiles see 1300+ keys, most decodes few: the chunk's are split
+        assert all(n > 1 for n in items[:chunk_tiles]) and items[chunk_tiles:].count(1) >= 4
+    out, want = _attend(launcher, case, q, cu, sliding_window=window, logits_soft_cap=cap)
+    assert_matches_reference(out, want, "cuda")
+
+
+def test_page_aware_prefill_of_many_tiles_splits_none():
+    lens, q_lens = [900, 700, 64], [900, 700, 64]
+    keys = cuda_attention.tile_keys(lens, q_lens, tokens_per_tile=16, capacity=1 << 20)
+    c, per_item, items = cuda_attention.work_items(lens, q_lens, target=48, capacity=1 << 20, tokens_per_tile=16)
+    assert len(keys) == 57 + 44 + 4 and items == [1] * len(keys)
+    assert keys[0] == 900 and keys[56] == 16 and keys[57] == 700  # each sequence's last tile first
+
+
+def test_page_aware_prefill_of_many_tiles_matches_the_reference(launcher):
+    # 105 tiles of 16 tokens against the emulator's target of 48: one item per tile.
+    lens = q_lens = [900, 700, 64]
+    case = make_case(lens, num_kv_heads=2, block_size=16, head_dim=64, dtype=torch.bfloat16, seed=9)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(int(cu[-1]), 8, 64, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    out, want = _attend(launcher, case, q, cu, logits_soft_cap=50.0)
+    assert_matches_reference(out, want, "cuda")
+
+
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_page_aware_prefill_on_random_mixes(launcher, data):
+    q_len = data.draw(st.integers(1, 120))
+    pos = data.draw(st.integers(0, 1200))
+    decodes = data.draw(st.lists(st.integers(0, 300), min_size=0, max_size=10))
+    window = data.draw(st.sampled_from([None, 1, 40, 500]))
+    case, q, cu, _, _ = _chunk_beside_decodes(q_len + pos, window, 20.0, (q_len, pos), decodes)
+    out, want = _attend(launcher, case, q, cu, sliding_window=window, logits_soft_cap=20.0)
+    assert_matches_reference(out, want, "cuda")
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    tiles=st.lists(st.tuples(st.integers(1, 3000), st.integers(0, 40_000)), min_size=1, max_size=40),
+    target=st.integers(1, 120),
+    window=st.sampled_from([0, 1, 100, 4096]),
+)
+def test_prefill_work_division_is_nonempty_and_fits_the_grid(tiles, target, window):
+    q_lens = [q for q, _ in tiles]
+    lens = [q + c for q, c in tiles]
+    keys = cuda_attention.tile_keys(lens, q_lens, tokens_per_tile=16, capacity=1 << 20, window=window)
+    c, per_item, items = cuda_attention.work_items(lens, q_lens, target=target, capacity=1 << 20,
+                                                   tokens_per_tile=16, window=window)  # fmt: skip
+    assert len(keys) == sum(-(-q // 16) for q in q_lens) == len(items)
+    grid = max(sum(q_lens) // 16 + len(lens), 2 * target)  # the planner's items per KV head
+    assert sum(items) <= grid and (len(keys) >= target or sum(items) <= 2 * target)
+    for k, n, per in zip(keys, items, per_item):
+        assert n == 1 or ((n - 1) * per < k <= n * per and per % 64 == 0)

@@ -1,6 +1,7 @@
 """GPU kernels on real batches and the models people run, against the float64 reference:
-page-aware decode over skewed and spread mixes up to 128k tokens, every head_dim, sliding
-windows, logit soft caps and float8 caches. Run on the GPU machine:
+page-aware decode over skewed and spread mixes up to 128k tokens, page-aware prefill of a
+chunk beside decodes, every head_dim, sliding windows, logit soft caps and float8 caches.
+Run on the GPU machine:
 
     python3 -m pytest -q -m gpu tests/kernels/test_gpu_models.py
 """
@@ -121,4 +122,56 @@ def test_gpu_page_aware_decode_replays_in_a_graph_with_new_lengths():
         graph.replay()
         torch.cuda.synchronize()
         want = ref.paged_decode_reference(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens)
+        assert_matches_reference(out, want, "cuda")
+
+
+def _prefill(lens, q_lens, *, dtype=torch.bfloat16, seed=0, **options):
+    case = make_case(lens, num_kv_heads=2, block_size=16, head_dim=128, dtype=dtype, num_layers=1, device=DEV, seed=seed)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+    q = (2 * torch.randn(int(cu[-1]), 8, 128, device=DEV)).to(torch.bfloat16)
+    out = poisoned(q.shape, q.dtype, DEV)
+    paged_prefill_attention(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, cu, out=out, **options)
+    want = ref.paged_prefill_reference(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, cu, **options)
+    assert_matches_reference(out, want, "cuda")
+
+
+@pytest.mark.parametrize(
+    "dtype, opts",
+    [(torch.bfloat16, dict(logits_soft_cap=30.0)), (torch.bfloat16, dict(sliding_window=700)),
+     (FP8, dict(k_scale=0.5, v_scale=2.0))],
+)  # fmt: skip
+def test_gpu_page_aware_prefill_of_a_chunk_beside_decodes(dtype, opts):
+    """Chunked prefill on the split-KV kernel: a chunk of a long prompt among one-token decodes,
+    few tiles (split by their keys) and many (one item each)."""
+    rng = random.Random(11)
+    for chunk, decodes in ((96, 12), (500, 60)):
+        lens = [20000, *[rng.randint(1, 9000) for _ in range(decodes)]]
+        _prefill(lens, [chunk, *[1] * decodes], dtype=dtype, seed=chunk, **opts)
+
+
+def test_gpu_page_aware_prefill_replays_in_a_graph_with_new_lengths():
+    """A captured chunked-prefill step replayed with other query and key lengths (the same token
+    count) stays right: the division is made on the device."""
+    lens, q_lens = [9000, 40, 300, 7], [64, 1, 1, 1]
+    case = make_case(lens, num_kv_heads=2, block_size=16, head_dim=128, dtype=torch.bfloat16, device=DEV, extra_cols=600)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+    q = torch.randn(int(cu[-1]), 8, 128, device=DEV).to(torch.bfloat16)
+    out = torch.empty_like(q)
+    opts = dict(logits_soft_cap=40.0)
+    args = (q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, cu)
+    paged_prefill_attention(*args, out=out, **opts)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        paged_prefill_attention(*args, out=out, **opts)
+    for new_lens, new_q in (([9000, 40, 300, 7], [64, 1, 1, 1]), ([30, 9000, 2, 64], [1, 1, 2, 63]),
+                            ([67, 67, 67, 67], [64, 1, 1, 1]), ([1, 1, 1, 9000], [1, 1, 1, 64])):  # fmt: skip
+        case.seq_lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+        cu.copy_(torch.tensor([0, *torch.tensor(new_q).cumsum(0).tolist()], dtype=torch.int32))
+        for b, n in enumerate(new_lens):
+            case.block_tables[b, : -(-n // 16)] = torch.randperm(case.kv_cache.shape[0], device=DEV)[: -(-n // 16)].int()
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = ref.paged_prefill_reference(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, cu, **opts)
         assert_matches_reference(out, want, "cuda")

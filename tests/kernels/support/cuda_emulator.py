@@ -52,6 +52,7 @@ using std::max;
 #define __global__
 #define __device__
 #define __forceinline__ inline
+#define __noinline__
 #define __launch_bounds__(...)
 #define __cluster_dims__(...)
 #define __shared__
@@ -60,6 +61,8 @@ using std::max;
 struct uint4 { unsigned x, y, z, w; };
 struct float2 { float x, y; };
 struct uint2 { unsigned x, y; };
+struct int2 { int x, y; };
+static inline int2 make_int2(int a, int b) { return int2{a, b}; }
 static inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return uint4{a, b, c, d}; }
 struct dim3 { unsigned x, y, z; };
 static inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
@@ -154,6 +157,13 @@ static inline int __reduce_max_sync(unsigned, int v) {
     xu[cur][0] = (unsigned)v; bar_wait(my_warp());
     int r = (int)xu[cur & ~31][0];
     for (int l = 1; l < 32; ++l) r = max(r, (int)xu[(cur & ~31) | l][0]);
+    bar_wait(my_warp());
+    return r;
+}
+static inline unsigned __reduce_add_sync(unsigned, unsigned v) {
+    xu[cur][0] = v; bar_wait(my_warp());
+    unsigned r = 0;
+    for (int l = 0; l < 32; ++l) r += xu[(cur & ~31) | l][0];
     bar_wait(my_warp());
     return r;
 }
@@ -383,7 +393,7 @@ def _params(kind: str, dt: int, kf: int = 0) -> list[tuple[str, str]]:
             ("int", "chunk"), ("int", "num_splits"),
             (f"{t}*", "out"), ("float*", "part_o"), ("float*", "part_lse"), ("int*", "counters"),
             ("int", "window"), ("float", "softcap_log2"), ("float", "v_scale"),
-            ("int", "work_target"), ("int", "min_chunk"),
+            ("int", "work_target"), ("int", "min_chunk"), ("int", "item_overhead"),
         ]  # fmt: skip
     if kind == "merge":
         return [
