@@ -38,8 +38,9 @@ if __name__ == "kernels":  # this folder found as a top-level package: see _top_
     from ._top_level import give_way
 
     give_way()
+    __all__: list[str] = []
 else:
     from .attention import paged_decode_attention, paged_prefill_attention
     from .kv_write import write_kv
 
-__all__ = ["paged_decode_attention", "paged_prefill_attention", "write_kv"]
+    __all__ = ["paged_decode_attention", "paged_prefill_attention", "write_kv"]
