@@ -93,6 +93,15 @@ def make_pool(lens: list[int], copies: int, dtype: torch.dtype, gen: torch.Gener
     return pool, tables, flat
 
 
+def fi_page_layout(lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlashInfer's page indptr and last-page lengths for sequences of ``lens`` tokens (their
+    pages listed one sequence after another, as ``make_pool``'s flat lists are)."""
+    need = [-(-n // BS) for n in lens]
+    indptr = torch.tensor([0, *torch.tensor(need).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    last = torch.tensor([n - (m - 1) * BS for n, m in zip(lens, need)], dtype=torch.int32, device="cuda")
+    return indptr, last
+
+
 def bench_case(name, lens, variants, fi, gen, dtype=torch.bfloat16, with_sdpa=True, sweep=(), passes=1) -> list[dict]:
     """Rows for one batch: each timed ``passes`` times in turn (ours, FlashInfer, ours, ...),
     the lowest median kept, so that a drift of the clocks during the case spares no side."""
@@ -131,9 +140,7 @@ def bench_case(name, lens, variants, fi, gen, dtype=torch.bfloat16, with_sdpa=Tr
         timers.append((f"v9 s{per_sm or 'a'} o{overhead} r{order}", ours("v9", (per_sm, overhead, order))))
     fi_impls = []
     if fi is not None:
-        need = [-(-n // BS) for n in lens]
-        indptr = torch.tensor([0, *torch.tensor(need).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-        last = torch.tensor([n - (m - 1) * BS for n, m in zip(lens, need)], dtype=torch.int32, device="cuda")
+        indptr, last = fi_page_layout(lens)
         paged = pool[:, 0]
         for tc in (True, False):
             def fi_time(tc=tc):

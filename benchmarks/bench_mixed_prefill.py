@@ -36,6 +36,7 @@ import torch
 from bench_decode import (
     BS, D, HKV, HQ, L2_BYTES, _finite, fi_workspace, flashinfer_or_none, graph_time_us, time_in_turn,
 )
+from bench_mixed_decode import fi_page_layout, make_pool
 
 
 def cases() -> list[tuple[str, list[tuple[int, int]]]]:
@@ -69,21 +70,9 @@ def bench_case(name, batch, variants, fi, backends, gen, passes) -> list[dict]:
 
     q_lens = [q for q, _ in batch]
     seq_lens_l = [q + c for q, c in batch]
-    need = [-(-n // BS) for n in seq_lens_l]
     kv_bytes = sum(seq_lens_l) * HKV * D * 2 * 2
     copies = max(1, math.ceil(2 * L2_BYTES / kv_bytes))
-    total, width = sum(need), max(need)
-    pool = torch.randn((total * copies, 1, 2, HKV, BS, D), dtype=torch.bfloat16, device="cuda")
-    perm = torch.randperm(total * copies, generator=gen).to(torch.int32).cuda()
-    tables = torch.zeros((copies, len(batch), width), dtype=torch.int32, device="cuda")
-    flat = []
-    for c in range(copies):
-        start, ids = c * total, []
-        for b, n in enumerate(need):
-            tables[c, b, :n] = perm[start : start + n]
-            ids.append(perm[start : start + n])
-            start += n
-        flat.append(torch.cat(ids))
+    pool, tables, flat = make_pool(seq_lens_l, copies, torch.bfloat16, gen)
     k, v = pool[:, 0, 0], pool[:, 0, 1]
     seq_lens = torch.tensor(seq_lens_l, dtype=torch.int32, device="cuda")
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
@@ -101,8 +90,7 @@ def bench_case(name, batch, variants, fi, backends, gen, passes) -> list[dict]:
         timers.append((f"ours {variant or 'default'}", lambda make=make: graph_time_us(make, copies)))
     fi_impls = []
     if fi is not None:
-        kv_indptr = torch.tensor([0, *torch.tensor(need).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-        last = torch.tensor([n - (m - 1) * BS for n, m in zip(seq_lens_l, need)], dtype=torch.int32, device="cuda")
+        kv_indptr, last = fi_page_layout(seq_lens_l)
         paged = pool[:, 0]
         for backend in backends:
             def fi_time(backend=backend):
