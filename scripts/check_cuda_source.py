@@ -54,7 +54,12 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("libnvrtc", help="path of libnvrtc.so (its builtins library on LD_LIBRARY_PATH)")
     args = p.parse_args()
-    lib = ctypes.CDLL(args.libnvrtc)
+    try:
+        lib = ctypes.CDLL(args.libnvrtc)
+        lib.nvrtcCreateProgram  # noqa: B018 - an NVRTC library, not any shared object
+    except (OSError, AttributeError) as e:
+        print(f"check_cuda_source: cannot load NVRTC from {args.libnvrtc}: {e}", file=sys.stderr)
+        return 2
     failed = 0
     for key, arch in MODULES:
         names = list(cuda_runtime.module_kernels(key).values())
