@@ -1,7 +1,7 @@
 """Paged decode and prefill on the GPU: ours vs FlashInfer vs SDPA on contiguous K/V.
 
     python3 benchmarks/bench_decode.py [--grid none|quick|full | --shapes 16x4096,...] [--variants v7]
-        [--prefill 1024,4096] [--prefill-variants v8] [--no-gather] [--json PATH] [--division PER_SM:OVERHEAD]
+        [--prefill 1024,4096] [--prefill-variants v8] [--no-gather] [--json PATH] [--division PER_SM:OVERHEAD:CLASSES]
 
 Decode shape (the kernel notes' grid): bfloat16, head_dim 128, 32 query / 8 KV heads,
 block size 16, block tables = random permutations of the pool. Timing: a
@@ -13,7 +13,9 @@ is K+V bytes read per call over time, also as a fraction of the 4.18 TB/s
 device-to-device copy (read + write) measured on the H200.
 
 Rows: ``ours VARIANT`` (each kernel variant asked for: the shipped ``cuda_attention.VARIANTS``
-and the benchmark-only ones of ``kernel_variants.py``, with the planner's split-KV and, for v7, stage choice), ``ours sN`` (the variant, forced N
+and the benchmark-only ones of ``kernel_variants.py``, with the planner's split-KV and, for v7, stage choice),
+``ours VARIANT bounded`` (called with ``min_seq_len`` = ``max_seq_len`` = the batch's length, where
+that changes the plan: page-aware decode then runs the fixed grid), ``ours sN`` (the variant, forced N
 splits, to tune the planner; ``VARIANT sN`` when several variants are timed), ``fi-tc`` / ``fi-cc`` (FlashInfer's
 ``BatchDecodeWithPagedKVCacheWrapper`` with / without ``use_tensor_cores``),
 ``sdpa`` (torch SDPA, contiguous K/V, no paging: the ceiling), ``gather+sdpa``
@@ -184,11 +186,12 @@ def bench_decode(batch: int, ctx: int, variants, split_options, fi, gen, with_ga
     outs = torch.empty_like(qs)
     rows = []
 
-    def ours(splits, variant=None):
+    def ours(splits, variant=None, min_seq_len=None):
         def make(i):
             a = check_attention(qs[i], k, v, tables[i], lens, None, None, outs[i])
             return lambda: cuda_attention.paged_attention(
-                a, qs[i], k, v, tables[i], lens, None, max_seq_len=ctx, num_splits=splits, variant=variant
+                a, qs[i], k, v, tables[i], lens, None, max_seq_len=ctx, min_seq_len=min_seq_len, num_splits=splits,
+                variant=variant,
             )
 
         return make
@@ -197,6 +200,11 @@ def bench_decode(batch: int, ctx: int, variants, split_options, fi, gen, with_ga
         us = graph_time_us(ours(None, variant), copies)
         plan = _decode_plan(batch, ctx, variant)
         rows.append(dict(impl=f"ours {variant}", batch=batch, ctx=ctx, us=us, splits=plan.num_splits, stages=plan.pipe.stages))
+        bounded = _decode_plan(batch, ctx, variant, min_seq_len=ctx)
+        if bounded != plan:  # what a caller that passes the even bounds gets (kvpool.hf's eager decode)
+            us = graph_time_us(ours(None, variant, ctx), copies)
+            rows.append(dict(impl=f"ours {variant} bounded", batch=batch, ctx=ctx, us=us, splits=bounded.num_splits,
+                             stages=bounded.pipe.stages))  # fmt: skip
     for variant in variants:
         for splits in split_options:
             name = f"ours s{splits}" if len(variants) == 1 else f"{variant} s{splits}"
@@ -273,7 +281,8 @@ def _flashinfer_decode(fi, tensor_cores: bool, pool, tables, qs, outs, batch, ct
     return us, str(getattr(wrappers[0], "resolved_backend", "?"))
 
 
-def _decode_plan(batch: int, ctx: int, variant: str | None = None, splits: int | None = None):
+def _decode_plan(batch: int, ctx: int, variant: str | None = None, splits: int | None = None,
+                 min_seq_len: int | None = None):
     from kvpool.kernels import cuda_attention
     from kvpool.kernels._validate import AttentionArgs, CacheGeometry
 
@@ -281,7 +290,8 @@ def _decode_plan(batch: int, ctx: int, variant: str | None = None, splits: int |
     a = AttentionArgs(geo, batch, batch, HQ, HQ // HKV, 1.0, None)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     return cuda_attention.plan_attention(
-        a, prefill=False, max_blocks=ctx // BS, max_seq_len=ctx, num_sms=sms, variant=variant, num_splits=splits
+        a, prefill=False, max_blocks=ctx // BS, max_seq_len=ctx, num_sms=sms, variant=variant, num_splits=splits,
+        min_seq_len=min_seq_len,
     )
 
 
@@ -382,7 +392,7 @@ def main() -> None:
     p.add_argument("--no-flashinfer", action="store_true", help="skip FlashInfer even if it imports")
     p.add_argument("--prefill", default="1024,4096", help="prefill lengths ('' to skip)")
     p.add_argument("--json", default=None, help="write all rows here")
-    p.add_argument("--division", default="", help="page-aware knobs for every call, PER_SM:OVERHEAD "
+    p.add_argument("--division", default="", help="page-aware knobs for every call, PER_SM:OVERHEAD:CLASSES "
                    "(bench_mixed_decode.py --sweep's fields; default: the planner's)")
     args = p.parse_args()
     from bench_mixed_decode import parse_sweep

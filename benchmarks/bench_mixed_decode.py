@@ -1,7 +1,7 @@
 """Decode on real batches: mixed lengths, ours vs FlashInfer, and float8 vs bfloat16 KV.
 
     python3 benchmarks/bench_mixed_decode.py [--grid quick|full] [--variants v9,v7] [--no-fp8] [--json PATH]
-        [--sweep a:256,1:0,2:] [--passes 2] [--cases skewed,spread] [--fp8-variants v9,v9s2]
+        [--sweep a:256,1:0,2:,::8] [--passes 2] [--cases skewed,spread] [--fp8-variants v9,v9s2]
         [--fp8-shapes 64x4096,256x4096]
 
 Shape as bench_decode.py: bfloat16, head_dim 128, 32 query / 8 KV heads, block size 16,
@@ -19,13 +19,16 @@ sequence with a key mask; only where the padded K/V fit in 8 GB: it reads B x L 
 ``copy%``: K/V bytes the batch really holds over the time, against the 4.18 TB/s
 device-to-device copy. ``vs fi``: our time over FlashInfer's best (<= 1 is the target).
 
-``--sweep PER_SM:OVERHEAD,...`` adds rows ``v9 sPER_SM oOVERHEAD``: page-aware decode planned
-with other knobs (``kernel_variants.division``: CTAs per SM of the wave, an item's fixed cost).
+``--sweep PER_SM:OVERHEAD:CLASSES,...`` adds rows ``v9 sPER_SM oOVERHEAD cCLASSES``: page-aware
+decode planned with other knobs (``kernel_variants.division``: CTAs per SM of the wave, an item's
+fixed cost, the size classes of the item order; an empty field keeps the planner's).
 ``--passes N`` times every row N times in turn and keeps the lowest median.
 
 float8: ``ours`` (and ``--fp8-variants``, with ``kernel_variants.PROBES``) on a float8 e4m3
 pool against the same shape in bfloat16, uniform batches (the target: at most 0.55x the
-bfloat16 time from B64 x 4k up), with FlashInfer's float8 decode on the same pool; before
+bfloat16 time from B64 x 4k up), with FlashInfer's float8 decode on the same pool, and each
+variant also ``bounded`` (called with the batch's true ``min_seq_len`` and ``max_seq_len``:
+these even batches then run the fixed grid), against bfloat16 called alike; before
 them, the bandwidth of random gathers of 1-8 KiB rows (a float8 block's rows of one KV head
 are 2 KiB, bfloat16's 4 KiB).
 """
@@ -102,9 +105,12 @@ def fi_page_layout(lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     return indptr, last
 
 
-def bench_case(name, lens, variants, fi, gen, dtype=torch.bfloat16, with_sdpa=True, sweep=(), passes=1) -> list[dict]:
+def bench_case(name, lens, variants, fi, gen, dtype=torch.bfloat16, with_sdpa=True, sweep=(), passes=1,
+               bounded=False) -> list[dict]:
     """Rows for one batch: each timed ``passes`` times in turn (ours, FlashInfer, ours, ...),
-    the lowest median kept, so that a drift of the clocks during the case spares no side."""
+    the lowest median kept, so that a drift of the clocks during the case spares no side.
+    ``bounded``: each variant also as ``ours VARIANT bounded``, called with the batch's true
+    ``max_seq_len`` and ``min_seq_len`` (an even batch then runs the fixed grid)."""
     from kvpool.kernels import cuda_attention
     from kvpool.kernels._validate import check_attention
 
@@ -121,10 +127,11 @@ def bench_case(name, lens, variants, fi, gen, dtype=torch.bfloat16, with_sdpa=Tr
     outs = torch.empty_like(qs)
     timers = []  # (impl, () -> us)
 
-    def ours(variant, knobs=None):
+    def ours(variant, knobs=None, bounds=(None, None)):
         def make(i):
             a = check_attention(qs[i], k, v, tables[i], seq_lens, None, None, outs[i])
-            return lambda: cuda_attention.paged_attention(a, qs[i], k, v, tables[i], seq_lens, None, variant=variant)
+            return lambda: cuda_attention.paged_attention(a, qs[i], k, v, tables[i], seq_lens, None, variant=variant,
+                                                          max_seq_len=bounds[0], min_seq_len=bounds[1])  # fmt: skip
 
         def time_it():
             if knobs is None:
@@ -136,8 +143,11 @@ def bench_case(name, lens, variants, fi, gen, dtype=torch.bfloat16, with_sdpa=Tr
 
     for variant in variants:
         timers.append((f"ours {variant}", ours(variant)))
-    for per_sm, overhead, order in sweep:
-        timers.append((f"v9 s{per_sm or 'a'} o{overhead} r{order}", ours("v9", (per_sm, overhead, order))))
+        if bounded:
+            timers.append((f"ours {variant} bounded", ours(variant, bounds=(longest, min(lens)))))
+    for knobs in sweep:
+        per_sm, overhead, classes = knobs
+        timers.append((f"v9 s{per_sm or 'a'} o{overhead} c{classes}", ours("v9", knobs)))
     fi_impls = []
     if fi is not None:
         indptr, last = fi_page_layout(lens)
@@ -187,14 +197,15 @@ def bench_case(name, lens, variants, fi, gen, dtype=torch.bfloat16, with_sdpa=Tr
     return rows
 
 
-def parse_sweep(text: str) -> list[tuple[int | None, int | None]]:
-    """``"a:256,1:0"`` -> [(None, 256), (1, 0)]: CTAs per SM planned (a: the planner's rule) and
-    an item's overhead in keys, per page-aware configuration to time; an empty field keeps the
-    planner's."""
+def parse_sweep(text: str) -> list[tuple[int | None, int | None, int | None]]:
+    """``"a:256,1:0,::8"`` -> [(None, 256, None), (1, 0, None), (None, None, 8)]: CTAs per SM
+    planned (a: the planner's rule), an item's overhead in keys and the size classes of the item
+    order, per page-aware configuration to time; an empty field keeps the planner's."""
     out = []
     for part in filter(None, text.split(",")):
-        per_sm, overhead = (part.split(":") + [""])[:2]
-        out.append((None if per_sm in ("a", "") else int(per_sm), int(overhead) if overhead else None))
+        per_sm, overhead, classes = (part.split(":") + ["", ""])[:3]
+        out.append((None if per_sm in ("a", "") else int(per_sm), int(overhead) if overhead else None,
+                    int(classes) if classes else None))  # fmt: skip
     return out
 
 
@@ -223,7 +234,7 @@ def main() -> None:
     p.add_argument("--grid", choices=["quick", "full"], default="quick")
     p.add_argument("--variants", default="v9,v7", help="our decode variants to time")
     p.add_argument("--no-fp8", action="store_true", help="skip the float8 rows")
-    p.add_argument("--sweep", default="", help="page-aware knobs to time besides the variants, PER_SM:OVERHEAD,... "
+    p.add_argument("--sweep", default="", help="page-aware knobs to time besides the variants, PER_SM:OVERHEAD:CLASSES,... "
                    "(PER_SM a: the planner's rule; an empty field: the planner's), e.g. a:0,1:256,2:")
     p.add_argument("--passes", type=int, default=1, help="time every row this many times in turn, keep the lowest")
     p.add_argument("--fp8-variants", default="", help="decode variants to time on the float8 shapes (default: the first)")
@@ -266,10 +277,13 @@ def main() -> None:
         fp8_variants = [x for x in args.fp8_variants.split(",") if x] or variants[:1]
         for batch, ctx in [tuple(map(int, x.split("x"))) for x in args.fp8_shapes.split(",") if x]:
             lens = [ctx] * batch
-            t16 = bench_case(f"{batch}x{ctx}", lens, variants[:1], None, gen, torch.bfloat16, False)[0]["us"]
-            got = bench_case(f"{batch}x{ctx}", lens, fp8_variants, fi, gen, torch.float8_e4m3fn, False, sweep=sweep)
-            for r in got:
+            ref16 = bench_case(f"{batch}x{ctx}", lens, variants[:1], None, gen, torch.bfloat16, False, bounded=True)
+            t16s = {r["impl"]: r["us"] for r in ref16}
+            got = bench_case(f"{batch}x{ctx}", lens, fp8_variants, fi, gen, torch.float8_e4m3fn, False, sweep=sweep,
+                             bounded=True)  # fmt: skip
+            for r in got:  # each row against the bfloat16 time of the same call (bounded or not)
                 impl, t8 = r["impl"], r["us"]
+                t16 = t16s[f"ours {variants[0]} bounded" if impl.endswith("bounded") else f"ours {variants[0]}"]
                 fp8.append(dict(batch=batch, ctx=ctx, variant=impl, bf16_us=t16, fp8_us=t8, ratio=t8 / t16))
                 print(f"{f'{batch}x{ctx} {impl}':>22} {t16:>9.1f} {t8:>9.1f} {t8 / t16:>6.2f}", flush=True)
             save()

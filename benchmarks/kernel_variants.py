@@ -60,17 +60,20 @@ def register(probes: bool = False) -> list[str]:
 
 
 @contextmanager
-def division(per_sm: int | None = None, overhead: int | None = None):
+def division(per_sm: int | None = None, overhead: int | None = None, classes: int | None = None):
     """Page-aware decode planned with other knobs while the block runs (the planner reads them
     at each call, so a CUDA graph captured inside keeps them): ``per_sm`` CTAs per SM for the
     wave that ``work_items`` aims at (None: ``decode_work``'s rule), ``overhead`` an item's
-    fixed cost in keys (None: ``DECODE_ITEM_OVERHEAD``)."""
-    saved = ca.decode_work, ca.DECODE_ITEM_OVERHEAD
+    fixed cost in keys (None: ``DECODE_ITEM_OVERHEAD``), ``classes`` the size classes of the
+    item order (``work_order``; None: ``DECODE_ITEM_CLASSES``)."""
+    saved = ca.decode_work, ca.DECODE_ITEM_OVERHEAD, ca.DECODE_ITEM_CLASSES
     if per_sm is not None:
         ca.decode_work = lambda num_seqs, num_kv_heads, tiles, num_sms: max(1, num_sms * per_sm // num_kv_heads)
     if overhead is not None:
         ca.DECODE_ITEM_OVERHEAD = overhead
+    if classes is not None:
+        ca.DECODE_ITEM_CLASSES = classes
     try:
         yield
     finally:
-        ca.decode_work, ca.DECODE_ITEM_OVERHEAD = saved
+        ca.decode_work, ca.DECODE_ITEM_OVERHEAD, ca.DECODE_ITEM_CLASSES = saved

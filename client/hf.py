@@ -98,7 +98,10 @@ class PagedBatch:
     ``block_tables`` (int32 ``[B, max_blocks]``), ``seq_lens`` (int32, tokens
     in the pool after this forward, the new ones included) and
     ``cu_seqlens_q`` (int32 ``[B+1]``, where each sequence's new tokens start
-    in the packed row).  ``decode``: every sequence brings exactly one token.
+    in the packed row).  ``max_seq_len`` / ``min_seq_len``: bounds on ``seq_lens``
+    (``min_seq_len`` 0: none known; the GPU decodes an even batch on a fixed grid,
+    see ``kvpool.kernels.paged_decode_attention``).  ``decode``: every sequence
+    brings exactly one token.
     ``kv_scales``: per layer ``(k_scale, v_scale)`` of an fp8 pool (``None``:
     all 1.0; ``PagedModel.run_batch`` fills in the model's).
     """
@@ -111,6 +114,7 @@ class PagedBatch:
     max_seq_len: int
     decode: bool
     kv_scales: Seq[tuple[float, float]] | None = None
+    min_seq_len: int = 0
 
 
 def kvpool_attention(
@@ -158,7 +162,8 @@ def kvpool_attention(
                  k_scale=k_scale, v_scale=v_scale, max_seq_len=b.max_seq_len)
     out = torch.empty_like(q)
     if b.decode:
-        paged_decode_attention(q, k_cache, v_cache, b.block_tables, b.seq_lens, out=out, **extra)
+        paged_decode_attention(q, k_cache, v_cache, b.block_tables, b.seq_lens, out=out,
+                               min_seq_len=b.min_seq_len or None, **extra)
     else:
         paged_prefill_attention(q, k_cache, v_cache, b.block_tables, b.seq_lens, b.cu_seqlens_q, out=out, **extra)
     return out.unsqueeze(0), None
@@ -354,6 +359,7 @@ class PagedModel:
             cu_seqlens_q=torch.from_numpy(cu).to(dev),
             max_seq_len=int(lens.max()),
             decode=all(c == 1 for c in counts),
+            min_seq_len=int(lens.min()),
         )
         return self.run_batch(
             torch.from_numpy(ids).to(dev), torch.from_numpy(positions).to(dev), batch,

@@ -17,7 +17,7 @@ sources ship as package data (``cuda/*.cu``); the float64 definitions the kernel
 are tested against live with the tests (``tests/kernels/support/reference.py``).
 
 * ``paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale, out, max_seq_len,
-  sliding_window, logits_soft_cap, k_scale, v_scale)``
+  min_seq_len, sliding_window, logits_soft_cap, k_scale, v_scale)``
 * ``paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, *, scale, out,
   max_seq_len, sliding_window, logits_soft_cap, k_scale, v_scale)``
 * ``write_kv(key, value, k_cache, v_cache, slot_mapping, *, k_scale, v_scale)``
@@ -31,7 +31,9 @@ float16, bfloat16 or float32; other caches take q in their dtype and scales of 1
 GPU calls never synchronize the host and can be captured in a CUDA graph
 (after one warm-up call outside capture, which compiles the kernel).
 ``max_seq_len`` is an optional upper bound on ``seq_lens`` that the GPU path
-uses to size split-KV; the CPU path ignores it.
+uses to size split-KV; the CPU path ignores it. Decode's ``min_seq_len``, a lower bound,
+lets the GPU planner run an even batch (within 1/8 of ``max_seq_len``) on a fixed grid of
+splits instead of dividing the work by the lengths on the device.
 """
 
 if __name__ == "kernels":  # this folder found as a top-level package: see _top_level

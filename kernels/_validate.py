@@ -248,6 +248,20 @@ def check_soft_cap(logits_soft_cap: object) -> float:
     return float(logits_soft_cap)
 
 
+def check_length_bounds(max_seq_len: object, min_seq_len: object = None) -> tuple[int | None, int | None]:
+    """The caller's bounds on ``seq_lens``: ints >= 0 (or None), ``min_seq_len <= max_seq_len``."""
+    for name, x in (("max_seq_len", max_seq_len), ("min_seq_len", min_seq_len)):
+        if x is None:
+            continue
+        if not _is_int(x):
+            raise TypeError(f"{name} must be an int >= 0 or None; got {x!r}")
+        if x < 0:
+            raise ValueError(f"{name} must be >= 0; got {x}")
+    if max_seq_len is not None and min_seq_len is not None and min_seq_len > max_seq_len:
+        raise ValueError(f"min_seq_len {min_seq_len} exceeds max_seq_len {max_seq_len}")
+    return (None if max_seq_len is None else int(max_seq_len)), (None if min_seq_len is None else int(min_seq_len))
+
+
 def check_kv_scales(geo: CacheGeometry, k_scale: object, v_scale: object) -> tuple[float, float]:
     """Finite and > 0; other than 1.0 only for an fp8 cache."""
     for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from . import cpu_attention
-from ._validate import FP8, AttentionArgs, check_attention
+from ._validate import FP8, AttentionArgs, check_attention, check_length_bounds
 
 __all__ = ["paged_decode_attention", "paged_prefill_attention"]
 
@@ -49,6 +49,7 @@ def paged_decode_attention(
     scale: float | None = None,
     out: torch.Tensor | None = None,
     max_seq_len: int | None = None,
+    min_seq_len: int | None = None,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     k_scale: float = 1.0,
@@ -63,7 +64,11 @@ def paged_decode_attention(
     included). ``scale`` defaults to ``1/sqrt(D)``. ``max_seq_len`` is an
     optional upper bound on ``seq_lens`` that lets the GPU size its split-KV
     for the lengths actually in use rather than the table's capacity.
-    Returns ``out [B, Hq, D]`` in q's dtype.
+    ``min_seq_len``, an optional lower bound, tells the GPU planner how even the
+    batch is: within 1/8 of ``max_seq_len`` it runs a fixed (sequence x split) grid,
+    otherwise it divides the work by the lengths on the device. Bounds that the
+    lengths do not keep cost speed, never correctness. Returns ``out [B, Hq, D]``
+    in q's dtype.
 
     ``sliding_window`` W: the query at position p sees keys p - W < j <= p (its own
     key counts; None: all of 0..p). ``logits_soft_cap`` c: each score s becomes
@@ -77,7 +82,8 @@ def paged_decode_attention(
         q, k_cache, v_cache, block_tables, seq_lens, None, scale, out,
         sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, k_scale=k_scale, v_scale=v_scale,
     )  # fmt: skip
-    return _dispatch(a, q, k_cache, v_cache, block_tables, seq_lens, None, max_seq_len)
+    bounds = check_length_bounds(max_seq_len, min_seq_len)
+    return _dispatch(a, q, k_cache, v_cache, block_tables, seq_lens, None, *bounds)
 
 
 def paged_prefill_attention(
@@ -108,16 +114,19 @@ def paged_prefill_attention(
         q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, out,
         sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, k_scale=k_scale, v_scale=v_scale,
     )  # fmt: skip
+    max_seq_len, _ = check_length_bounds(max_seq_len)
     return _dispatch(a, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_seq_len)
 
 
-def _dispatch(a: AttentionArgs, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_seq_len):
+def _dispatch(a: AttentionArgs, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_seq_len,
+              min_seq_len=None):
     device = a.geo.device
     if device.type == "cuda":
         from . import cuda_attention
 
         return cuda_attention.paged_attention(
-            a, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_seq_len=max_seq_len
+            a, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_seq_len=max_seq_len,
+            min_seq_len=min_seq_len,
         )
     if device.type != "cpu":
         raise ValueError(f"paged attention runs on CPU or CUDA tensors; got device {device}")

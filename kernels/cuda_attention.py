@@ -23,7 +23,8 @@ Decode of two or more sequences is page-aware by default (``work_items``): the g
 bound on work items, not (sequences x splits), and each CTA finds its item from the lengths
 on the device, so a batch that mixes one long sequence with many short ones gives the long
 one many CTAs and each short one exactly one, in one launch that a CUDA graph replays with
-new lengths. One sequence has nothing to balance and runs the fixed grid. Prefill on the
+new lengths. One sequence has nothing to balance and runs the fixed grid, and so does a batch
+whose caller bounds its lengths within 1/8 (``min_seq_len``, ``even_batch``). Prefill on the
 split-KV kernel is page-aware in the same way over query tiles: a chunk of a long prompt
 beside one-token decodes splits the chunk's tiles by their keys and gives each decode one
 item, with the merge fused (one launch).
@@ -76,6 +77,11 @@ DECODE_ITEM_KEYS = 64
 # and its share of the merge), in keys streamed in the same time; work_items weighs items by
 # it. 0, 256 and 1024 timed alike on the H200's mixed batches (within 2%).
 DECODE_ITEM_OVERHEAD = 256
+# Page-aware decode: size classes of the item order (``work_order``; at least two in one wave,
+# where the long sequences' items run first). One keeps a multi-wave batch in batch order,
+# as timed on the H200; more (up to ``ORDER_CLASSES``) run larger items first there too.
+DECODE_ITEM_CLASSES = 1
+ORDER_CLASSES = 8  # the kernel's ORDER_CLASSES
 
 
 def padded_dim(head_dim: int, kf: int = 0) -> int:
@@ -184,6 +190,7 @@ class AttentionPlan:
     work_target: int = 0  # page-aware: the wave of work items per KV head planned (0: fixed grid)
     min_chunk: int = 0  # page-aware: fewest keys per work item
     item_overhead: int = 0  # page-aware: an item's fixed cost in keys (work_items)
+    item_classes: int = 0  # page-aware decode: size classes of the item order (work_order)
 
 
 def check_gpu_limits(a: AttentionArgs, q: torch.Tensor) -> None:
@@ -410,8 +417,9 @@ def work_items(
     i) and all the work fits S slots of one item's time (``sum (w_i + a n_i) <= S (u + a)``).
     With S or more tiles there are several waves whatever the split: decode takes ``u =
     ceil(sum w_i / S)``, lowered to ``max_chunk`` where the grid of ``target + B`` items still
-    holds the items; prefill splits none (one item per tile). In one wave the kernel runs the
-    long tiles' items first, then one item per short tile; else in tile order (``work_order``).
+    holds the items; prefill splits none (one item per tile). Decode's items run in the order
+    ``work_order`` states (in one wave the long sequences' items first); prefill runs the long
+    tiles' items first, then one item per short tile.
     """
     keys = tile_keys(seq_lens, q_lens, tokens_per_tile=tokens_per_tile, capacity=capacity, window=window)
     if q_lens is not None and len(keys) >= target:
@@ -451,16 +459,29 @@ def work_items(
     return 64 * u, per_item, counts
 
 
-def work_order(keys: list[int], c: int, counts: list[int], *, target: int) -> list[tuple[int, int]]:
-    """The (tile, item) that each CTA of one KV head runs, in grid order, for a division that
-    ``work_items`` returned (``c`` keys per item, ``counts`` items per tile; ``keys`` per tile as
-    ``tile_keys`` lists them): with fewer tiles than ``target`` (one wave) the long tiles'
-    items first, then the short tiles' single items, each in tile order; else in tile order."""
-    if len(keys) >= target:
-        return [(i, s) for i, n in enumerate(counts) for s in range(n)]
-    long_tile = [2 * ((k + 63) // 64) > c // 64 for k in keys]
-    first = [(i, s) for i, n in enumerate(counts) if long_tile[i] for s in range(n)]
-    return first + [(i, 0) for i in range(len(counts)) if not long_tile[i]]
+def work_order(keys: list[int], c: int, counts: list[int], *, target: int,
+               classes: int | None = None) -> list[tuple[int, int]]:
+    """The (sequence, item) that each CTA of one KV head runs in page-aware decode, in grid
+    order, for a division that ``work_items`` returned (``c`` keys per item, ``counts`` items
+    per sequence; ``keys`` per sequence as ``tile_keys`` lists them; ``target`` the wave).
+
+    Largest items first, by size class: a sequence's items, of ``p`` units each (its units over
+    its items, rounded up; ``u = c / 64``), fall in class 0 when ``2 p > u`` (the long
+    sequences'), else ``floor(log2(u // max(p, 1)))``, at least 1 and at most
+    ``classes - 1`` (default ``DECODE_ITEM_CLASSES``; at least two classes with fewer sequences
+    than ``target``): class 1 holds items of (u/4, u/2] units, and so on. The classes in order,
+    each in batch order (one class: batch order)."""
+    classes = DECODE_ITEM_CLASSES if classes is None else classes
+    last = min(ORDER_CLASSES, max(2 if len(keys) < target else 1, classes)) - 1
+    u = c // 64
+
+    def size_class(i: int) -> int:
+        w = (keys[i] + 63) // 64
+        p = -(-w // counts[i])
+        return 0 if 2 * p > u else min(last, max(1, (u // max(p, 1)).bit_length() - 1))
+
+    of = [size_class(i) for i in range(len(keys))]
+    return [(i, s) for k in range(last + 1) for i, n in enumerate(counts) if of[i] == k for s in range(n)]
 
 
 def plan_attention(
@@ -475,11 +496,14 @@ def plan_attention(
     aligned_out: bool = True,
     wgmma: bool = False,
     clusters: bool = False,
+    min_seq_len: int | None = None,
 ) -> AttentionPlan:
     """Grid, split-KV and shared memory for one call (pure arithmetic on shapes).
 
-    ``aligned_out``: ``out`` starts on 4 bytes (the dedicated prefill kernel stores
-    pairs of elements). ``wgmma``: the device has warpgroup MMA (sm_90a). ``clusters``:
+    ``min_seq_len`` (with ``max_seq_len``): the caller's bounds on the lengths; decode of a
+    batch whose keys they hold within 1/8 (``even_batch``) runs the fixed grid.
+    ``aligned_out``: ``out`` starts on 4 bytes (the dedicated prefill kernel stores pairs of
+    elements). ``wgmma``: the device has warpgroup MMA (sm_90a). ``clusters``:
     the device has thread block clusters (sm_90+), for the pair decode kernel. A forced
     ``num_splits`` plans a fixed grid (also for a page-aware variant)."""
     geo = a.geo
@@ -489,12 +513,14 @@ def plan_attention(
     window = a.window
     plain = not kf and window == 0 and a.soft_cap == 0.0
     pipe = pipeline_for(variant, prefill, dt, geo.head_dim, plain, kf)
-    if pipe.paged and not prefill and a.num_seqs == 1 and num_splits is None:
-        # One sequence has no mix to balance: the fixed grid divides it alike without the
-        # device-side division's scan and its spare CTAs, and runs two splits as a cluster pair.
-        pipe = AUTO_DECODE
     capacity = max_blocks * geo.block_size
     max_kv = capacity if max_seq_len is None else max(1, min(int(max_seq_len), capacity))
+    if (pipe.paged and not prefill and num_splits is None
+            and (a.num_seqs == 1 or even_batch(min_seq_len, max_kv, window))):
+        # No mix to balance: the fixed grid divides the batch alike without the device-side
+        # division's latency (lengths, then the table) and its spare CTAs, and runs two splits
+        # as a cluster pair.
+        pipe = AUTO_DECODE
     bs_log2 = geo.block_size.bit_length() - 1
     if pipe.dedicated:
         plan = None
@@ -532,6 +558,7 @@ def plan_attention(
             grid=((target + a.num_seqs) * geo.num_kv_heads, 1, 1), num_splits=target + a.num_seqs,
             chunk=DECODE_MAX_CTA_KEYS, smem_bytes=smem, bs_log2=bs_log2, kf=kf, work_target=target,
             min_chunk=max(DECODE_ITEM_KEYS, pipe.keys * warps_kv), item_overhead=DECODE_ITEM_OVERHEAD,
+            item_classes=DECODE_ITEM_CLASSES,
         )  # fmt: skip
     if prefill:
         # sum over sequences of ceil(q_len / tq) <= T // tq + B
@@ -581,6 +608,18 @@ def plan_attention(
     )
 
 
+def even_batch(min_seq_len: int | None, max_kv: int, window: int = 0) -> bool:
+    """Whether every sequence sees within 1/8 as many keys as the longest (``min_seq_len`` and
+    ``max_kv`` bound the lengths; a window caps what each sees): a fixed grid of splits then
+    leaves no CTA much longer than another."""
+    if min_seq_len is None:
+        return False
+    lo, hi = min_seq_len, max_kv
+    if window:
+        lo, hi = min(lo, window), min(hi, window)
+    return 8 * lo >= 7 * hi
+
+
 _COUNTERS: dict = {}
 
 
@@ -616,6 +655,7 @@ def paged_attention(
     cu_seqlens_q: torch.Tensor | None,
     *,
     max_seq_len: int | None = None,
+    min_seq_len: int | None = None,
     num_splits: int | None = None,
     variant: str | None = None,
     launcher=None,
@@ -642,6 +682,7 @@ def paged_attention(
             prefill=prefill,
             max_blocks=block_tables.shape[1],
             max_seq_len=max_seq_len,
+            min_seq_len=min_seq_len,
             num_sms=launcher.num_sms(q.device),
             num_splits=num_splits,
             variant=variant,
@@ -686,6 +727,7 @@ def paged_attention(
         ptr(out), ptr(part_o), ptr(part_lse), ptr(counters),
         np.int32(a.window), np.float32(a.soft_cap * _LOG2E), np.float32(a.v_scale),
         np.int32(plan.work_target), np.int32(plan.min_chunk), np.int32(plan.item_overhead),
+        np.int32(plan.item_classes),
     )  # fmt: skip
     p = plan.pipe
     if p.wgmma:

@@ -429,10 +429,13 @@ __device__ __forceinline__ int one_wave_units(int units, int widest, int ntiles,
     return hi;
 }
 
+// Most size classes of the decode item order (locate_item): halvings of the item size u.
+constexpr int ORDER_CLASSES = 8;
+
 // Decode (one tile per sequence; inlined: a few passes over the lengths).
 __device__ __forceinline__ bool locate_item(const int* seq_lens, int num_seqs, int cap, int window, int target,
-                                            int min_chunk, int max_chunk, int overhead, int x, int& b, int& split,
-                                            int& nsplit, int& chunk) {
+                                            int min_chunk, int max_chunk, int overhead, int classes, int x, int& b,
+                                            int& split, int& nsplit, int& chunk) {
     const int lane = threadIdx.x & 31;
     auto visible = [&](int j) {
         const int len = max(0, seq_lens[j]);
@@ -471,21 +474,40 @@ __device__ __forceinline__ bool locate_item(const int* seq_lens, int num_seqs, i
             if (warp_sum(nall) <= target + num_seqs) u = max_u;
         }
     }
-    int found;
-    if (one_wave) {                                          // long sequences' items, then short ones'
-        int n_long = 0;
+    // Largest items first: each sequence's items go to the class of their size, (u/2, u] first
+    // (the long sequences'), then (u/4, u/2], ... down to the last of `classes` classes (at
+    // least two in one wave), each class in batch order; one class is the batch order. A long
+    // item that started in a late wave behind smaller ones would run on while the rest of the
+    // GPU idles; a full sort per CTA would cost more than it gains. One or two classes take no
+    // division per sequence (an item is over u/2 exactly when its sequence is).
+    const int last = min(ORDER_CLASSES, max(one_wave ? 2 : 1, classes)) - 1;
+    auto size_class = [&](int w) {
+        if (last < 2) return last == 0 || 2 * w > u ? 0 : 1;
+        const int n = items_of(w, u), p = (w + n - 1) / n;
+        return 2 * p > u ? 0 : min(last, max(1, 31 - __clz(u / max(p, 1))));
+    };
+    int cls = 0, before = 0;                                 // x's class and the items ahead of it
+    if (last > 0) {
+        int in_class[ORDER_CLASSES];
+#pragma unroll
+        for (int k = 0; k < ORDER_CLASSES; ++k) in_class[k] = 0;
         for (int j = lane; j < num_seqs; j += 32) {
-            const int w = units_of(j);
-            if (2 * w > u) n_long += items_of(w, u);
+            const int w = units_of(j), k = size_class(w), n = items_of(w, u);
+#pragma unroll
+            for (int c = 0; c < ORDER_CLASSES; ++c) in_class[c] += c == k ? n : 0;
         }
-        n_long = warp_sum(n_long);
-        found = x < n_long
-            ? locate_scan(num_seqs, x, [&](int j) { const int w = units_of(j); return 2 * w > u ? items_of(w, u) : 0; },
-                          b, split, nsplit)
-            : locate_scan(num_seqs, x - n_long, [&](int j) { return 2 * units_of(j) > u ? 0 : 1; }, b, split, nsplit);
-    } else {
-        found = locate_scan(num_seqs, x, [&](int j) { return items_of(units_of(j), u); }, b, split, nsplit);
+#pragma unroll
+        for (int k = 0; k < ORDER_CLASSES; ++k) {
+            if (k > last) break;
+            const int n = warp_sum(in_class[k]);
+            if (before + n <= x && k == cls) cls = k + 1, before += n;
+        }
+        if (cls > last) return false;
     }
+    const bool found = locate_scan(num_seqs, x - before, [&](int j) {
+        const int w = units_of(j);
+        return size_class(w) == cls ? items_of(w, u) : 0;
+    }, b, split, nsplit);
     if (!found) return false;
     chunk = ((visible(b) + nsplit - 1) / nsplit + 63) & ~63;  // this sequence's keys per item
     return true;
@@ -527,26 +549,39 @@ __device__ __noinline__ bool locate_prefill_item(const int* seq_lens, const int*
         l = hit ? __ffs(hit) - 1 : -1;
         return y - (inc - c);
     };
-    int mine = 0;
+    int mine = 0, l;
     for (int j = j0; j < j1; ++j) mine += tiles_of(j);
     const int ntiles = warp_sum(mine);
-    int u = 1 << 29, l;                                      // S or more tiles: one item each
-    if (ntiles < target) {
-        int held = 0, widest = 0;
-        each([&](int, int, int w) { held += w; widest = max(widest, w); });
-        const int units = warp_sum(held);
-        widest = __reduce_max_sync(FULL_MASK, widest);
-        const int s = max(1, target), a = overhead >> 6, min_u = max(1, min_chunk >> 6);
-        u = one_wave_units(units, widest, ntiles, s, a, min_u, [&](int u) {
-            int nl = 0, nall = 0;
-            each([&](int, int, int w) {
-                const int n = items_of(w, u);
-                nall += n;
-                if (2 * w > u) nl += n;
-            });
-            return make_int2(warp_sum(nl), warp_sum(nall));
-        });
+    if (ntiles >= target) {                                  // S or more tiles: one item each, in tile order
+        int rest = find_lane(mine, x, l), fb = -1, ft = 0;
+        if (l < 0) return false;
+        if (lane == l) {
+            for (int j = j0; j < j1 && fb < 0; ++j) {
+                const int n = tiles_of(j);
+                if (rest < n) fb = j, ft = n - 1 - rest;     // a sequence's last tile first
+                else rest -= n;
+            }
+        }
+        b = __shfl_sync(FULL_MASK, fb, l);
+        tile = __shfl_sync(FULL_MASK, ft, l);
+        split = 0, nsplit = 1;
+        chunk = (tile_keys(b, tile) + 63) & ~63;
+        return true;
     }
+    int held = 0, widest = 0;
+    each([&](int, int, int w) { held += w; widest = max(widest, w); });
+    const int units = warp_sum(held);
+    widest = __reduce_max_sync(FULL_MASK, widest);
+    const int s = max(1, target), a = overhead >> 6, min_u = max(1, min_chunk >> 6);
+    const int u = one_wave_units(units, widest, ntiles, s, a, min_u, [&](int u) {
+        int nl = 0, nall = 0;
+        each([&](int, int, int w) {
+            const int n = items_of(w, u);
+            nall += n;
+            if (2 * w > u) nl += n;
+        });
+        return make_int2(warp_sum(nl), warp_sum(nall));
+    });
     // cls 0 counts the long tiles' items, 1 the short tiles' (one each).
     int n_long = 0;
     each([&](int, int, int w) { if (2 * w > u) n_long += items_of(w, u); });
@@ -672,9 +707,9 @@ __device__ __forceinline__ int splits_run(int lim, int chunk, int num_splits) {
 // tuple to whichever it launches; the Hopper prefill kernel appends its two TMA maps), with
 // the macro's argument the cache's element type. window (0: none), softcap_log2 (0: none; the
 // soft cap times log2 e), v_scale (the V cache's dequantization scale) and work_target /
-// min_chunk / item_overhead (work_target > 0: page-aware, see locate_item, which then takes
-// `chunk` as its max_chunk) only reach the generic kernel; the host never gives the dedicated
-// prefill kernels other values than 0, 0, 1, 0, 0, 0.
+// min_chunk / item_overhead / item_classes (work_target > 0: page-aware, see locate_item, which
+// then takes `chunk` as its max_chunk) only reach the generic kernel; the host never gives the
+// dedicated prefill kernels other values than 0, 0, 1, 0, 0, 0, 0.
 #define ATTENTION_PARAMS_KV(...)                                                                           \
     const typename Store<DT>::T* __restrict__ q, i64 q_stride_t, i64 q_stride_h,                          \
     const __VA_ARGS__* __restrict__ k_cache, const __VA_ARGS__* __restrict__ v_cache,                     \
@@ -683,7 +718,8 @@ __device__ __forceinline__ int splits_run(int lim, int chunk, int num_splits) {
     const int* __restrict__ seq_lens, const int* __restrict__ cu_seqlens, const int* __restrict__ tile_cum, \
     int num_seqs, int group, float scale_log2, int chunk, int num_splits,                                 \
     typename Store<DT>::T* __restrict__ out, float* part_o, float* part_lse, int* __restrict__ counters,  \
-    int window, float softcap_log2, float v_scale, int work_target, int min_chunk, int item_overhead
+    int window, float softcap_log2, float v_scale, int work_target, int min_chunk, int item_overhead,     \
+    int item_classes
 #define ATTENTION_PARAMS ATTENTION_PARAMS_KV(typename Store<DT>::T)
 
 // The names of ATTENTION_PARAMS, to pass them on.
@@ -691,7 +727,7 @@ __device__ __forceinline__ int splits_run(int lim, int chunk, int num_splits) {
     q, q_stride_t, q_stride_h, k_cache, v_cache, k_stride, v_stride, num_blocks, num_kv_heads, \
     bs_log2, block_tables, bt_stride, max_blocks, seq_lens, cu_seqlens, tile_cum, num_seqs,   \
     group, scale_log2, chunk, num_splits, out, part_o, part_lse, counters,                    \
-    window, softcap_log2, v_scale, work_target, min_chunk, item_overhead
+    window, softcap_log2, v_scale, work_target, min_chunk, item_overhead, item_classes
 
 // Shared memory of a pair CTA (PAIR below) past its rings and epilogue: where split 1's
 // normalized rows ([16 * 4 / WKV][D] floats) and their log-sum-exps land. KES: bytes per
@@ -747,7 +783,7 @@ __device__ __forceinline__ void attention_cta(ATTENTION_PARAMS_KV(typename Kv<DT
             ? locate_prefill_item(seq_lens, cu_seqlens, num_seqs, tq, max_blocks << bs_log2, window, work_target,
                                   min_chunk, item_overhead, x, b, tile, split, nsplit, chunk_c)
             : locate_item(seq_lens, num_seqs, max_blocks << bs_log2, window, work_target, min_chunk, chunk,
-                          item_overhead, x, b, split, nsplit, chunk_c);
+                          item_overhead, item_classes, x, b, split, nsplit, chunk_c);
         if (!found) return;
     } else {
         // The grid is (tiles, KV heads, splits) and launches x fastest; CTAs take their (tile,

@@ -170,3 +170,22 @@ def test_layout_and_device_mismatches_are_clear(pool, models):
     fresh.set_attn_implementation(kvpool_hf.ATTN_IMPLEMENTATION)
     with pytest.raises(RuntimeError, match="inside kvpool.hf.PagedModel"):
         fresh(input_ids=torch.tensor([[1, 2, 3]]), use_cache=False)
+
+
+def test_each_forward_carries_the_bounds_of_its_lengths(pool, models, monkeypatch):
+    """The attention kernels get each eager forward's true length bounds (the GPU runs an even
+    decode batch on a fixed grid from them)."""
+    arch, model, _ = models
+    seen = []
+    with paged(model, pool, f"{arch}-bounds") as pm:
+        run_batch = pm.run_batch
+
+        def spy(input_ids, positions, batch, logits_index):
+            seen.append((batch.min_seq_len, batch.max_seq_len, batch.seq_lens.tolist(), batch.decode))
+            return run_batch(input_ids, positions, batch, logits_index)
+
+        monkeypatch.setattr(pm, "run_batch", spy)
+        pm.generate([tokens(n, seed=n) for n in (3, 40, 17)], max_new_tokens=3)
+    assert seen and any(decode for *_, decode in seen)
+    for lo, hi, lens, _ in seen:
+        assert (lo, hi) == (min(lens), max(lens))

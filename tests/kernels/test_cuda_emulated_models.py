@@ -127,11 +127,72 @@ def test_work_division_items_are_nonempty_bounded_and_fit_the_grid(lens, target,
 def test_page_aware_items_run_long_sequences_first():
     lens = [300, 20_000, 5, 9_000, 0, 40]
     c, _, items = cuda_attention.work_items(lens, target=16, capacity=1 << 17)
-    order = cuda_attention.work_order(cuda_attention.tile_keys(lens, capacity=1 << 17), c, items, target=16)
+    keys = cuda_attention.tile_keys(lens, capacity=1 << 17)
+    order = cuda_attention.work_order(keys, c, items, target=16)
     assert len(order) == sum(items) and sorted(set(order)) == sorted(order)
     long_ones = [j for j, _ in order[: items[1] + items[3]]]
     assert set(long_ones) == {1, 3} and items[1] > items[3] > 1
     assert order[items[1] + items[3] :] == [(0, 0), (2, 0), (4, 0), (5, 0)]
+    # With more size classes, the 40-key sequence (one unit) runs after the 300-key one (five).
+    lens[0], lens[5] = lens[5], lens[0]
+    keys = cuda_attention.tile_keys(lens, capacity=1 << 17)
+    assert cuda_attention.work_order(keys, c, items, target=16)[-4:] == [(0, 0), (2, 0), (4, 0), (5, 0)]
+    assert cuda_attention.work_order(keys, c, items, target=16, classes=8)[-4:] == [(5, 0), (0, 0), (2, 0), (4, 0)]
+
+
+def test_a_multi_wave_batch_keeps_batch_order_or_runs_long_sequences_first_by_classes():
+    # 40 sequences against a wave of 16: the two long ones sit at the end of the batch.
+    lens = [700 + 13 * i for i in range(38)] + [30_000, 12_000]
+    c, _, items = cuda_attention.work_items(lens, target=16, capacity=1 << 17)
+    assert items[:38] == [1] * 38 and items[38] > items[39] > 1
+    keys = cuda_attention.tile_keys(lens, capacity=1 << 17)
+    assert cuda_attention.work_order(keys, c, items, target=16, classes=1) == [
+        (j, s) for j, n in enumerate(items) for s in range(n)
+    ]
+    order = cuda_attention.work_order(keys, c, items, target=16, classes=2)
+    n_long = items[38] + items[39]
+    assert n_long <= 16 and {j for j, _ in order[:n_long]} == {38, 39}  # they start in the first wave
+    assert order[n_long:] == [(j, 0) for j in range(38)]
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    lens=st.lists(st.integers(0, 100_000), min_size=1, max_size=300),
+    target=st.integers(1, 300),
+    classes=st.integers(1, cuda_attention.ORDER_CLASSES),
+)
+def test_work_order_runs_every_item_once_largest_class_first(lens, target, classes):
+    keys = cuda_attention.tile_keys(lens, capacity=1 << 17)
+    c, per_item, items = cuda_attention.work_items(lens, target=target, capacity=1 << 17)
+    order = cuda_attention.work_order(keys, c, items, target=target, classes=classes)
+    assert sorted(order) == [(i, s) for i, n in enumerate(items) for s in range(n)]
+    u = c // 64
+    size = [-(-((k + 63) // 64) // n) for k, n in zip(keys, items)]  # units per item of each sequence
+    last = max(classes, 2 if len(lens) < target else 1) - 1
+    # Each item's class holds its size, (u / 2^(k+1), u / 2^k], the last class everything below;
+    # an empty sequence's item goes with the smallest (no earlier than a one-unit item's).
+    of = [0 if 2 * size[i] > u else min(last, max(1, (u // max(1, size[i])).bit_length() - 1)) for i, _ in order]
+    one_unit = 0 if 2 > u else min(last, max(1, u.bit_length() - 1))
+    for (i, _), k in zip(order, of):
+        if size[i]:
+            assert size[i] <= u >> k and (k == last or 2 * size[i] > u >> k)
+        else:
+            assert k >= one_unit
+    assert of == sorted(of)  # largest first
+    for k in set(of):  # each class in batch order, a sequence's items together
+        seqs = [i for (i, _), kk in zip(order, of) if kk == k]
+        assert seqs == sorted(seqs)
+
+
+@pytest.mark.parametrize("classes", [1, 2, 8])
+def test_page_aware_decode_with_each_item_order_matches_the_reference(launcher, classes):
+    # 40 sequences on the emulator's wave of 32 per head (several waves), lengths over
+    # three size classes and the long one last: every order covers every item once.
+    lens = [3, 70, 200, 130, 9, 0, 260] * 5 + [40, 33, 150, 64, 2500]
+    case, q = _decode_case(lens, seed=classes)
+    with kernel_variants.division(classes=classes):
+        out, want = _attend(launcher, case, q)
+    assert_matches_reference(out, want, "cuda")
 
 
 def test_an_item_overhead_gives_short_sequences_room_beside_the_long_ones():
@@ -143,6 +204,49 @@ def test_an_item_overhead_gives_short_sequences_room_beside_the_long_ones():
     _, _, weighed = cuda_attention.work_items(lens, target=33, capacity=1 << 17, overhead=1024)
     assert free[1:] == weighed[1:] == [1] * 7
     assert 1 < weighed[0] < free[0] <= 33
+
+
+def _decode_plan(lens, **bounds):
+    case, q = _decode_case(lens)
+    a = check_attention(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, None, None, q)
+    return cuda_attention.plan_attention(a, prefill=False, max_blocks=case.block_tables.shape[1], num_sms=132,
+                                         **bounds)  # fmt: skip
+
+
+def test_a_batch_bounded_as_even_runs_the_fixed_grid_and_an_uneven_one_the_division():
+    lens = [4000, 3600, 4096]
+    assert _decode_plan(lens, max_seq_len=4096, min_seq_len=3600).work_target == 0  # within 1/8: fixed grid
+    assert _decode_plan(lens, max_seq_len=4096, min_seq_len=3500).work_target > 0
+    assert _decode_plan(lens, max_seq_len=4096).work_target > 0  # no lower bound: page-aware
+    # A window of 512 keys makes both ends see 512: even whatever the lengths.
+    case, q = _decode_case(lens)
+    a = check_attention(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, None, None, q,
+                        sliding_window=512)  # fmt: skip
+    plan = cuda_attention.plan_attention(a, prefill=False, max_blocks=case.block_tables.shape[1], num_sms=132,
+                                         max_seq_len=4096, min_seq_len=600)  # fmt: skip
+    assert plan.work_target == 0
+    assert cuda_attention.even_batch(600, 4096, 512) and not cuda_attention.even_batch(400, 4096, 512)
+
+
+@pytest.mark.parametrize(
+    "lens, bounds",
+    [([700, 650, 640, 700], (700, 640)), ([700, 650, 3, 700], (700, 640)), ([700, 650, 640, 700], (300, 280))],
+    ids=["even", "one-below-the-bounds", "all-above-the-bounds"],
+)
+def test_decode_with_even_bounds_matches_the_reference(launcher, lens, bounds):
+    # The bounds pick the grid only: lengths outside them still attend correctly.
+    case, q = _decode_case(lens, seed=9)
+    out = poisoned(q.shape, q.dtype)
+    a = check_attention(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, None, None, out)
+    max_len, min_len = bounds
+    plan = cuda_attention.plan_attention(a, prefill=False, max_blocks=case.block_tables.shape[1],
+                                         max_seq_len=max_len, min_seq_len=min_len, num_sms=32)  # fmt: skip
+    assert plan.work_target == 0 and plan.num_splits > 1  # the fixed grid, split
+    cuda_attention.paged_attention(a, q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, None,
+                                   max_seq_len=max_len, min_seq_len=min_len, launcher=launcher)  # fmt: skip
+    want = ref.paged_attention_reference(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
+                                         torch.arange(len(lens) + 1), None)  # fmt: skip
+    assert_matches_reference(out, want, "cuda")
 
 
 @settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -282,6 +386,25 @@ def test_page_aware_prefill_of_many_tiles_matches_the_reference(launcher):
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     q = torch.randn(int(cu[-1]), 8, 64, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
     out, want = _attend(launcher, case, q, cu, logits_soft_cap=50.0)
+    assert_matches_reference(out, want, "cuda")
+
+
+def test_page_aware_prefill_of_many_sequences_per_lane_matches_the_reference(launcher):
+    # 70 sequences (a warp's lanes hold three each), chunks of 0 to 40 new tokens behind
+    # prefixes: more tiles than the wave, one item per tile, found with no key counts. A soft
+    # cap keeps the call on the split-KV kernel (plain 16-bit prefill has dedicated kernels).
+    rng = random.Random(4)
+    q_lens = [rng.choice([0, 1, 5, 17, 40]) for _ in range(70)]
+    lens = [q + rng.randint(0, 90) for q in q_lens]
+    case = make_case(lens, num_kv_heads=2, block_size=16, head_dim=64, dtype=torch.bfloat16, seed=4)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(int(cu[-1]), 8, 64, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    a = check_attention(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, cu, None, q,
+                        logits_soft_cap=30.0)  # fmt: skip
+    plan = cuda_attention.plan_attention(a, prefill=True, max_blocks=case.block_tables.shape[1], max_seq_len=None,
+                                         num_sms=launcher.num_sms(q.device))  # fmt: skip
+    assert sum(-(-n // plan.tokens_per_cta) for n in q_lens) >= plan.work_target > 0
+    out, want = _attend(launcher, case, q, cu, logits_soft_cap=30.0)
     assert_matches_reference(out, want, "cuda")
 
 

@@ -49,6 +49,10 @@ def _decode(case, **over):
         (dict(out=torch.empty(2, 4, 63)), ValueError, "out must have shape"),
         (dict(out=torch.empty(2, 4, 64, dtype=torch.float16)), TypeError, "out dtype"),
         (dict(out=torch.empty(2, 64, 4).transpose(1, 2)), ValueError, "out must be contiguous"),
+        (dict(max_seq_len=-2), ValueError, "max_seq_len must be >= 0"),
+        (dict(min_seq_len=1.5), TypeError, "min_seq_len must be an int"),
+        (dict(min_seq_len=-1), ValueError, "min_seq_len must be >= 0"),
+        (dict(max_seq_len=4, min_seq_len=5), ValueError, "min_seq_len 5 exceeds max_seq_len 4"),
     ],
 )
 def test_decode_argument_errors(case, over, exc, words):

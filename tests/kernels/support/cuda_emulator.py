@@ -146,6 +146,7 @@ static inline unsigned __ballot_sync(unsigned, int pred) {
     return r;
 }
 static inline int __ffs(unsigned x) { return x ? __builtin_ctz(x) + 1 : 0; }
+static inline int __clz(int x) { return x ? __builtin_clz((unsigned)x) : 32; }
 static inline int __any_sync(unsigned, int pred) {
     xu[cur][1] = pred != 0; bar_wait(my_warp());
     int r = 0;
@@ -393,7 +394,7 @@ def _params(kind: str, dt: int, kf: int = 0) -> list[tuple[str, str]]:
             ("int", "chunk"), ("int", "num_splits"),
             (f"{t}*", "out"), ("float*", "part_o"), ("float*", "part_lse"), ("int*", "counters"),
             ("int", "window"), ("float", "softcap_log2"), ("float", "v_scale"),
-            ("int", "work_target"), ("int", "min_chunk"), ("int", "item_overhead"),
+            ("int", "work_target"), ("int", "min_chunk"), ("int", "item_overhead"), ("int", "item_classes"),
         ]  # fmt: skip
     if kind == "merge":
         return [
