@@ -33,9 +33,9 @@ SMALL = dict(model_id="small", num_layers=2, num_kv_heads=8, head_dim=64, dtype=
 class Proc:
     """A vmm_proc.py model process, driven one JSON command at a time."""
 
-    def __init__(self, socket: str, layout: dict, seed: int) -> None:
+    def __init__(self, socket: str, layout: dict, seed: int, device: int = 0) -> None:
         self.p = subprocess.Popen([sys.executable, str(HERE / "vmm_proc.py"), socket,
-                                   json.dumps({"layout": layout, "seed": seed})],
+                                   json.dumps({"layout": layout, "seed": seed, "device": device})],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.first = self._read()
 

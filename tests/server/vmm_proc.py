@@ -1,6 +1,7 @@
 """A model process the elastic-pool tests drive line by line: ``python vmm_proc.py SOCKET JSON``.
 
-JSON: ``layout`` (kvpool.Layout keywords) and ``seed``.  Then each line on
+JSON: ``layout`` (kvpool.Layout keywords), ``seed`` and optionally ``device``
+(the CUDA ordinal of the pool to attach to, default 0).  Then each line on
 stdin is a JSON command; each answer is one JSON line on stdout:
 
   {"op": "fill", "n": N, "tokens": T}  create N sequences of T tokens, write a
@@ -31,7 +32,8 @@ def main() -> None:
     socket, args = sys.argv[1], json.loads(sys.argv[2])
     layout = kvpool.Layout(**args["layout"])
     seed = int(args["seed"])
-    with kvpool.connect(socket, name=f"vmm-{seed}", layout=layout, device=0) as client:
+    device = int(args.get("device", 0))
+    with kvpool.connect(socket, name=f"vmm-{seed}", layout=layout, device=device) as client:
         kv = client.kv_cache()
         flat = kv.view(kv.shape[0], -1)
         held: list = []
