@@ -48,7 +48,7 @@ import torch
 
 from . import cuda_tma
 from ._validate import AttentionArgs
-from .cuda_source import WG_GROUPS, WG_KEYS, WG_STAGES
+from .cuda_source import ORDER_CLASSES, WG_GROUPS, WG_KEYS, WG_STAGES
 from .cuda_runtime import THREADS, ptr
 
 TILE = 16  # keys per MMA step
@@ -79,9 +79,8 @@ DECODE_ITEM_KEYS = 64
 DECODE_ITEM_OVERHEAD = 256
 # Page-aware decode: size classes of the item order (``work_order``; at least two in one wave,
 # where the long sequences' items run first). One keeps a multi-wave batch in batch order,
-# as timed on the H200; more (up to ``ORDER_CLASSES``) run larger items first there too.
+# as timed on the H200; more (up to ``cuda_source.ORDER_CLASSES``) run larger items first there too.
 DECODE_ITEM_CLASSES = 1
-ORDER_CLASSES = 8  # the kernel's ORDER_CLASSES
 
 
 def padded_dim(head_dim: int, kf: int = 0) -> int:
@@ -540,25 +539,21 @@ def plan_attention(
     if window:  # a tile's keys start at its first token's window
         max_kv = min(max_kv, window + tokens_per_cta + 7)
     tiles = max(1, math.ceil(max_kv / pipe.keys))  # stages, the unit of a split
-    if pipe.paged and prefill and num_splits is None:
-        # Page-aware prefill: items of query tiles (split by their own key counts while the
-        # tiles alone leave the wave unfilled); a wave of as many CTAs as fit per SM.
-        target = max(1, num_sms * ctas_per_sm(smem) // geo.num_kv_heads)
-        items = max(a.num_tokens // tokens_per_cta + a.num_seqs, 2 * target)
+    if pipe.paged and num_splits is None:
+        if prefill:
+            # Page-aware prefill: items of query tiles (split by their own key counts while the
+            # tiles alone leave the wave unfilled); a wave of as many CTAs as fit per SM.
+            target = max(1, num_sms * ctas_per_sm(smem) // geo.num_kv_heads)
+            items = max(a.num_tokens // tokens_per_cta + a.num_seqs, 2 * target)
+            pipe, classes = replace(pipe, fused=True), 0
+        else:
+            target = decode_work(a.num_seqs, geo.num_kv_heads, tiles, num_sms)
+            items, tokens_per_cta, classes = target + a.num_seqs, 1, DECODE_ITEM_CLASSES
         return AttentionPlan(
-            dt=dt, head_dim=geo.head_dim, warps_kv=warps_kv, pipe=replace(pipe, fused=True),
-            tokens_per_cta=tokens_per_cta, grid=(items * geo.num_kv_heads, 1, 1), num_splits=items,
-            chunk=DECODE_MAX_CTA_KEYS, smem_bytes=smem, bs_log2=bs_log2, kf=kf, work_target=target,
-            min_chunk=max(DECODE_ITEM_KEYS, pipe.keys * warps_kv), item_overhead=DECODE_ITEM_OVERHEAD,
-        )  # fmt: skip
-    if pipe.paged and not prefill and num_splits is None:
-        target = decode_work(a.num_seqs, geo.num_kv_heads, tiles, num_sms)
-        return AttentionPlan(
-            dt=dt, head_dim=geo.head_dim, warps_kv=warps_kv, pipe=pipe, tokens_per_cta=1,
-            grid=((target + a.num_seqs) * geo.num_kv_heads, 1, 1), num_splits=target + a.num_seqs,
-            chunk=DECODE_MAX_CTA_KEYS, smem_bytes=smem, bs_log2=bs_log2, kf=kf, work_target=target,
-            min_chunk=max(DECODE_ITEM_KEYS, pipe.keys * warps_kv), item_overhead=DECODE_ITEM_OVERHEAD,
-            item_classes=DECODE_ITEM_CLASSES,
+            dt=dt, head_dim=geo.head_dim, warps_kv=warps_kv, pipe=pipe, tokens_per_cta=tokens_per_cta,
+            grid=(items * geo.num_kv_heads, 1, 1), num_splits=items, chunk=DECODE_MAX_CTA_KEYS, smem_bytes=smem,
+            bs_log2=bs_log2, kf=kf, work_target=target, min_chunk=max(DECODE_ITEM_KEYS, pipe.keys * warps_kv),
+            item_overhead=DECODE_ITEM_OVERHEAD, item_classes=classes,
         )  # fmt: skip
     if prefill:
         # sum over sequences of ceil(q_len / tq) <= T // tq + B

@@ -26,7 +26,7 @@ from . import cuda_source
 from .cuda_source import WG_GROUPS
 
 # The kernels' CUDA C++ (package data: cuda/*.cu), read once at import.
-SOURCE = cuda_source.read(cuda_source.PAGED_ATTENTION)
+SOURCE = cuda_source.read_attention()
 SOURCE_SM90 = cuda_source.read_sm90()
 
 THREADS = 128

@@ -25,6 +25,9 @@ BLOCK_COPY = "block_copy.cu"
 # ring stages; the constants of the same names in paged_attention_sm90.cu (``read_sm90``
 # checks that they agree).
 WG_GROUPS, WG_KEYS, WG_STAGES = 2, 128, 3
+# The most size classes of page-aware decode's item order (``cuda_attention.work_order``);
+# the constant of the same name in paged_attention.cu (``read_attention`` checks it).
+ORDER_CLASSES = 8
 
 
 @functools.lru_cache(maxsize=None)
@@ -34,10 +37,20 @@ def read(name: str) -> str:
     return f'#line 1 "{name}"\n{text}'
 
 
+def read_declaring(name: str, declaration: str) -> str:
+    """``read(name)``, checked to contain ``declaration``: a constant the host mirrors."""
+    src = read(name)
+    if declaration not in src:
+        raise RuntimeError(f"{name} does not declare what cuda_source.py mirrors: {declaration}")
+    return src
+
+
+def read_attention() -> str:
+    """``paged_attention.cu``, checked to declare the item-order classes the host mirrors."""
+    return read_declaring(PAGED_ATTENTION, f"constexpr int ORDER_CLASSES = {ORDER_CLASSES};")
+
+
 def read_sm90() -> str:
     """``paged_attention_sm90.cu``, checked to have the shape the planner sizes it by."""
-    src = read(PAGED_ATTENTION_SM90)
     shape = f"constexpr int WG_GROUPS = {WG_GROUPS}, WG_KEYS = {WG_KEYS}, WG_STAGES = {WG_STAGES};"
-    if shape not in src:
-        raise RuntimeError(f"{PAGED_ATTENTION_SM90} does not declare the shape cuda_source.py plans for: {shape}")
-    return src
+    return read_declaring(PAGED_ATTENTION_SM90, shape)

@@ -339,6 +339,17 @@ __device__ __forceinline__ bool locate_tile(const int* tile_cum, int num_seqs, i
     return true;
 }
 
+// The sum of v over this lane and the lanes below it (a warp's inclusive prefix sum).
+__device__ __forceinline__ int warp_inclusive_sum(int v) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(FULL_MASK, v, o);
+        if (lane >= o) v += y;
+    }
+    return v;
+}
+
 // Which unit x of a list of sequences' units (sequence j has count(j) >= 0 of them) falls
 // in: sequence b and its unit idx (of n). One warp scans 32 sequences at a time with
 // shuffles; no buffer, no launch before this one.
@@ -349,12 +360,7 @@ __device__ __forceinline__ bool locate_scan(int num_seqs, int x, Count count, in
     for (int s0 = 0; s0 < num_seqs; s0 += 32) {
         const int j = s0 + lane;
         const int c = j < num_seqs ? count(j) : 0;
-        int inc = c;                                         // inclusive prefix sum over lanes
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const int y = __shfl_up_sync(FULL_MASK, inc, o);
-            if (lane >= o) inc += y;
-        }
+        const int inc = warp_inclusive_sum(c);
         const unsigned hit = __ballot_sync(FULL_MASK, j < num_seqs && before + inc > x);
         if (hit) {
             const int l = __ffs(hit) - 1;
@@ -398,8 +404,9 @@ __device__ __forceinline__ int window_start(int pos, int window) {
 //     instead of holding a slot that a long item then waits for.
 //   * S or more tiles (several waves whatever the split): decode takes u = ceil(sum w_i / S),
 //     lowered to max_chunk where the grid (target + num_seqs items) still holds the items;
-//     prefill splits no tile. Items run in tile order (a prefill sequence's last tile, which
-//     sees the most keys, first).
+//     prefill splits no tile. Prefill items run in tile order (a sequence's last tile, which
+//     sees the most keys, first), decode items by size class (locate_item; one class: in
+//     batch order).
 // A tile's items are consecutive: the first, x - split, numbers its partials and counter.
 // Returns false past the last item. Every warp computes the same answer.
 
@@ -429,7 +436,8 @@ __device__ __forceinline__ int one_wave_units(int units, int widest, int ntiles,
     return hi;
 }
 
-// Most size classes of the decode item order (locate_item): halvings of the item size u.
+// Most size classes of the decode item order (locate_item): halvings of the item size u
+// (cuda_source.ORDER_CLASSES, checked against this line when the source is read).
 constexpr int ORDER_CLASSES = 8;
 
 // Decode (one tile per sequence; inlined: a few passes over the lengths).
@@ -539,12 +547,7 @@ __device__ __noinline__ bool locate_prefill_item(const int* seq_lens, const int*
     auto items_of = [](int w, int u) { return max(1, (w + u - 1) / u); };
     // The lane whose share c holds item y (l = -1: none), and y's offset into that share.
     auto find_lane = [&](int c, int y, int& l) {
-        int inc = c;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const int t = __shfl_up_sync(FULL_MASK, inc, o);
-            if (lane >= o) inc += t;
-        }
+        const int inc = warp_inclusive_sum(c);
         const unsigned hit = __ballot_sync(FULL_MASK, inc > y);
         l = hit ? __ffs(hit) - 1 : -1;
         return y - (inc - c);

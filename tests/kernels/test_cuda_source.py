@@ -3,6 +3,8 @@ that ships with the planner."""
 
 import re
 
+import pytest
+
 from kvpool.kernels import cuda_attention, cuda_runtime, cuda_source
 
 
@@ -22,6 +24,14 @@ def test_sm90_source_declares_the_shape_the_planner_sizes():
     src = cuda_source.read_sm90()
     shape = re.search(r"constexpr int WG_GROUPS = (\d+), WG_KEYS = (\d+), WG_STAGES = (\d+);", src)
     assert tuple(map(int, shape.groups())) == (cuda_source.WG_GROUPS, cuda_source.WG_KEYS, cuda_source.WG_STAGES)
+
+
+def test_attention_source_declares_the_item_order_classes_the_host_mirrors():
+    src = cuda_source.read_attention()
+    (n,) = re.findall(r"constexpr int ORDER_CLASSES = (\d+);", src)
+    assert int(n) == cuda_source.ORDER_CLASSES == cuda_attention.ORDER_CLASSES
+    with pytest.raises(RuntimeError, match="does not declare what cuda_source.py mirrors"):
+        cuda_source.read_declaring(cuda_source.PAGED_ATTENTION, f"constexpr int ORDER_CLASSES = {int(n) + 1};")
 
 
 def test_shipped_variants_are_what_the_defaults_run():

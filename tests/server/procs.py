@@ -1,4 +1,4 @@
-"""Running the test client (client_proc.py) as a separate process."""
+"""Running the test clients (client_proc.py, vmm_proc.py) as separate processes."""
 
 from __future__ import annotations
 
@@ -10,6 +10,10 @@ import time
 from pathlib import Path
 
 SCRIPT = str(Path(__file__).with_name("client_proc.py"))
+VMM_SCRIPT = str(Path(__file__).with_name("vmm_proc.py"))
+# Layouts of two geometries for vmm_proc.py (16-token blocks).
+BIG = dict(model_id="big", num_layers=4, num_kv_heads=4, head_dim=128, dtype="float16")  # 128 KiB blocks
+SMALL = dict(model_id="small", num_layers=2, num_kv_heads=8, head_dim=64, dtype="bfloat16")  # 64 KiB blocks
 
 
 def run_client(socket: str, action: str, env: dict | None = None, **args) -> dict:
@@ -87,3 +91,37 @@ def check_killed_client_is_reaped(socket: str, grace_seconds: float, n: int = 5)
             assert conn.check()[0]
     finally:
         proc.kill()
+
+
+class Proc:
+    """A vmm_proc.py model process, driven one JSON command at a time."""
+
+    def __init__(self, socket: str, layout: dict, seed: int, device: int = 0) -> None:
+        self.p = subprocess.Popen([sys.executable, VMM_SCRIPT, socket,
+                                   json.dumps({"layout": layout, "seed": seed, "device": device})],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.first = self._read()
+
+    def _read(self) -> dict:
+        line = self.p.stdout.readline()
+        if not line:
+            raise AssertionError(f"the process died: {self.p.stderr.read()[-3000:]}")
+        return json.loads(line)
+
+    def __call__(self, op: str, **kw) -> dict:
+        self.p.stdin.write(json.dumps({"op": op, **kw}) + "\n")
+        self.p.stdin.flush()
+        return self._read()
+
+    def quit(self) -> None:
+        if self.p.poll() is None:
+            self.p.stdin.close()  # end of input: the process detaches and exits
+            self.p.wait(timeout=60)
+
+
+def assert_no_gpu_process(pid: int) -> None:
+    """``nvidia-smi`` (where it runs) lists no compute process ``pid`` on any GPU."""
+    smi = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
+                         capture_output=True, text=True)
+    if smi.returncode == 0:
+        assert str(pid) not in smi.stdout.split()

@@ -15,12 +15,15 @@ import pytest
 
 import kvpool
 from procs import (
+    BIG,
+    SMALL,
+    Proc,
+    assert_no_gpu_process,
     check_second_process_reads_first_process_blocks,
     run_client,
     run_client_failing,
     wait_for,
 )
-from test_gpu_vmm import BIG, SMALL, MiB, Proc
 
 torch = pytest.importorskip("torch")
 pytestmark = [
@@ -30,7 +33,7 @@ pytestmark = [
                        reason="needs two CUDA GPUs (one daemon serving --devices 0,1)"),
 ]
 
-GiB = 1 << 30
+MiB, GiB = 1 << 20, 1 << 30
 
 
 def bus_ids() -> list[str]:
@@ -237,7 +240,4 @@ def test_daemon_exit_leaves_no_device_memory_on_either_gpu(vmm_two_gpus):
     pid = d.proc.pid
     assert d.stop() == 0
     assert wait_for(lambda: all(torch.cuda.mem_get_info(i)[0] >= before[i] - 64 * MiB for i in (0, 1)), timeout=30)
-    smi = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
-                         capture_output=True, text=True)
-    if smi.returncode == 0:
-        assert str(pid) not in smi.stdout.split()
+    assert_no_gpu_process(pid)

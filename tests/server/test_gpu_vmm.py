@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import kvpool
-from procs import wait_for
+from procs import BIG, SMALL, VMM_SCRIPT, Proc, assert_no_gpu_process, wait_for
 
 torch = pytest.importorskip("torch")
 pytestmark = [
@@ -26,34 +26,6 @@ pytestmark = [
 
 HERE = Path(__file__).resolve().parent
 MiB = 1 << 20
-BIG = dict(model_id="big", num_layers=4, num_kv_heads=4, head_dim=128, dtype="float16")  # 128 KiB blocks
-SMALL = dict(model_id="small", num_layers=2, num_kv_heads=8, head_dim=64, dtype="bfloat16")  # 64 KiB blocks
-
-
-class Proc:
-    """A vmm_proc.py model process, driven one JSON command at a time."""
-
-    def __init__(self, socket: str, layout: dict, seed: int, device: int = 0) -> None:
-        self.p = subprocess.Popen([sys.executable, str(HERE / "vmm_proc.py"), socket,
-                                   json.dumps({"layout": layout, "seed": seed, "device": device})],
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        self.first = self._read()
-
-    def _read(self) -> dict:
-        line = self.p.stdout.readline()
-        if not line:
-            raise AssertionError(f"the process died: {self.p.stderr.read()[-3000:]}")
-        return json.loads(line)
-
-    def __call__(self, op: str, **kw) -> dict:
-        self.p.stdin.write(json.dumps({"op": op, **kw}) + "\n")
-        self.p.stdin.flush()
-        return self._read()
-
-    def quit(self) -> None:
-        if self.p.poll() is None:
-            self.p.stdin.close()  # end of input: the process detaches and exits
-            self.p.wait(timeout=60)
 
 
 def device_stats(socket: str):
@@ -126,7 +98,7 @@ def test_client_killed_while_mapping_leaves_the_daemon_whole(vmm_daemon):
     try:
         filler("fill", n=300, tokens=256)  # 4800 blocks: 300 chunks for a newcomer to map
         for delay in (0.0, 0.02, 0.05):
-            p = subprocess.Popen([sys.executable, str(HERE / "vmm_proc.py"), d.socket,
+            p = subprocess.Popen([sys.executable, VMM_SCRIPT, d.socket,
                                   json.dumps({"layout": BIG, "seed": 9})],
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             wait_for(lambda: len(kvpool.Connection(d.socket).clients()) >= 2, timeout=60)
@@ -204,10 +176,7 @@ def test_daemon_exit_leaves_no_device_memory(vmm_daemon):
     pid = d.proc.pid
     assert d.stop() == 0
     assert wait_for(lambda: torch.cuda.mem_get_info()[0] >= free_before - 64 * MiB, timeout=30)
-    smi = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
-                         capture_output=True, text=True)
-    if smi.returncode == 0:
-        assert str(pid) not in smi.stdout.split()
+    assert_no_gpu_process(pid)
 
 
 def test_legacy_ipc_still_serves_one_class(daemon_factory):

@@ -35,7 +35,7 @@ from kvpool.kernels import cuda_source
 from kvpool.kernels.cuda_runtime import block_threads, cluster_z, module_kernels
 
 # The kernels' source as shipped, behind its ``#line 1 "paged_attention.cu"`` directive.
-SOURCE = cuda_source.read(cuda_source.PAGED_ATTENTION)
+SOURCE = cuda_source.read_attention()
 
 _PRELUDE = r"""
 #include <cstdint>
