@@ -4,8 +4,9 @@ A session is alive while its client holds the ``Watch`` stream open.  When
 the stream drops (the process died, or closed its channel) the session is
 kept for ``grace_seconds`` (a client may reconnect its stream in that time)
 and then dropped: its sequences and reserve are freed, its cached blocks stay
-cached.  The client's pid is checked with psutil as well, so a killed process
-is noticed even while a half-open stream lingers.
+cached.  The client's pid is checked as well (with its start time, so that a
+reused pid is told apart), so a killed process is noticed even while a
+half-open stream lingers.
 
 **Lease.** A frozen client (SIGSTOPped, hung in a debugger, a VM paused)
 keeps its socket and its pid: neither check above ever fires, and server
@@ -40,7 +41,7 @@ class Session:
     token: bytes
     name: str
     pid: int
-    pid_started: float | None  # psutil create_time, to tell a reused pid apart
+    pid_started: float | None  # process_started, to tell a reused pid apart
     model_key: str
     class_id: int
     attached_at: float = field(default_factory=time.time)
@@ -57,11 +58,25 @@ class Session:
 
 
 def process_started(pid: int) -> float | None:
-    """The creation time of ``pid``, or None if there is no such process."""
+    """When ``pid`` started, in a unit fixed for the life of the process, or None if there is
+    no such process: on Linux its start in clock ticks since boot (``/proc/<pid>/stat``), not
+    psutil's ``create_time``, which adds the boot time in wall-clock seconds as the kernel
+    reports it now, so that a clock adjustment can change it and make a live client look
+    like a new process; elsewhere ``create_time``."""
+    if _PROC_STAT:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            return None
+        return float(stat[stat.rindex(b")") + 2:].split()[19])  # field 22, starttime; the name may hold spaces
     try:
         return psutil.Process(pid).create_time()
     except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
         return None
+
+
+_PROC_STAT = os.path.exists("/proc/self/stat")
 
 
 STALL_SECONDS = 1.0  # a gap between lease checks this long means the daemon stalled, not its clients

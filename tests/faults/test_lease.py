@@ -19,6 +19,8 @@ import pytest
 import kvpool
 from kvpoold.server.sessions import SessionRegistry
 
+psutil_linux = pytest.importorskip("psutil._pslinux")
+
 WORKER = str(Path(__file__).with_name("lease_worker.py"))
 LEASE = 1.5
 
@@ -134,6 +136,30 @@ def test_lease_bookkeeping():
     assert reg.lapsed(2.0) == []
     now[0] += 0.5
     assert reg.lapsed(2.0) == []
+
+
+def test_a_live_client_stays_through_a_clock_step_and_a_dead_one_is_gone(monkeypatch):
+    # A name with spaces and parentheses, as /proc/<pid>/stat shows it ("(a) b (c)").
+    child = subprocess.Popen([sys.executable, "-c", "import sys, time; open('/proc/self/comm', 'w').write('a) b (c');"
+                              " print(flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        child.stdout.readline()  # its name is set
+        reg = SessionRegistry(8)
+        me, other = reg.add("me", os.getpid(), "m", 0), reg.add("child", child.pid, "m", 0)
+        for s in (me, other):
+            reg.stream_opened(s)
+        assert me.pid_started is not None and other.pid_started is not None
+        # The wall clock steps (the kernel's boot time, as it reports it, moves with it).
+        real = psutil_linux.boot_time
+        monkeypatch.setattr(psutil_linux, "boot_time", lambda: real() + 1.0)
+        assert reg.expired(grace_seconds=5.0) == []
+        child.kill()
+        child.wait()
+        ((gone, why),) = reg.expired(grace_seconds=5.0)
+        assert gone is other and why == f"process {child.pid} is gone"
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_lease_seconds_is_validated(tmp_path):
