@@ -1,6 +1,6 @@
 """Kernel variants that only benchmarks and tests run, registered into the planner's table.
 
-``kvpool.kernels.cuda_attention.VARIANTS`` ships what the defaults run (``v7`` decode, ``v8``
+``kvpool.kernels.cuda_attention.VARIANTS`` ships what the defaults run (``v9`` decode, ``v10``
 prefill). The variants here are earlier pipelines and the planner's per-shape choices
 forced whatever the shape, so that one GPU run can time them side by side
 (``bench_decode.py --variants`` / ``--prefill-variants``, results in NOTES-kernels.md) and
@@ -15,7 +15,9 @@ kernel source of their own: each is a template instance of the shipped kernels.
 * ``v7m1`` / ``v7m2``: v7 with 64 / 128 prefill rows per CTA on 4 warps, forced.
 * ``v7w8``: v7 with 8 warps x 16 prefill rows per CTA (3-stage ring, Q in registers), forced.
 * ``v7a``: v7 with two splits merged by the arrival counter instead of as a cluster pair.
+* ``v8``: v7's decode, prefill as v9 (one CTA per query tile, not persistent).
 * ``v8f``: v8 with the warpgroup-MMA prefill whatever the grid (where the device has it).
+* ``v10f``: the persistent warpgroup-MMA prefill (v10's) whatever the grid.
 
 ``PROBES`` (``register(probes=True)``, benchmarks only): ``v9s2`` / ``v9s4``, page-aware decode
 with 2 / 4 ring stages whatever the shape; ``v9k8``, with 8-key stages (float8 caches only).
@@ -38,7 +40,9 @@ EXTRA: dict[str, tuple[ca.Pipeline, ca.Pipeline]] = {
     "v7m2": (ca.AUTO_DECODE, ca.Pipeline(2, 64, dedicated=True, mtiles=2)),
     "v7w8": (ca.AUTO_DECODE, ca.W8),
     "v7a": (replace(ca.AUTO_DECODE, pair=False), ca.DEDICATED),
+    "v8": (ca.AUTO_DECODE, replace(ca.WGMMA, mtiles=0)),
     "v8f": (ca.AUTO_DECODE, ca.WGMMA),
+    "v10f": (ca.AUTO_DECODE, replace(ca.WGMMA, persistent=True)),
 }
 # Probes that only benchmarks time (bench_mixed_decode.py --fp8-variants), on float8 caches:
 # the page-aware decode with its ring stages fixed, and with 8-key stages (16 keys on float8,

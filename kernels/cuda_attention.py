@@ -78,9 +78,11 @@ DECODE_ITEM_KEYS = 64
 # it. 0, 256 and 1024 timed alike on the H200's mixed batches (within 2%).
 DECODE_ITEM_OVERHEAD = 256
 # Page-aware decode: size classes of the item order (``work_order``; at least two in one wave,
-# where the long sequences' items run first). One keeps a multi-wave batch in batch order,
-# as timed on the H200; more (up to ``cuda_source.ORDER_CLASSES``) run larger items first there too.
-DECODE_ITEM_CLASSES = 1
+# where the long sequences' items run first), up to ``cuda_source.ORDER_CLASSES``: larger
+# items first over several waves too. On an H100's multi-wave mixed batches 2, 4 and 8 classes
+# were 2-8% faster than batch order (one class); 4 had the best mean (0.971 of batch order's
+# time) and was within 1% of the best on every batch (benchmarks/NOTES-mixed-decode.md).
+DECODE_ITEM_CLASSES = 4
 
 
 def padded_dim(head_dim: int, kf: int = 0) -> int:
@@ -112,7 +114,9 @@ class Pipeline:
     map of the pool can be had (``cuda_tma.maps_for``). ``pair``: decode with exactly two
     splits runs ``paged_attention_pair_kernel`` where the device has thread block clusters
     (sm_90+): the two split CTAs of a row tile form a cluster and merge through shared
-    memory instead of global partials and an arrival counter."""
+    memory instead of global partials and an arrival counter. ``persistent``: the warpgroup-MMA
+    prefill runs one CTA per SM, each taking query tiles from a counter until none are left
+    (``prefill_wg_kernel``'s PERSIST)."""
 
     stages: int
     keys: int
@@ -123,6 +127,7 @@ class Pipeline:
     wgmma: bool = False
     pair: bool = False
     paged: bool = False
+    persistent: bool = False
 
 
 # Decode with stages == 0: the planner picks per shape (``decode_stages``); exactly two
@@ -149,27 +154,36 @@ W8_MAX_WAVES = 4
 # cuda/paged_attention_sm90.cu). Forced (mtiles 1), it runs whatever the grid; the planner's (mtiles 0)
 # only where the query tiles alone give two CTAs per SM, else split-KV as in v7.
 WGMMA = Pipeline(WG_STAGES, WG_KEYS, dedicated=True, warps=4 * WG_GROUPS, wgmma=True)
+# The persistent warpgroup-MMA prefill's queue in shared memory: four mbarriers and two
+# PrefillTile entries of nine ints.
+PERSISTENT_QUEUE_BYTES = 4 * 8 + 2 * 9 * 4
+# The planner runs the persistent prefill only while the longest sequence's keys are within
+# this many times the mean new tokens per sequence (no long cached prefix): there its query
+# tiles see few keys, and what a CTA of one tile pays once weighs most. On an H100 it was
+# 14-21% faster than one CTA per tile on fresh prompts of 512-1024 tokens and level at 4k,
+# but 3-6% slower where every tile sees 8k-32k cached keys (benchmarks/NOTES-mixed-decode.md).
+PERSISTENT_MAX_KV_PER_NEW_TOKEN = 4
 # Prefill where the dedicated kernel does not apply (float32, head_dim 256, forced splits,
 # or too few query tiles to fill the GPU without split-KV): page-aware, each query tile split
 # by its own key count (``work_items``).
 GENERIC_PREFILL = Pipeline(3, 16, paged=True)
 
 
-# Kernel variants, (decode pipeline, prefill pipeline), by name. "v8": decode on a fixed
-# (sequence x split) grid, stages per shape (``decode_stages``), two splits as cluster pairs
-# where the device has clusters; prefill on warpgroup MMA with TMA loads where the device has
-# them (Hopper) and the grid fills it, else on the dedicated kernel where it applies
-# (``plan_dedicated`` picks its rows per CTA) and on the split-KV kernel elsewhere. "v9":
-# decode page-aware (``decode_work``), prefill as v8. Only what the defaults run ships here;
-# benchmarks/kernel_variants.py registers the candidates and forced choices that
-# bench_decode.py --variants and the tests time and check side by side.
+# Kernel variants, (decode pipeline, prefill pipeline), by name. "v9": decode page-aware
+# (``decode_work``); prefill on warpgroup MMA with TMA loads where the device has them
+# (Hopper) and the grid fills it, else on the dedicated kernel where it applies
+# (``plan_dedicated`` picks its rows per CTA) and on the split-KV kernel elsewhere. "v10": v9
+# with the warpgroup-MMA prefill persistent (one CTA per SM taking query tiles from a
+# counter). Only what the defaults run ships here; benchmarks/kernel_variants.py registers
+# the candidates and forced choices that bench_decode.py --variants and the tests time and
+# check side by side.
 VARIANTS: dict[str, tuple[Pipeline, Pipeline]] = {
-    "v8": (AUTO_DECODE, replace(WGMMA, mtiles=0)),
     "v9": (PAGED_DECODE, replace(WGMMA, mtiles=0)),
+    "v10": (PAGED_DECODE, replace(WGMMA, mtiles=0, persistent=True)),
 }
 # What `variant=None` runs, per mode.
 DEFAULT_DECODE = "v9"
-DEFAULT_PREFILL = "v8"
+DEFAULT_PREFILL = "v10"
 
 
 @dataclass(frozen=True)
@@ -304,7 +318,9 @@ def plan_dedicated(
     better when the grid is small). A variant that fixes ``mtiles`` always gets it
     (tests, benchmark). With ``wgmma`` (Hopper, and TMA maps of the pool to hand) a
     ``wgmma`` pipeline runs ``prefill_wg_kernel`` under the same grid rule; without, it
-    falls back to the ``mma.sync`` planner above.
+    falls back to the ``mma.sync`` planner above. A ``persistent`` one stays persistent under
+    the planner only while the longest sequence (``max_kv``) is within
+    ``PERSISTENT_MAX_KV_PER_NEW_TOKEN`` times the mean new tokens per sequence.
     """
     geo = a.geo
     kvh = geo.num_kv_heads
@@ -318,7 +334,8 @@ def plan_dedicated(
         if grid_x(64) * kvh < 2 * num_sms:
             return None
         if pipe.wgmma:
-            pipe = WGMMA
+            short = max_kv <= PERSISTENT_MAX_KV_PER_NEW_TOKEN * -(-a.num_tokens // a.num_seqs)
+            pipe = replace(WGMMA, persistent=pipe.persistent and short)
         elif W8_AUTO and W8_MIN_WAVES * num_sms <= grid_x(128) * kvh < W8_MAX_WAVES * num_sms:
             pipe = W8
         else:
@@ -326,16 +343,21 @@ def plan_dedicated(
     rows = 16 * pipe.mtiles * pipe.warps
     es = 2
     smem = rows * geo.head_dim * es + pipe.stages * (2 * pipe.keys * geo.head_dim * es)
+    items = grid_x(rows) * kvh
+    grid, per_head = (items, 1, 1), 1  # KV head fastest: see prefill_kernel
     if pipe.wgmma:
         smem += 1024 + 16 * pipe.stages  # 1 KiB to align the swizzled tiles, two mbarriers per stage
+        if pipe.persistent:  # one CTA per SM; the kernel reads the items per KV head as num_splits
+            smem += PERSISTENT_QUEUE_BYTES
+            grid, per_head = (min(items, num_sms), 1, 1), grid_x(rows)
     return AttentionPlan(
         dt=_DT_CODE[geo.dtype],
         head_dim=geo.head_dim,
         warps_kv=1,
         pipe=pipe,
         tokens_per_cta=rows // a.group,
-        grid=(grid_x(rows) * kvh, 1, 1),  # KV head fastest: see prefill_kernel
-        num_splits=1,
+        grid=grid,
+        num_splits=per_head,
         chunk=max_kv,
         smem_bytes=smem,
         bs_log2=bs_log2,
@@ -699,7 +721,9 @@ def paged_attention(
         tile_cum = torch.cumsum(tiles, 0).to(torch.int32)
     part_o = part_lse = counters = None
     d = padded_dim(plan.head_dim, plan.kf)
-    if plan.work_target:  # page-aware: partials and counters by (work item, KV head)
+    if plan.pipe.persistent:  # the next item's number, and the CTAs done (the last zeroes both)
+        counters = split_counters(q.device, 2)
+    elif plan.work_target:  # page-aware: partials and counters by (work item, KV head)
         # Prefill splits only while its tiles number fewer than the target: items below 2 x target.
         items = min(plan.num_splits, 2 * plan.work_target) if prefill else plan.num_splits
         rows = items * (plan.tokens_per_cta if prefill else 1)
@@ -726,7 +750,7 @@ def paged_attention(
     )  # fmt: skip
     p = plan.pipe
     if p.wgmma:
-        key = ("prefill_wg", plan.dt, plan.head_dim)
+        key = ("prefill_wg", plan.dt, plan.head_dim, p.persistent)
         args = (*args, ptr(maps[0]), ptr(maps[1]))
     elif p.dedicated:
         key = ("prefill", plan.dt, plan.head_dim, p.mtiles, p.warps, p.stages)

@@ -50,8 +50,8 @@ def module_kernels(module_key: tuple) -> dict[str, str]:
         _, dt, d, mtiles, warps, stages = module_key
         return {"attention": f"prefill_kernel<{dt},{d},{mtiles},{warps},{stages}>"}
     if module_key[0] == "prefill_wg":
-        _, dt, d = module_key
-        return {"attention": f"prefill_wg_kernel<{dt},{d}>"}
+        _, dt, d, persistent = module_key
+        return {"attention": f"prefill_wg_kernel<{dt},{d},{'true' if persistent else 'false'}>"}
     if module_key[0] == "write_kv":
         return {"write_kv": "write_kv_kernel"}
     raise KeyError(module_key)

@@ -28,7 +28,8 @@ MODULES = [
     (("attention", 0, 256, 0, 2, 3, 16, False), "sm_90"),
     (("prefill", 2, 128, 1, 4, 2), "sm_90"),
     (("prefill", 2, 128, 1, 8, 3), "sm_90"),
-    (("prefill_wg", 2, 128), "sm_90a"),
+    (("prefill_wg", 2, 128, False), "sm_90a"),
+    (("prefill_wg", 2, 128, True), "sm_90a"),
 ]
 
 

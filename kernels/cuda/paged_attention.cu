@@ -1211,14 +1211,18 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(128) paged_attention
 }
 #endif
 
-// What a prefill CTA works on (both prefill kernels): its (sequence, query tile, KV head)
-// and key bounds. The grid is 1-D with the KV head fastest: CTAs start in order of
-// blockIdx, so every KV head's longest tiles (the last of each sequence) start first.
+// What a prefill work item (a CTA of the prefill kernels, or one item of a persistent CTA's
+// queue) works on: its (sequence, query tile, KV head) and key bounds. Items are numbered
+// with the KV head fastest and run in that order (CTAs start in order of blockIdx; a
+// persistent CTA takes the next number from a counter), so every KV head's longest tiles
+// (the last of each sequence) start first. n_items is an upper bound on the tiles times the
+// KV heads: an item past the real tiles is empty (false).
 struct PrefillTile { int b, kvh, q_begin, tok0, ntok, kv_len, first_pos, cta_hi, nrows; };
 __device__ __forceinline__ bool prefill_tile(const int* cu_seqlens, const int* seq_lens, int num_seqs, int num_kv_heads,
-                                             int max_blocks, int bs_log2, int group, int tq, PrefillTile& t) {
-    t.kvh = blockIdx.x % num_kv_heads;
-    const int x = gridDim.x / num_kv_heads - 1 - blockIdx.x / num_kv_heads;
+                                             int max_blocks, int bs_log2, int group, int tq, int item, int n_items,
+                                             PrefillTile& t) {
+    t.kvh = item % num_kv_heads;
+    const int x = n_items / num_kv_heads - 1 - item / num_kv_heads;
     int tile;
     if (!locate_tile_scan(cu_seqlens, num_seqs, tq, x, t.b, tile)) return false;
     t.q_begin = cu_seqlens[t.b];
@@ -1234,16 +1238,16 @@ __device__ __forceinline__ bool prefill_tile(const int* cu_seqlens, const int* s
     return true;
 }
 
-// A prefill tile's BM query rows into shared memory by cp.async, zeros past the last row:
-// row r is (token r / group, head r % group of KV head t.kvh); 16-byte chunk c of row r goes
-// to byte offset(r, c). Threads take consecutive chunks (CPR per row, LR rows per pass).
+// A prefill tile's BM query rows from row0 on into shared memory by cp.async, zeros past the
+// last row: row r is (token r / group, head r % group of KV head t.kvh); 16-byte chunk c of
+// row r goes to byte offset(r, c). Threads take consecutive chunks (CPR per row, LR rows per pass).
 template <int BM, int LR, int CPR, typename T, typename Offset>
 __device__ __forceinline__ void load_q_tile(unsigned char* qs, const T* q, i64 q_stride_t, i64 q_stride_h,
-                                            const PrefillTile& t, int group, int tid, Offset offset) {
+                                            const PrefillTile& t, int group, int tid, Offset offset, int row0 = 0) {
     const int lc = tid % CPR;
 #pragma unroll
     for (int p = 0; p < BM / LR; ++p) {
-        const int r = p * LR + tid / CPR;
+        const int r = row0 + p * LR + tid / CPR;
         const int tok = r / group, head = r - tok * group;
         const bool ok = r < t.nrows;
         const T* src = q + (ok ? (i64)(t.q_begin + t.tok0 + tok) * q_stride_t + (i64)(t.kvh * group + head) * q_stride_h : 0);
@@ -1315,7 +1319,9 @@ __global__ void __launch_bounds__(32 * NW, 8 / NW) prefill_kernel(
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tid = threadIdx.x;
     const int g = lane >> 2, t4 = lane & 3;
     PrefillTile pt;                            // BM / group query tokens per CTA
-    if (!prefill_tile(cu_seqlens, seq_lens, num_seqs, num_kv_heads, max_blocks, bs_log2, group, BM / group, pt)) return;
+    if (!prefill_tile(cu_seqlens, seq_lens, num_seqs, num_kv_heads, max_blocks, bs_log2, group, BM / group,
+                      blockIdx.x, gridDim.x, pt))
+        return;
     const int nrows = pt.nrows, kv_len = pt.kv_len;
     const int q0 = pt.first_pos + pt.tok0;     // position of the tile's first token
     const int ntiles = (pt.cta_hi + KT - 1) / KT;

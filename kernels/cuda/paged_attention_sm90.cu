@@ -165,13 +165,25 @@ __device__ __forceinline__ int sw128(int r, int c, int panel_bytes) {
 // A warpgroup whose rows end before a tile skips its MMAs (uniform over the warpgroup, as
 // wgmma requires) but keeps taking part in the barriers.
 //
+// PERSIST: one CTA per SM runs work items (query tiles, prefill_tile) one after another,
+// the next number taken from a counter (counters[0]; the CTA that finishes last zeroes it
+// and counters[1], so the next launch and a graph's next replay find zeros), so that what a
+// CTA pays once (its start, the first K/V tiles' and Q's latency, the epilogue) no longer
+// leaves the tensor cores idle: with short query tiles (small prompts, a few tiles each)
+// that was most of a CTA's time. The producer looks the items up and hands them over in a
+// queue of two in shared memory (item_full / item_empty, as full / empty), then streams
+// the item's K/V tiles on through the same ring, so the next item's first tiles load while
+// the consumers finish this one. A consumer warpgroup loads the next item's Q rows (its own
+// 64, which only its own S MMAs read) as soon as its last S MMA of this item completed,
+// behind that tile's softmax, the last P V and the epilogue.
+//
 // Shape (measured on the H200, benchmarks/NOTES-kernels.md): 2 consumer warpgroups (128
 // rows), 128-key tiles, 3 stages (225 KiB of shared memory, one CTA per SM). One warpgroup
 // per CTA, 64- or 96-key tiles, 4-5 stages and no ping-pong were all slower (measured with
 // the producer inside a consumer warpgroup).
 constexpr int WG_GROUPS = 2, WG_KEYS = 128, WG_STAGES = 3;
 
-template <int DT, int D>
+template <int DT, int D, bool PERSIST = false>
 __global__ void __launch_bounds__(128 * (WG_GROUPS + 1), 1) prefill_wg_kernel(
     ATTENTION_PARAMS, const void* __restrict__ k_map, const void* __restrict__ v_map)
 {
@@ -197,6 +209,9 @@ __global__ void __launch_bounds__(128 * (WG_GROUPS + 1), 1) prefill_wg_kernel(
     unsigned char* ring = smem + (D / 64) * QP;
     u64* full = reinterpret_cast<u64*>(ring + NS * SB);
     u64* empty = full + NS;
+    u64* item_full = empty + NS;               // PERSIST: the queue of work items
+    u64* item_empty = item_full + 2;
+    PrefillTile* queue = reinterpret_cast<PrefillTile*>(item_empty + 2);
 
     // Warp and warpgroup indices through a shuffle: the compiler then knows them (and all
     // that derives from them, such as which tiles a warpgroup skips) to be warp-uniform, and
@@ -204,25 +219,27 @@ __global__ void __launch_bounds__(128 * (WG_GROUPS + 1), 1) prefill_wg_kernel(
     const int tid = threadIdx.x, lane = tid & 31;
     const int warp = __shfl_sync(FULL_MASK, tid >> 5, 0), wg = warp >> 2, wl = warp & 3;
     const int g = lane >> 2, t4 = lane & 3;
-    PrefillTile pt;                                            // BM / group query tokens per CTA
-    if (!prefill_tile(cu_seqlens, seq_lens, num_seqs, num_kv_heads, max_blocks, bs_log2, group, BM / group, pt)) return;
-    const int kvh = pt.kvh, nrows = pt.nrows, kv_len = pt.kv_len;
-    const int q0 = pt.first_pos + pt.tok0;                     // position of the tile's first token
-    const int ntiles = (pt.cta_hi + KN - 1) / KN;
+    const bool producer = warp == 4 * NWG;
+    const int n_items = PERSIST ? num_splits * num_kv_heads : gridDim.x;
+    auto locate = [&](int item, PrefillTile& t) {              // BM / group query tokens per item
+        return prefill_tile(cu_seqlens, seq_lens, num_seqs, num_kv_heads, max_blocks, bs_log2, group, BM / group,
+                            item, n_items, t);
+    };
+    PrefillTile pt;                                            // this CTA's item (PERSIST: the producer's)
+    if (!PERSIST && !locate(blockIdx.x, pt)) return;
 
-    const int* bt = block_tables + (i64)pt.b * bt_stride;
     const int tile_blocks = KN >> bs_log2;
-    auto tma_block = [&](int k) {                              // this lane's block id in tile k
+    auto tma_block = [&](const PrefillTile& t, int k) {        // this lane's block id in tile k of item t
         const int pos = KN * k + (lane << bs_log2);
-        const int id = lane < tile_blocks && pos < kv_len ? bt[pos >> bs_log2] : -1;
+        const int id = lane < tile_blocks && pos < t.kv_len ? block_tables[(i64)t.b * bt_stride + (pos >> bs_log2)] : -1;
         return (unsigned)id < (unsigned)num_blocks ? id : num_blocks;
     };
-    auto tma_issue = [&](int k, int blk) {
-        const u32 bar = smem_addr(full + k % NS);
+    auto tma_issue = [&](int slot, int kvh, int blk) {
+        const u32 bar = smem_addr(full + slot);
         if (lane == 0) mbar_expect_tx(bar, 2 * KN * D * 2);
         __syncwarp();
         if (lane < tile_blocks) {
-            const u32 st = smem_addr(ring + (k % NS) * SB) + (lane << bs_log2) * 128;
+            const u32 st = smem_addr(ring + slot * SB) + (lane << bs_log2) * 128;
 #pragma unroll
             for (int p = 0; p < D / 64; ++p) {
                 tma_load_3d(st + p * KP, k_map, bar, 64 * p, kvh << bs_log2, blk);
@@ -239,180 +256,278 @@ __global__ void __launch_bounds__(128 * (WG_GROUPS + 1), 1) prefill_wg_kernel(
             mbar_init(smem_addr(full + st), 1);
             mbar_init(smem_addr(empty + st), 4 * NWG);
         }
+        if (PERSIST) {
+#pragma unroll
+            for (int st = 0; st < 2; ++st) {
+                mbar_init(smem_addr(item_full + st), 1);
+                mbar_init(smem_addr(item_empty + st), 4 * NWG);
+            }
+        }
         mbar_init_fence();
     }
-    if (tid < NTH)
-        load_q_tile<BM, LR, CPR>(qs, q, q_stride_t, q_stride_h, pt, group, tid, [](int r, int c) { return sw128(r, c, QP); });
-    cp_async_commit();
-    const bool producer = warp == 4 * NWG;
-    int blk[NS];                                               // the producer's block ids of tiles 0 .. NS - 1
+    if constexpr (!PERSIST) {
+        const int ntiles = (pt.cta_hi + KN - 1) / KN;
+        if (tid < NTH)
+            load_q_tile<BM, LR, CPR>(qs, q, q_stride_t, q_stride_h, pt, group, tid, [](int r, int c) { return sw128(r, c, QP); });
+        cp_async_commit();
+        int blk[NS];                                           // the producer's block ids of tiles 0 .. NS - 1
 #pragma unroll
-    for (int k = 0; k < NS; ++k) blk[k] = producer && k < ntiles ? tma_block(k) : 0;
-    __syncthreads();                                           // barriers initialized
-    if (producer) {
+        for (int k = 0; k < NS; ++k) blk[k] = producer && k < ntiles ? tma_block(pt, k) : 0;
+        __syncthreads();                                       // barriers initialized
+        if (producer) {
 #pragma unroll
-        for (int k = 0; k < NS; ++k)
-            if (k < ntiles) tma_issue(k, blk[k]);
+            for (int k = 0; k < NS; ++k)
+                if (k < ntiles) tma_issue(k, pt.kvh, blk[k]);
+        }
+        cp_async_wait<0>();                                    // Q landed for this thread
+        fence_async_smem();
     }
-    cp_async_wait<0>();                                        // Q landed for this thread
-    fence_async_smem();
-    __syncthreads();                                           // and for all
+    __syncthreads();                                           // and for all (PERSIST: barriers initialized)
     if (wg == NWG) {
         // The producer warpgroup: its first warp refills each stage as soon as every consumer
         // warp released it (the next tile's block id is read before the wait, so that its
         // latency hides behind it). 40 + 2 x 232 registers per thread fit the register file.
         setmaxnreg_dec<40>();
         if (!producer) return;
-        int next_blk = NS < ntiles ? tma_block(NS) : 0;
-        for (int t = NS; t < ntiles; ++t) {
-            const int b = next_blk;
-            if (t + 1 < ntiles) next_blk = tma_block(t + 1);
-            mbar_wait(smem_addr(empty + t % NS), (t / NS - 1) & 1);
-            tma_issue(t, b);
+        if constexpr (!PERSIST) {
+            const int ntiles = (pt.cta_hi + KN - 1) / KN;
+            int next_blk = NS < ntiles ? tma_block(pt, NS) : 0;
+            for (int t = NS; t < ntiles; ++t) {
+                const int b = next_blk;
+                if (t + 1 < ntiles) next_blk = tma_block(pt, t + 1);
+                mbar_wait(smem_addr(empty + t % NS), (t / NS - 1) & 1);
+                tma_issue(t % NS, pt.kvh, b);
+            }
+        } else {
+            // Items: this CTA's number first, then one from the counter each time the producer
+            // has issued an item's last tile (NS tiles before the consumers need the next). Not
+            // sooner: a CTA that took its next number while starting a long item would hold that
+            // item back for all of the long one (a tail of two long items on one SM).
+            auto take = [&]() { return __shfl_sync(FULL_MASK, lane == 0 ? atomicAdd(counters, 1) : 0, 0) + (int)gridDim.x; };
+            int item = blockIdx.x, tile = 0;                   // tile: K/V tiles issued so far
+            for (int j = 0;; ++j) {
+                bool ok = false;
+                while (item < n_items && !(ok = locate(item, pt))) item = take();
+                if (j >= 2) mbar_wait(smem_addr(item_empty + (j & 1)), ((j >> 1) - 1) & 1);
+                if (lane == 0) {
+                    if (!ok) pt.nrows = -1;                    // the end of the queue
+                    queue[j & 1] = pt;
+                    mbar_arrive(smem_addr(item_full + (j & 1)));
+                }
+                if (!ok) break;
+                const int ntiles = (pt.cta_hi + KN - 1) / KN;
+                int next_blk = ntiles > 0 ? tma_block(pt, 0) : 0;
+                for (int k = 0; k < ntiles; ++k, ++tile) {
+                    const int b = next_blk;
+                    if (k + 1 < ntiles) next_blk = tma_block(pt, k + 1);
+                    if (tile >= NS) mbar_wait(smem_addr(empty + tile % NS), (tile / NS - 1) & 1);
+                    tma_issue(tile % NS, pt.kvh, b);
+                }
+                item = take();
+            }
+            if (lane == 0) {                                   // the last CTA out zeroes the counters
+                __threadfence();
+                if (atomicAdd(counters + 1, 1) == (int)gridDim.x - 1) {
+                    counters[0] = 0;
+                    counters[1] = 0;
+                }
+            }
         }
         return;
     }
     setmaxnreg_inc<232>();
     if (wg == 1) named_arrive(1, 256);                         // warpgroup 0 issues first
 
-    // This thread's rows: 64 wg + 16 wl + g (+ 8). The warpgroup's key bounds come from its
-    // first and last valid rows, so they are uniform over its 128 threads.
-    int lim[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        const int r = 64 * wg + 16 * wl + g + 8 * i;
-        lim[i] = r < nrows ? max(0, min(q0 + r / group + 1, kv_len)) : 0;
-    }
-    const int r_first = 64 * wg, r_last = min(64 * wg + 63, nrows - 1);
-    const int wg_hi = r_first < nrows ? max(0, min(q0 + r_last / group + 1, kv_len)) : 0;
-    const int wg_lo = r_first < nrows ? max(0, min(q0 + r_first / group + 1, kv_len)) : 0;
-
-    float o[D / 2];
-#pragma unroll
-    for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
-    float m_run[2] = {NEG_INF, NEG_INF}, l_run[2] = {0.f, 0.f};
     const u32 q_base = smem_addr(qs) + 64 * 128 * wg;
-    u32 p[KN / 16][4];                                 // P of the previous tile, 16-bit A fragments
-    bool have_p = false;                               // p holds a tile whose P V is still to issue
-    u32 pv_base = 0;                                   // that tile's V
-
-    // O += P V for the tile in p: k-step kk covers keys 16 kk .. + 15 (2048 bytes of V rows);
-    // P's A fragment is S's accumulators of n-tiles 2 kk and 2 kk + 1, packed to 16 bits.
-    auto issue_pv = [&]() {
-        const u64 vd = gmma_desc(pv_base, KP >> 4, 64);
-#pragma unroll
-        for (int kk = 0; kk < KN / 16; ++kk) Wg<D, DT>::rs(o, p[kk][0], p[kk][1], p[kk][2], p[kk][3], vd + kk * 128);
+    // PERSIST: item j of the queue; this warpgroup's 64 Q rows of it by cp.async.
+    auto queued = [&](int j) -> const PrefillTile& {
+        mbar_wait(smem_addr(item_full + (j & 1)), (j >> 1) & 1);
+        return queue[j & 1];
     };
-    // P's registers are read by the MMA unit until the wait: pretend to use them after it,
-    // so that the compiler does not reuse them in between.
-    auto hold_p = [&]() {
-#pragma unroll
-        for (int kk = 0; kk < KN / 16; ++kk)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(p[kk][e]) :: "memory");
+    auto load_q = [&](const PrefillTile& t) {
+        if (t.nrows > 0)
+            load_q_tile<64, 128 / CPR, CPR>(qs, q, q_stride_t, q_stride_h, t, group, tid & 127,
+                                            [](int r, int c) { return sw128(r, c, QP); }, 64 * wg);
+        cp_async_commit();
     };
-
-    for (int k = 0; k < ntiles; ++k) {
-        const int base = KN * k;
-        const bool run = base < wg_hi;
-        const int slot = k % NS;
-        mbar_wait(smem_addr(full + slot), (k / NS) & 1);
-        if (base + KN > kv_len) {
-            // Rows past the sequence inside its last block hold whatever the pool had there:
-            // zero them in V (their P is 0, but 0 x NaN is not). Each warpgroup writes the
-            // same zeros and hands them to the async proxy for its own MMAs.
-            const int z0 = max(0, kv_len - base);
-            constexpr int CH = (D / 64) * 8;
-            for (int i = tid & 127; i < (KN - z0) * CH; i += 128) {
-                const int r = z0 + i / CH, c = i % CH;
-                *reinterpret_cast<uint4*>(ring + slot * SB + TB + (c >> 3) * KP + r * 128 + (c & 7) * 16) = make_uint4(0, 0, 0, 0);
-            }
+    if (PERSIST) load_q(queued(0));
+    int tile = 0;                                              // K/V tiles consumed so far
+    for (int j = 0;; ++j) {
+        const PrefillTile& it = PERSIST ? queued(j) : pt;
+        if (it.nrows < 0) break;
+        if (PERSIST) {
+            cp_async_wait<0>();                                // this warpgroup's Q rows landed
             fence_async_smem();
-            named_sync(3 + wg, 128);
+            named_sync(5 + wg, 128);
         }
-        const u32 k_base = smem_addr(ring + slot * SB);
+        const int nrows = it.nrows, kv_len = it.kv_len;
+        const int q0 = it.first_pos + it.tok0;                 // position of the item's first token
+        const int ntiles = (it.cta_hi + KN - 1) / KN;
 
-        // O += P_{k-1} V_{k-1}, then S = Q K^T: k-step kk covers head dims 16 kk .. + 15 (32 bytes
-        // into a 128-byte panel row). Descriptors are bases plus constant offsets.
-        float s[KN / 2];
-        auto issue_s = [&]() {
-            const u64 qd = gmma_desc(q_base, 1, 64), kd = gmma_desc(k_base, 1, 64);
+        // This thread's rows: 64 wg + 16 wl + g (+ 8). The warpgroup's key bounds come from its
+        // first and last valid rows, so they are uniform over its 128 threads.
+        int lim[2];
 #pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk) {
-                const u32 off = ((kk >> 2) * QP + (kk & 3) * 32) >> 4, koff = ((kk >> 2) * KP + (kk & 3) * 32) >> 4;
-                if (kk == 0) Wg<KN, DT>::ss0(s, qd + off, kd + koff);
-                else Wg<KN, DT>::ss(s, qd + off, kd + koff, 1);
-            }
+        for (int i = 0; i < 2; ++i) {
+            const int r = 64 * wg + 16 * wl + g + 8 * i;
+            lim[i] = r < nrows ? max(0, min(q0 + r / group + 1, kv_len)) : 0;
+        }
+        const int r_first = 64 * wg, r_last = min(64 * wg + 63, nrows - 1);
+        const int wg_hi = r_first < nrows ? max(0, min(q0 + r_last / group + 1, kv_len)) : 0;
+        const int wg_lo = r_first < nrows ? max(0, min(q0 + r_first / group + 1, kv_len)) : 0;
+
+        float o[D / 2];
+#pragma unroll
+        for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+        float m_run[2] = {NEG_INF, NEG_INF}, l_run[2] = {0.f, 0.f};
+        u32 p[KN / 16][4];                             // P of the previous tile, 16-bit A fragments
+        bool have_p = false;                           // p holds a tile whose P V is still to issue
+        bool q_next = !PERSIST;                        // the next item's Q is on its way
+        u32 pv_base = 0;                               // that tile's V
+        bool pv_half = false;                          // that tile's upper KN / 2 keys are all masked
+
+        // O += P V for the tile in p: k-step kk covers keys 16 kk .. + 15 (2048 bytes of V rows);
+        // P's A fragment is S's accumulators of n-tiles 2 kk and 2 kk + 1, packed to 16 bits.
+        // A half tile's upper k-steps would add P = 0 times V: skipped.
+        auto issue_pv = [&]() {
+            const u64 vd = gmma_desc(pv_base, KP >> 4, 64);
+#pragma unroll
+            for (int kk = 0; kk < KN / 16; ++kk)
+                if (kk < KN / 32 || !pv_half) Wg<D, DT>::rs(o, p[kk][0], p[kk][1], p[kk][2], p[kk][3], vd + kk * 128);
         };
-        named_sync(1 + wg, 256);                       // this warpgroup's turn at the tensor cores
-        wg_fence();
-        if (have_p) issue_pv();
-        if (run) issue_s();
-        wg_commit();
-        if (!(wg == 1 && k == ntiles - 1)) named_arrive(2 - wg, 256);  // the other's turn
-        wg_wait<0>();                                  // S_k and P_{k-1} V_{k-1} done
-        reg_fence(s);
-        reg_fence(o);
-        hold_p();
-        if (k >= 1 && lane == 0) mbar_arrive(smem_addr(empty + (k - 1) % NS));  // tile k - 1 consumed
+        // P's registers are read by the MMA unit until the wait: pretend to use them after it,
+        // so that the compiler does not reuse them in between.
+        auto hold_p = [&]() {
+#pragma unroll
+            for (int kk = 0; kk < KN / 16; ++kk)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(p[kk][e]) :: "memory");
+        };
 
-        // Online softmax (log2 domain; scale_log2 > 0, so the max of raw scores is the max of
-        // scaled ones). s[4 n + e]: row g + 8 (e >> 1), key 8 n + 2 t4 + (e & 1).
-        float corr[2] = {1.f, 1.f};
-        bool moved = false;
-        if (run) {
-            const bool masked = base + KN > wg_lo;
-            float mx[2] = {NEG_INF, NEG_INF};
-#pragma unroll
-            for (int n = 0; n < KN / 8; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    if (masked && base + 8 * n + 2 * t4 + (e & 1) >= lim[e >> 1]) s[4 * n + e] = NEG_INF;
-                    mx[e >> 1] = fmaxf(mx[e >> 1], s[4 * n + e]);
+        for (int k = 0; k < ntiles; ++k, ++tile) {
+            const int base = KN * k;
+            const bool run = base < wg_hi;
+            const int slot = tile % NS;
+            mbar_wait(smem_addr(full + slot), (tile / NS) & 1);
+            if (base + KN > kv_len) {
+                // Rows past the sequence inside its last block hold whatever the pool had there:
+                // zero them in V (their P is 0, but 0 x NaN is not). Each warpgroup writes the
+                // same zeros and hands them to the async proxy for its own MMAs.
+                const int z0 = max(0, kv_len - base);
+                constexpr int CH = (D / 64) * 8;
+                for (int i = tid & 127; i < (KN - z0) * CH; i += 128) {
+                    const int r = z0 + i / CH, c = i % CH;
+                    *reinterpret_cast<uint4*>(ring + slot * SB + TB + (c >> 3) * KP + r * 128 + (c & 7) * 16) = make_uint4(0, 0, 0, 0);
                 }
-            float msafe[2];
-            mx[0] *= scale_log2;
-            mx[1] *= scale_log2;
-            moved = softmax_step(mx, m_run, l_run, msafe, corr);
-#pragma unroll
-            for (int n = 0; n < KN / 8; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    s[4 * n + e] = exp2f(fmaf(s[4 * n + e], scale_log2, -msafe[e >> 1]));
-                    l_run[e >> 1] += s[4 * n + e];
-                }
-        }
-        if (run) {
-            if (__any_sync(FULL_MASK, moved)) {
-#pragma unroll
-                for (int n = 0; n < D / 8; ++n) {
-                    o[4 * n] *= corr[0]; o[4 * n + 1] *= corr[0];
-                    o[4 * n + 2] *= corr[1]; o[4 * n + 3] *= corr[1];
-                }
+                fence_async_smem();
+                named_sync(3 + wg, 128);
             }
-#pragma unroll
-            for (int kk = 0; kk < KN / 16; ++kk) {
-                p[kk][0] = pack2<DT>(s[8 * kk], s[8 * kk + 1]);
-                p[kk][1] = pack2<DT>(s[8 * kk + 2], s[8 * kk + 3]);
-                p[kk][2] = pack2<DT>(s[8 * kk + 4], s[8 * kk + 5]);
-                p[kk][3] = pack2<DT>(s[8 * kk + 6], s[8 * kk + 7]);
-            }
-            pv_base = k_base + TB;
-        }
-        have_p = run;
-    }
-    if (have_p) {                                      // the last tile's P V
-        wg_fence();
-        issue_pv();
-        wg_commit();
-        wg_wait<0>();
-        reg_fence(o);
-        hold_p();
-    }
+            const u32 k_base = smem_addr(ring + slot * SB);
 
-    // Epilogue: o[4 n + 2 i + j] is row g + 8 i, head dim 8 n + 2 t4 + j.
+            // O += P_{k-1} V_{k-1}, then S = Q K^T: k-step kk covers head dims 16 kk .. + 15 (32 bytes
+            // into a 128-byte panel row). Descriptors are bases plus constant offsets. Where this
+            // warpgroup's rows see none of the tile's upper half (the causal diagonal of short
+            // query tiles: half of all last tiles), S is m64n(KN / 2): the upper accumulators
+            // are left unwritten and the mask below sets them to -inf.
+            float s[KN / 2];
+            const bool half = base + KN / 2 >= wg_hi;
+            auto issue_s = [&]() {
+                const u64 qd = gmma_desc(q_base, 1, 64), kd = gmma_desc(k_base, 1, 64);
+                float (&s_lo)[KN / 4] = *reinterpret_cast<float (*)[KN / 4]>(s);
 #pragma unroll
-    for (int i = 0; i < 2; ++i)
-        store_prefill_row<DT, D>(out, pt, group, num_kv_heads * group, 64 * wg + 16 * wl + g + 8 * i, l_run[i], t4,
-                                 [&](int n, int j) { return o[4 * n + 2 * i + j]; });
+                for (int kk = 0; kk < D / 16; ++kk) {
+                    const u32 off = ((kk >> 2) * QP + (kk & 3) * 32) >> 4, koff = ((kk >> 2) * KP + (kk & 3) * 32) >> 4;
+                    if (half) {
+                        if (kk == 0) Wg<KN / 2, DT>::ss0(s_lo, qd + off, kd + koff);
+                        else Wg<KN / 2, DT>::ss(s_lo, qd + off, kd + koff, 1);
+                    } else {
+                        if (kk == 0) Wg<KN, DT>::ss0(s, qd + off, kd + koff);
+                        else Wg<KN, DT>::ss(s, qd + off, kd + koff, 1);
+                    }
+                }
+            };
+            named_sync(1 + wg, 256);                   // this warpgroup's turn at the tensor cores
+            wg_fence();
+            if (have_p) issue_pv();
+            if (run) issue_s();
+            wg_commit();
+            // The other's turn (PERSIST: always; warpgroup 0 takes warpgroup 1's last one at the end).
+            if (PERSIST || !(wg == 1 && k == ntiles - 1)) named_arrive(2 - wg, 256);
+            wg_wait<0>();                              // S_k and P_{k-1} V_{k-1} done
+            reg_fence(s);
+            reg_fence(o);
+            hold_p();
+            if (k >= 1 && lane == 0) mbar_arrive(smem_addr(empty + (tile - 1) % NS));  // tile k - 1 consumed
+            if (PERSIST && k == ntiles - 1) {          // this warpgroup's Q rows are read: the next item's
+                load_q(queued(j + 1));
+                q_next = true;
+            }
+
+            // Online softmax (log2 domain; scale_log2 > 0, so the max of raw scores is the max of
+            // scaled ones). s[4 n + e]: row g + 8 (e >> 1), key 8 n + 2 t4 + (e & 1).
+            float corr[2] = {1.f, 1.f};
+            bool moved = false;
+            if (run) {
+                const bool masked = base + KN > wg_lo;
+                float mx[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+                for (int n = 0; n < KN / 8; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        if (masked && base + 8 * n + 2 * t4 + (e & 1) >= lim[e >> 1]) s[4 * n + e] = NEG_INF;
+                        mx[e >> 1] = fmaxf(mx[e >> 1], s[4 * n + e]);
+                    }
+                float msafe[2];
+                mx[0] *= scale_log2;
+                mx[1] *= scale_log2;
+                moved = softmax_step(mx, m_run, l_run, msafe, corr);
+#pragma unroll
+                for (int n = 0; n < KN / 8; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        s[4 * n + e] = exp2f(fmaf(s[4 * n + e], scale_log2, -msafe[e >> 1]));
+                        l_run[e >> 1] += s[4 * n + e];
+                    }
+            }
+            if (run) {
+                if (__any_sync(FULL_MASK, moved)) {
+#pragma unroll
+                    for (int n = 0; n < D / 8; ++n) {
+                        o[4 * n] *= corr[0]; o[4 * n + 1] *= corr[0];
+                        o[4 * n + 2] *= corr[1]; o[4 * n + 3] *= corr[1];
+                    }
+                }
+#pragma unroll
+                for (int kk = 0; kk < KN / 16; ++kk) {
+                    p[kk][0] = pack2<DT>(s[8 * kk], s[8 * kk + 1]);
+                    p[kk][1] = pack2<DT>(s[8 * kk + 2], s[8 * kk + 3]);
+                    p[kk][2] = pack2<DT>(s[8 * kk + 4], s[8 * kk + 5]);
+                    p[kk][3] = pack2<DT>(s[8 * kk + 6], s[8 * kk + 7]);
+                }
+                pv_base = k_base + TB;
+                pv_half = half;
+            }
+            have_p = run;
+        }
+        if (!q_next) load_q(queued(j + 1));            // an item with no keys read no Q
+        if (have_p) {                                  // the last tile's P V
+            wg_fence();
+            issue_pv();
+            wg_commit();
+            wg_wait<0>();
+            reg_fence(o);
+            hold_p();
+        }
+        if (PERSIST && ntiles > 0 && lane == 0) mbar_arrive(smem_addr(empty + (tile - 1) % NS));
+
+        // Epilogue: o[4 n + 2 i + j] is row g + 8 i, head dim 8 n + 2 t4 + j.
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+            store_prefill_row<DT, D>(out, it, group, num_kv_heads * group, 64 * wg + 16 * wl + g + 8 * i, l_run[i], t4,
+                                     [&](int n, int jj) { return o[4 * n + 2 * i + jj]; });
+        if (!PERSIST) break;
+        __syncwarp();
+        if (lane == 0) mbar_arrive(smem_addr(item_empty + (j & 1)));  // its queue entry read
+    }
+    if (PERSIST && wg == 0) named_sync(1, 256);        // warpgroup 1's turn after its last tile
 }

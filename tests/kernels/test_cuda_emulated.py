@@ -7,6 +7,7 @@ as on the GPU. Small shapes: every lane is a fiber.
 """
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -159,18 +160,21 @@ def test_warpgroup_prefill_launch_matches_its_launch_bounds():
     from kvpool.kernels import cuda_runtime, cuda_source
 
     assert "__launch_bounds__(128 * (WG_GROUPS + 1), 1) prefill_wg_kernel" in cuda_runtime.SOURCE_SM90
-    key = ("prefill_wg", 2, 128)
-    assert cuda_runtime.block_threads(key) == 128 * (cuda_source.WG_GROUPS + 1)
-    assert cuda_runtime.module_kernels(key) == {"attention": "prefill_wg_kernel<2,128>"}
+    for persistent in (False, True):
+        key = ("prefill_wg", 2, 128, persistent)
+        assert cuda_runtime.block_threads(key) == 128 * (cuda_source.WG_GROUPS + 1)
+        expr = f"prefill_wg_kernel<2,128,{str(persistent).lower()}>"
+        assert cuda_runtime.module_kernels(key) == {"attention": expr}
     assert cuda_attention.WGMMA.warps * 32 == 128 * cuda_source.WG_GROUPS  # rows = consumer warps x 16
 
 
 def test_planner_takes_warpgroup_mma_on_hopper_only():
-    """v8 (the default prefill) runs the warpgroup-MMA kernel where the device has it and the
-    query tiles fill the GPU: two warpgroups of 64 rows, 128-key tiles, 3 stages in 225 KiB
-    of shared memory. Without wgmma it is v7; a short chunk after a long prefix, float32,
-    head_dim 256 and a non-positive scale keep their old paths; v8f forces the kernel."""
-    assert cuda_attention.DEFAULT_PREFILL == "v8"
+    """v8 (the default prefill, v10, without persistence) runs the warpgroup-MMA kernel where
+    the device has it and the query tiles fill the GPU: two warpgroups of 64 rows, 128-key
+    tiles, 3 stages in 225 KiB of shared memory. Without wgmma it is v7; a short chunk after a
+    long prefix, float32, head_dim 256 and a non-positive scale keep their old paths; v8f
+    forces the kernel."""
+    assert cuda_attention.DEFAULT_PREFILL == "v10"
     big = _plan(4096, 1, variant="v8", wgmma=True)
     assert big.pipe.wgmma and big.pipe.warps == 8 and big.pipe.keys == 128 and big.pipe.stages == 3
     assert big.grid == (129 * 8, 1, 1) and big.tokens_per_cta == 32 and big.num_splits == 1
@@ -185,6 +189,33 @@ def test_planner_takes_warpgroup_mma_on_hopper_only():
         assert not other.pipe.wgmma
     forced = _plan(64, 1, ctx=32768, variant="v8f", wgmma=True)
     assert forced.pipe.wgmma and forced.grid == (3 * 8, 1, 1)
+
+
+def test_persistent_warpgroup_prefill_plans_one_cta_per_sm():
+    """The persistent warpgroup-MMA prefill (v10) keeps v8's choice of kernel and rows per
+    CTA, but launches one CTA per SM (fewer where there are fewer items) and tells the kernel
+    the items per KV head in num_splits; its shared memory adds the item queue and still
+    fits one CTA per SM."""
+    for tokens, ctx in ((4096, None), (512, None), (64, 32768)):
+        v8, v10 = _plan(tokens, 1, ctx=ctx or tokens, variant="v8", wgmma=True), _plan(
+            tokens, 1, ctx=ctx or tokens, variant="v10", wgmma=True)
+        assert v10.pipe.dedicated == v8.pipe.dedicated and v10.pipe.wgmma == v8.pipe.wgmma
+        if not v8.pipe.wgmma:  # too few tiles to fill the GPU: both split the keys alike
+            assert replace(v10, pipe=replace(v10.pipe, persistent=False)) == v8
+            continue
+        items = v8.grid[0]
+        assert v10.pipe.persistent and v10.grid == (min(items, 132), 1, 1) and v10.num_splits * 8 == items
+        assert v10.smem_bytes == v8.smem_bytes + cuda_attention.PERSISTENT_QUEUE_BYTES <= cuda_attention.SMEM_LIMIT
+    assert not _plan(4096, 1, variant="v10", wgmma=False).pipe.persistent  # no wgmma: v7's kernels
+
+
+def test_planner_keeps_persistent_prefill_for_tiles_with_few_keys():
+    """v10's planner runs the persistent kernel for fresh prompts (the longest sequence within
+    4x the mean new tokens) and one CTA per tile behind a long cached prefix; v10f forces it."""
+    fresh, behind = _plan(2048, 1, ctx=2048, variant="v10", wgmma=True), _plan(2048, 1, ctx=16384, variant="v10", wgmma=True)
+    assert fresh.pipe.persistent and behind.pipe.wgmma and not behind.pipe.persistent
+    assert behind.grid == _plan(2048, 1, ctx=16384, variant="v8", wgmma=True).grid
+    assert _plan(2048, 1, ctx=16384, variant="v10f", wgmma=True).pipe.persistent
 
 
 def test_tma_maps_refuse_layouts_the_copy_engine_cannot_take():

@@ -128,7 +128,7 @@ def test_page_aware_items_run_long_sequences_first():
     lens = [300, 20_000, 5, 9_000, 0, 40]
     c, _, items = cuda_attention.work_items(lens, target=16, capacity=1 << 17)
     keys = cuda_attention.tile_keys(lens, capacity=1 << 17)
-    order = cuda_attention.work_order(keys, c, items, target=16)
+    order = cuda_attention.work_order(keys, c, items, target=16, classes=2)
     assert len(order) == sum(items) and sorted(set(order)) == sorted(order)
     long_ones = [j for j, _ in order[: items[1] + items[3]]]
     assert set(long_ones) == {1, 3} and items[1] > items[3] > 1
@@ -136,7 +136,7 @@ def test_page_aware_items_run_long_sequences_first():
     # With more size classes, the 40-key sequence (one unit) runs after the 300-key one (five).
     lens[0], lens[5] = lens[5], lens[0]
     keys = cuda_attention.tile_keys(lens, capacity=1 << 17)
-    assert cuda_attention.work_order(keys, c, items, target=16)[-4:] == [(0, 0), (2, 0), (4, 0), (5, 0)]
+    assert cuda_attention.work_order(keys, c, items, target=16, classes=2)[-4:] == [(0, 0), (2, 0), (4, 0), (5, 0)]
     assert cuda_attention.work_order(keys, c, items, target=16, classes=8)[-4:] == [(5, 0), (0, 0), (2, 0), (4, 0)]
 
 
@@ -184,7 +184,7 @@ def test_work_order_runs_every_item_once_largest_class_first(lens, target, class
         assert seqs == sorted(seqs)
 
 
-@pytest.mark.parametrize("classes", [1, 2, 8])
+@pytest.mark.parametrize("classes", [1, 2, 4, 8])
 def test_page_aware_decode_with_each_item_order_matches_the_reference(launcher, classes):
     # 40 sequences on the emulator's wave of 32 per head (several waves), lengths over
     # three size classes and the long one last: every order covers every item once.

@@ -39,7 +39,7 @@ def test_shipped_variants_are_what_the_defaults_run():
     benchmarks/kernel_variants.py (imported by other tests of this process, so only the
     shipped names are checked here)."""
     shipped = {cuda_attention.DEFAULT_DECODE, cuda_attention.DEFAULT_PREFILL}
-    assert shipped == {"v9", "v8"} and shipped <= set(cuda_attention.VARIANTS)
+    assert shipped == {"v9", "v10"} and shipped <= set(cuda_attention.VARIANTS)
     from benchmarks import kernel_variants
 
     assert not shipped & set(kernel_variants.EXTRA)

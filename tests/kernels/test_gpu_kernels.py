@@ -87,7 +87,7 @@ def _serving_case(seed=0, num_layers=2):
     return case, cu, q
 
 
-@pytest.mark.parametrize("variant", ["v7m1", "v7m2", "v7w8", "v8", "v8f", None])
+@pytest.mark.parametrize("variant", ["v7m1", "v7m2", "v7w8", "v8", "v8f", "v10", "v10f", None])
 def test_gpu_prefill_at_serving_size(variant):
     """Prefill the size the planner sends to the dedicated kernel (None: its own pick),
     a long prompt plus a chunk that extends a cached prefix, GQA group 4."""
@@ -107,7 +107,7 @@ def test_gpu_prefill_at_serving_size(variant):
     assert_matches_reference(out, want, "cuda")
 
 
-@pytest.mark.parametrize("variant", ["v8", "v8f", "v7"])
+@pytest.mark.parametrize("variant", ["v8", "v8f", "v10f", "v7"])
 def test_gpu_prefill_ignores_stale_pool_rows(variant):
     """Rows of a sequence's last block past its length, and every block it does not own,
     hold NaN (stale memory): the output must not see them (TMA loads whole blocks)."""
@@ -152,6 +152,33 @@ def test_gpu_prefill_in_cuda_graph(warm):
         assert_matches_reference(out, want, "cuda")
 
 
+@pytest.mark.parametrize("dtype,head_dim,block_size", [(torch.bfloat16, 128, 16), (torch.float16, 64, 32)])
+def test_gpu_persistent_prefill_runs_many_items_per_cta(dtype, head_dim, block_size):
+    """The persistent warpgroup-MMA prefill (v10f) with far more query tiles than SMs, so that
+    each CTA runs many items of mixed lengths (fresh prompts and chunks behind a cached
+    prefix): right on every call, eager and replayed in a CUDA graph, with its item counter
+    back at zero after each (the next launch starts from item 0)."""
+    rng = random.Random(7)
+    lens, q_lens = [], []
+    for _ in range(12):
+        q_len = rng.choice([1, 31, 33, 200, rng.randint(1, 1500)])
+        lens.append(q_len + rng.choice([0, 0, 17, rng.randint(0, 3000)]))
+        q_lens.append(q_len)
+    case = make_case(lens, num_kv_heads=8, block_size=block_size, head_dim=head_dim, dtype=dtype, num_layers=1,
+                     device=DEV)  # fmt: skip
+    cu = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(DEV)
+    q = torch.randn(int(cu[-1]), 32, head_dim, device=DEV).to(dtype)
+    want = ref.paged_prefill_reference(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, cu)
+    out = poisoned(q.shape, dtype, DEV)
+    a = check_attention(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, cu, None, out)
+    plan = cuda_attention.plan_attention(
+        a, prefill=True, max_blocks=case.block_tables.shape[1], max_seq_len=None,
+        num_sms=torch.cuda.get_device_properties(0).multi_processor_count, variant="v10f", wgmma=True,
+    )  # fmt: skip
+    assert plan.pipe.persistent and plan.num_splits * 8 > 4 * plan.grid[0]  # several items per CTA
+    _check_repeats_leave_counters_at_zero(lambda: _attend("v10f", q, case, cu=cu, out=out), out, want)
+
+
 @pytest.mark.parametrize("seq_len", [32768, 131072])
 def test_gpu_long_context_split_kv(seq_len):
     """One long sequence (128k tokens) next to short ones: many splits, one merge."""
@@ -173,14 +200,20 @@ def test_gpu_fused_merge_leaves_counters_at_zero(variant):
     q = torch.randn(4, 8, 128, device=DEV).to(torch.bfloat16)
     want = ref.paged_decode_reference(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens)
     out = poisoned(q.shape, q.dtype, DEV)
+    _check_repeats_leave_counters_at_zero(lambda: _attend(variant, q, case, out=out), out, want)
+
+
+def _check_repeats_leave_counters_at_zero(call, out, want):
+    """``call`` (which writes ``out``) three times eagerly, then captured in a CUDA graph and
+    replayed three times: right every time, and every kept counter buffer at zero after."""
     for _ in range(3):
         out.fill_(float("nan"))
-        _attend(variant, q, case, out=out)
+        call()
         assert_matches_reference(out, want, "cuda")
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        _attend(variant, q, case, out=out)
+        call()
     for _ in range(3):
         out.fill_(float("nan"))
         graph.replay()

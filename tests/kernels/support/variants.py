@@ -21,6 +21,6 @@ SHIPPED_PREFILL = sorted({v for v in PREFILL if cuda_attention.VARIANTS[v][1] in
 # What the emulated tests run. Benchmark-only variants that the emulator cannot tell from a
 # shipped path are left to the GPU tests: v5's decode is v7's with three stages (what the
 # planner picks on the emulator's small shapes), v7a's decode merges by counter as v9 does,
-# and v8f's prefill, with no warpgroup MMA on the emulator, falls back to v8's.
+# and v8f's and v10's prefill, with no warpgroup MMA on the emulator, fall back to v8's.
 EMULATED_DECODE = [v for v in DECODE if v not in ("v5", "v7a")]
-EMULATED_PREFILL = [v for v in PREFILL if v != "v8f"]
+EMULATED_PREFILL = [v for v in PREFILL if v not in ("v8f", "v10", "v10f")]
