@@ -4,20 +4,30 @@
 each choice the planner makes per shape (rows per prefill CTA, the warpgroup-MMA prefill,
 the merge by counter), so that small test shapes reach every path of the shipped kernels."""
 
+import re
+
 from benchmarks import kernel_variants
 from kvpool.kernels import cuda_attention
 
-ALL = kernel_variants.register()
+
+def _version(name: str) -> tuple[int, str]:
+    """v7 < v7a < v9 < v10 < v10f: where variants share a pipeline, the earliest names it."""
+    return int(re.match(r"v(\d+)", name)[1]), name
+
+
+ALL = sorted(kernel_variants.register(), key=_version)
 # variants that differ in their decode / prefill pipeline (v7m1 / v7m2 / v7w8 decode exactly like v7)
-DECODE = sorted({cuda_attention.VARIANTS[v][0]: v for v in reversed(ALL)}.values())
-PREFILL = sorted({cuda_attention.VARIANTS[v][1]: v for v in reversed(ALL)}.values())
+DECODE = sorted({cuda_attention.VARIANTS[v][0]: v for v in reversed(ALL)}.values(), key=_version)
+PREFILL = sorted({cuda_attention.VARIANTS[v][1]: v for v in reversed(ALL)}.values(), key=_version)
 # The variants whose pipelines the defaults run (what the planner picks without a variant):
 # the emulated tests run these under both cp.async orders, the rest under one (CI time).
+# Page-aware decode runs the fixed grid (AUTO_DECODE) for one sequence and for even batches.
 SHIPPED_DECODE = sorted({v for v in DECODE if cuda_attention.VARIANTS[v][0] in
-                         {cuda_attention.VARIANTS[s][0] for s in (cuda_attention.DEFAULT_DECODE, cuda_attention.DEFAULT_PREFILL)}})
+                         {cuda_attention.VARIANTS[s][0] for s in (cuda_attention.DEFAULT_DECODE, cuda_attention.DEFAULT_PREFILL)}
+                         | {cuda_attention.AUTO_DECODE}}, key=_version)
 SHIPPED_PREFILL = sorted({v for v in PREFILL if cuda_attention.VARIANTS[v][1] in
                           {cuda_attention.VARIANTS[s][1] for s in (cuda_attention.DEFAULT_DECODE, cuda_attention.DEFAULT_PREFILL)}
-                          | {cuda_attention.DEDICATED}})
+                          | {cuda_attention.DEDICATED}}, key=_version)
 # What the emulated tests run. Benchmark-only variants that the emulator cannot tell from a
 # shipped path are left to the GPU tests: v5's decode is v7's with three stages (what the
 # planner picks on the emulator's small shapes), v7a's decode merges by counter as v9 does,
