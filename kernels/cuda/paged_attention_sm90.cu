@@ -382,7 +382,6 @@ __global__ void __launch_bounds__(128 * (WG_GROUPS + 1), 1) prefill_wg_kernel(
         float m_run[2] = {NEG_INF, NEG_INF}, l_run[2] = {0.f, 0.f};
         u32 p[KN / 16][4];                             // P of the previous tile, 16-bit A fragments
         bool have_p = false;                           // p holds a tile whose P V is still to issue
-        bool q_next = !PERSIST;                        // the next item's Q is on its way
         u32 pv_base = 0;                               // that tile's V
         bool pv_half = false;                          // that tile's upper KN / 2 keys are all masked
 
@@ -428,9 +427,11 @@ __global__ void __launch_bounds__(128 * (WG_GROUPS + 1), 1) prefill_wg_kernel(
             // into a 128-byte panel row). Descriptors are bases plus constant offsets. Where this
             // warpgroup's rows see none of the tile's upper half (the causal diagonal of short
             // query tiles: half of all last tiles), S is m64n(KN / 2): the upper accumulators
-            // are left unwritten and the mask below sets them to -inf.
+            // are left unwritten and the mask below sets them to -inf. Not at head_dim 64: there
+            // ptxas serializes the wgmma instructions of the whole kernel when S has both widths
+            // (its C7511 "insufficient register resources" note).
             float s[KN / 2];
-            const bool half = base + KN / 2 >= wg_hi;
+            const bool half = D == 128 && base + KN / 2 >= wg_hi;
             auto issue_s = [&]() {
                 const u64 qd = gmma_desc(q_base, 1, 64), kd = gmma_desc(k_base, 1, 64);
                 float (&s_lo)[KN / 4] = *reinterpret_cast<float (*)[KN / 4]>(s);
@@ -458,10 +459,7 @@ __global__ void __launch_bounds__(128 * (WG_GROUPS + 1), 1) prefill_wg_kernel(
             reg_fence(o);
             hold_p();
             if (k >= 1 && lane == 0) mbar_arrive(smem_addr(empty + (tile - 1) % NS));  // tile k - 1 consumed
-            if (PERSIST && k == ntiles - 1) {          // this warpgroup's Q rows are read: the next item's
-                load_q(queued(j + 1));
-                q_next = true;
-            }
+            if (PERSIST && k == ntiles - 1) load_q(queued(j + 1));  // this warpgroup's Q rows are read: the next item's
 
             // Online softmax (log2 domain; scale_log2 > 0, so the max of raw scores is the max of
             // scaled ones). s[4 n + e]: row g + 8 (e >> 1), key 8 n + 2 t4 + (e & 1).
@@ -509,7 +507,7 @@ __global__ void __launch_bounds__(128 * (WG_GROUPS + 1), 1) prefill_wg_kernel(
             }
             have_p = run;
         }
-        if (!q_next) load_q(queued(j + 1));            // an item with no keys read no Q
+        if (PERSIST && ntiles == 0) load_q(queued(j + 1));  // an item with no keys read no Q
         if (have_p) {                                  // the last tile's P V
             wg_fence();
             issue_pv();
