@@ -19,8 +19,8 @@ kernel source of their own: each is a template instance of the shipped kernels.
 * ``v8f``: v8 with the warpgroup-MMA prefill whatever the grid (where the device has it).
 * ``v10f``: the persistent warpgroup-MMA prefill (v10's) whatever the grid.
 
-``PROBES`` (``register(probes=True)``, benchmarks only): ``v9s2`` / ``v9s4``, page-aware decode
-with 2 / 4 ring stages whatever the shape; ``v9k8``, with 8-key stages (float8 caches only).
+``PROBES`` (``register(probes=True)``, benchmarks only): ``v9s2`` / ``v9s3`` / ``v9s4``, page-aware
+decode with 2 / 3 / 4 ring stages whatever the shape; ``v9k8``, with 8-key stages (float8 caches only).
 
     import kernel_variants; kernel_variants.register()   # benchmarks/ on sys.path
 """
@@ -49,6 +49,7 @@ EXTRA: dict[str, tuple[ca.Pipeline, ca.Pipeline]] = {
 # whose stages hold twice the keys; a 16-bit cache cannot run it: stages are whole 16-key steps).
 PROBES: dict[str, tuple[ca.Pipeline, ca.Pipeline]] = {
     "v9s2": (ca.Pipeline(2, 16, True, paged=True), replace(ca.WGMMA, mtiles=0)),
+    "v9s3": (ca.Pipeline(3, 16, True, paged=True), replace(ca.WGMMA, mtiles=0)),
     "v9s4": (ca.Pipeline(4, 16, True, paged=True), replace(ca.WGMMA, mtiles=0)),
     "v9k8": (ca.Pipeline(3, 8, True, paged=True), replace(ca.WGMMA, mtiles=0)),
 }

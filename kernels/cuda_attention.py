@@ -287,22 +287,34 @@ def pipeline_for(variant: str | None, prefill: bool, dt: int, head_dim: int, pla
 def decode_stages(ctas: int, max_kv: int, num_sms: int, kf: int = 0) -> int:
     """Stages per decode ring when the variant leaves it to the planner (``stages == 0``).
 
-    3 stages (96 KiB: two CTAs per SM) keep the most bytes in flight per warp and are
-    fastest except where (sequences x KV heads) is about one CTA per SM and the contexts
-    are long (B16 at 4k and 16k): there 2 stages finish about 2% sooner, while they lose
-    3-15% from B64 up and at B1. The split count is planned for two CTAs per SM whatever
-    fits (``DECODE_SPLIT_CTAS_PER_SM``), and with two splits at B16 two stages still beat
-    three. 4 stages (one unsplit CTA per SM) at B16 x 4k were no faster than this rule
-    (within the spread between runs). Figures: benchmarks/NOTES-kernels.md.
+    Two stages seat three CTAs per SM, three stages two (and keep more bytes in flight per
+    warp). Where the grid (``ctas``, before splits) is between one wave of two per SM and
+    three waves of three per SM, equal CTAs finish wave by wave and a last wave left mostly
+    empty costs up to a whole wave's time: there the stage count whose last wave is fuller
+    wins (``wave_idle``; ties to two stages). On an H100, B64 x 4k (512 CTAs: 1.94 waves of
+    two, 1.29 of three) ran 16% (float8) and 9% (bfloat16) sooner on three stages, B48 x 4k
+    (384 CTAs) 15% and 3% sooner on two (benchmarks/NOTES-mixed-decode.md).
 
-    A float8 cache (``kf``; stages of twice the keys, as many bytes) takes 2: three CTAs per
-    SM keep more warps converting and multiplying, which float8 needs more of per byte than
-    bfloat16 (2 stages were 4-15% faster than 3 from B64 x 4k up on the H200;
-    benchmarks/NOTES-mixed-decode.md).
+    Elsewhere: 3 stages keep the most bytes in flight per warp and are fastest except where
+    (sequences x KV heads) is about one CTA per SM and the contexts are long (B16 at 4k and
+    16k): there 2 stages finish about 2% sooner. The split count is planned for two CTAs per
+    SM whatever fits (``DECODE_SPLIT_CTAS_PER_SM``), and with two splits at B16 two stages
+    still beat three. A float8 cache (``kf``; stages of twice the keys, as many bytes) takes
+    2 there: three CTAs per SM keep more warps converting and multiplying, which float8 needs
+    more of per byte than bfloat16 (2 stages were 4-15% faster than 3 on the H200).
     """
+    three_per_sm, two_per_sm = ctas / (3 * num_sms), ctas / (2 * num_sms)
+    if two_per_sm > 1 and three_per_sm < 3:
+        return 3 if wave_idle(two_per_sm) < wave_idle(three_per_sm) else 2
     if kf:
         return 2
     return 2 if num_sms // 2 <= ctas < 2 * num_sms and max_kv >= 4096 else 3
+
+
+def wave_idle(waves: float) -> float:
+    """The empty part of the last wave of a grid of ``waves`` waves of equal CTAs (none within
+    one wave: every CTA runs at once)."""
+    return math.ceil(waves) - waves if waves > 1 else 0.0
 
 
 def plan_dedicated(

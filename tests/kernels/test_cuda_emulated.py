@@ -319,10 +319,19 @@ def test_planner_picks_the_prefill_kernel_per_shape(monkeypatch):
 
 
 def test_planner_picks_decode_stages_per_shape():
-    """Two stages (three CTAs per SM) only where sequences x KV heads is about one CTA per SM
-    and contexts are long; three elsewhere."""
+    """Two stages (three CTAs per SM) where sequences x KV heads is about one CTA per SM and
+    contexts are long; between one wave of two per SM and three waves of three, the stage
+    count whose last wave is fuller (132 SMs, 8 KV heads: B48 is one wave of three per SM,
+    B64 1.94 waves of two); three elsewhere, and two for a float8 cache outside that band."""
     stages = {(b, ctx): _plan(b, b, prefill=False, ctx=ctx).pipe.stages for b in (1, 16, 64) for ctx in (1024, 4096)}
     assert stages == {(1, 1024): 3, (1, 4096): 3, (16, 1024): 3, (16, 4096): 2, (64, 1024): 3, (64, 4096): 3}
+    fp8 = torch.float8_e4m3fn
+    waves = {(b, dt): _plan(b, b, prefill=False, dtype=dt).pipe.stages for b in (16, 48, 64, 128, 256) for dt in (torch.bfloat16, fp8)}
+    assert waves == {
+        (16, torch.bfloat16): 2, (16, fp8): 2, (48, torch.bfloat16): 2, (48, fp8): 2, (64, torch.bfloat16): 3,
+        (64, fp8): 3, (128, torch.bfloat16): 3, (128, fp8): 3, (256, torch.bfloat16): 3, (256, fp8): 2,
+    }  # fmt: skip
+    assert cuda_attention.wave_idle(0.97) == 0.0 and cuda_attention.wave_idle(1.25) == 0.75
 
 
 def test_planner_picks_decode_splits_per_shape():
