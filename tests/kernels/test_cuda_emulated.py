@@ -326,7 +326,8 @@ def test_planner_picks_decode_stages_per_shape():
     stages = {(b, ctx): _plan(b, b, prefill=False, ctx=ctx).pipe.stages for b in (1, 16, 64) for ctx in (1024, 4096)}
     assert stages == {(1, 1024): 3, (1, 4096): 3, (16, 1024): 3, (16, 4096): 2, (64, 1024): 3, (64, 4096): 3}
     fp8 = torch.float8_e4m3fn
-    waves = {(b, dt): _plan(b, b, prefill=False, dtype=dt).pipe.stages for b in (16, 48, 64, 128, 256) for dt in (torch.bfloat16, fp8)}
+    batches = (16, 48, 64, 128, 256)
+    waves = {(b, dt): _plan(b, b, prefill=False, dtype=dt).pipe.stages for b in batches for dt in (torch.bfloat16, fp8)}
     assert waves == {
         (16, torch.bfloat16): 2, (16, fp8): 2, (48, torch.bfloat16): 2, (48, fp8): 2, (64, torch.bfloat16): 3,
         (64, fp8): 3, (128, torch.bfloat16): 3, (128, fp8): 3, (256, torch.bfloat16): 3, (256, fp8): 2,
