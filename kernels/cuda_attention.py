@@ -299,9 +299,10 @@ def decode_stages(ctas: int, max_kv: int, num_sms: int, kf: int = 0) -> int:
     (sequences x KV heads) is about one CTA per SM and the contexts are long (B16 at 4k and
     16k): there 2 stages finish about 2% sooner (benchmarks/NOTES-kernels.md). The split
     count is planned for two CTAs per SM whatever fits (``DECODE_SPLIT_CTAS_PER_SM``), and
-    with two splits at B16 two stages still beat three. A float8 cache (``kf``; stages of twice the keys, as many bytes) takes
-    2 there: three CTAs per SM keep more warps converting and multiplying, which float8 needs
-    more of per byte than bfloat16 (2 stages were 4-15% faster than 3 on the H200).
+    with two splits at B16 two stages still beat three. A float8 cache (``kf``; stages of
+    twice the keys, as many bytes) takes 2 there: three CTAs per SM keep more warps
+    converting and multiplying, which float8 needs more of per byte than bfloat16 (2 stages
+    were 4-15% faster than 3 on the H200).
     """
     three_per_sm, two_per_sm = ctas / (3 * num_sms), ctas / (2 * num_sms)
     if two_per_sm > 1 and three_per_sm < 3:

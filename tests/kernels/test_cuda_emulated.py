@@ -212,7 +212,8 @@ def test_persistent_warpgroup_prefill_plans_one_cta_per_sm():
 def test_planner_keeps_persistent_prefill_for_tiles_with_few_keys():
     """v10's planner runs the persistent kernel for fresh prompts (the longest sequence within
     4x the mean new tokens) and one CTA per tile behind a long cached prefix; v10f forces it."""
-    fresh, behind = _plan(2048, 1, ctx=2048, variant="v10", wgmma=True), _plan(2048, 1, ctx=16384, variant="v10", wgmma=True)
+    fresh = _plan(2048, 1, ctx=2048, variant="v10", wgmma=True)
+    behind = _plan(2048, 1, ctx=16384, variant="v10", wgmma=True)
     assert fresh.pipe.persistent and behind.pipe.wgmma and not behind.pipe.persistent
     assert behind.grid == _plan(2048, 1, ctx=16384, variant="v8", wgmma=True).grid
     assert _plan(2048, 1, ctx=16384, variant="v10f", wgmma=True).pipe.persistent
