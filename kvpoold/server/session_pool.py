@@ -116,8 +116,8 @@ class PoolSession:
                 # promotions start now and hold their blocks (a later failure frees safely)
                 started += pool.sync_memory()
         except BaseException:
-            if out:
-                pool.manager.free(session.id, [s.seq_id for s in out])
+            if out:  # nothing was written into them: their hashes must not become prefix hits
+                pool.manager.free(session.id, [s.seq_id for s in out], written=False)
             raise
         finally:
             started += pool.sync_memory()
