@@ -206,6 +206,7 @@ class Client:
         self.block_bytes = r.block_bytes
         self.backend = r.backend
         self.max_reserve_blocks = r.max_reserve_blocks
+        self.max_blocks_per_session = r.max_blocks_per_session
         self.grace_seconds = r.grace_seconds
         # the lease: a background thread says "still here" when no call did for lease/3
         self.lease_seconds = r.lease_seconds
@@ -465,7 +466,9 @@ class Client:
         per_seq = -(-self.flush_every // bs)
         return min(self.max_reserve_blocks, max(8, 2 * per_seq * max(1, len(self._seqs))))
 
-    def _step(self, local, remote, free_ids: list[int], run_copies: bool, written: Iterable[int] = ()) -> ExtendResult:
+    def _step(self, local, remote, free_ids: list[int], run_copies: bool, written: Iterable[int] = (),
+              free_written: bool = True, reserve_return: list[int] = (), reserve_target: int | None = None,
+              ) -> ExtendResult:
         """One Step call: queued tokens, this step's tokens, frees, reserve top-up.
 
         Every sequence named in a Step (``written`` names more, with no
@@ -511,7 +514,9 @@ class Client:
             claim_counts=np.asarray(claim_counts, I32).tobytes() if claims else b"",
             claims=np.asarray(claims, I32).tobytes(),
             free_seq_ids=free_ids,
-            reserve_target=self._reserve_target(),
+            free_unwritten=not free_written,
+            reserve_target=self._reserve_target() if reserve_target is None else reserve_target,
+            reserve_return=np.asarray(reserve_return, I32).tobytes(),
         )
         try:
             r = self._call("Step", req)
@@ -519,6 +524,9 @@ class Client:
             self._rollback_unsent(local, sent_now)
             raise
         self._steps_since_rpc = 0
+        if reserve_return:
+            returned = set(reserve_return)
+            self._reserve = [b for b in self._reserve if b not in returned]
         # the daemon now knows every queued token
         for st in touched:
             st.pending.clear()
@@ -593,13 +601,17 @@ class Client:
                 parent.shared_tail = self._seqs[child.id].shared_tail = True
             return child
 
-    def free(self, seqs: Sequence | int | Iterable[Sequence | int]) -> None:
-        """Free sequences; their full blocks stay in the prefix cache."""
+    def free(self, seqs: Sequence | int | Iterable[Sequence | int], *, written: bool = True) -> None:
+        """Free sequences; their full blocks stay in the prefix cache.
+
+        ``written=False``: the K/V of the tokens the daemon was last told of may not be in the pool (the
+        forward that was to write them failed), so their blocks are dropped rather than cached.
+        """
         ids = _ids(seqs)
         with self._lock:
             for sid in ids:
                 self._state(sid)
-            self._step([], [], ids, True)
+            self._step([], [], ids, True, free_written=written)
 
     # -- tiers -----------------------------------------------------------------------
     def swap_out(self, seqs: Sequence | int | Iterable[Sequence | int]) -> int:
@@ -755,6 +767,22 @@ class Client:
     @property
     def reserve_size(self) -> int:
         return len(self._reserve)
+
+    @property
+    def max_blocks(self) -> int:
+        """The most device blocks this session could ever hold: the class's id space, or the session's quota."""
+        quota = self.max_blocks_per_session
+        return min(self.num_blocks, quota) if quota else self.num_blocks
+
+    def return_reserve(self) -> int:
+        """Give the session's unassigned reserve back to the pool (a create that needs every free block);
+        returns how many blocks went back.  The next ``extend`` that reaches the daemon tops it up again."""
+        with self._lock:
+            if not self._reserve:
+                return 0
+            given = len(self._reserve)
+            self._step([], [], [], True, reserve_return=self._reserve, reserve_target=0)
+            return given
 
     # -- operator views through this connection ----------------------------------------------
     def stats(self):

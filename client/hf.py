@@ -415,7 +415,7 @@ class PagedModel:
             self.client.mark_written(seqs)  # the prompts' KV is in the pool: other processes may reuse it
             return seqs, logits
         except BaseException:
-            self.client.free(seqs)
+            self.client.free(seqs, written=False)  # a forward may have stopped half way: never prefix hits
             raise
 
     def forward(self, seqs: Seq[Sequence], tokens: Seq[int] | Seq[Seq[int]]) -> torch.Tensor:
@@ -497,7 +497,7 @@ class PagedModel:
             gen = self.continue_greedy(seqs, first, max_new_tokens, eos_token_id=eos_token_id,
                                        output_logits=output_logits)
         except BaseException:
-            self.client.free(seqs)
+            self.client.free(seqs, written=False)  # a forward may have stopped half way: never prefix hits
             raise
         gen.num_cached_tokens = [s.num_cached_tokens for s in seqs]
         if output_logits:

@@ -100,9 +100,14 @@ class Scheduler:
             except OutOfBlocks as exc:
                 if not self.running:
                     return {}
-                if len(self.running) == 1:  # alone and still short of room: resuming it would fail the same way
-                    plan.failed.append((self.running.pop(), f"the request does not fit in the pool: {exc.message}"))
-                    continue
+                if len(self.running) == 1:
+                    req = self.running[0]
+                    if self._never_fits(max(req.seq.num_tokens, req.num_computed + wants.get(req, 0))):
+                        plan.failed.append((self.running.pop(), self._too_big(exc)))
+                        continue
+                    if self.client.return_reserve():
+                        continue
+                # the newest goes; alone, it makes way for other processes' sequences and is resumed later
                 self._preempt(max(self.running, key=lambda r: r.arrival))
                 plan.preempted += 1
 
@@ -139,11 +144,13 @@ class Scheduler:
                 with self.timings.phase("daemon"):
                     self.client.swap_in(req.seq)
             except OutOfBlocks as exc:
-                if not self.running:  # alone and still too big: it would wait for ever
+                if not self.running and self._never_fits(req.seq.num_tokens):
                     self.swapped.pop(0)
-                    plan.failed.append((req, f"the request does not fit in the pool: {exc.message}"))
+                    plan.failed.append((req, self._too_big(exc)))
                     continue
-                return
+                if not self.running and self.client.return_reserve():
+                    continue
+                return  # other processes hold the room it needs: it waits for them
             self.swapped.pop(0)
             # bytes lost on the way back (a bad checksum) are recomputed from there
             req.num_computed = min(req.num_computed, req.seq.num_cached_tokens)
@@ -164,19 +171,43 @@ class Scheduler:
                         budget = self._start(plan, req, seq, budget)
                     continue
             req = self.waiting[0]
-            tokens = req.all_tokens
             try:
                 with self.timings.phase("daemon"):
-                    cached = self.client.lookup(tokens) if len(tokens) > budget else 0
-                    seq = self.client.create_sequence(tokens[:min(len(tokens), cached + budget)])
+                    seq = self._create_chunk(req.all_tokens, budget)
             except OutOfBlocks as exc:
-                if not self.running and not self.swapped:
+                if self._never_fits(req.num_tokens):
                     self.waiting.pop(0)
-                    plan.failed.append((req, f"the request does not fit in the pool: {exc.message}"))
+                    plan.failed.append((req, self._too_big(exc)))
                     continue
-                return budget
+                if not self.running and not self.swapped and self.client.return_reserve():
+                    continue
+                return budget  # room comes back as requests finish (here or in other processes)
             budget = self._start(plan, req, seq, budget)
         return budget
+
+    def _create_chunk(self, tokens: list[int], budget: int):
+        """A sequence of ``tokens``' cached prefix and the first chunk after it, ``budget`` tokens at most.
+
+        The daemon must know no token this step does not compute: it would take the tokens for written at
+        the sequence's next call, before the forward that computes them.  When the create finds less cached
+        than the lookup did (another process evicted some meanwhile), the sequence is made again up to what
+        it found.
+        """
+        cached = self.client.lookup(tokens) if len(tokens) > budget else 0
+        while True:
+            seq = self.client.create_sequence(tokens[:min(len(tokens), cached + budget)])
+            if seq.num_tokens - min(seq.num_cached_tokens, len(tokens) - 1) <= budget:
+                return seq
+            cached = seq.num_cached_tokens
+            self.client.free(seq, written=False)
+
+    def _never_fits(self, num_tokens: int) -> bool:
+        """Whether a sequence of ``num_tokens`` needs more blocks than the session could ever hold."""
+        return -(-num_tokens // self.client.layout.block_size) > self.client.max_blocks
+
+    def _too_big(self, exc: OutOfBlocks) -> str:
+        return (f"the request does not fit in the pool (at most {self.client.max_blocks} blocks of "
+                f"{self.client.layout.block_size} tokens for this model): {exc.message}")
 
     def _whole_prompts(self, budget: int) -> list[Request]:
         """The leading waiting requests whose tokens fit the budget together (and the sequence slots)."""

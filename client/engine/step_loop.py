@@ -97,11 +97,15 @@ class StepLoop:
         return reason is not None
 
     def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
-        """End a request that is out of the scheduler's queues (abort, error); free its sequence."""
+        """End a request that is out of the scheduler's queues (abort, error); free its sequence.
+
+        A request that ends in an error may have had its tokens announced to the daemon without the
+        forward that writes them, so its blocks are freed as unwritten (never prefix hits).
+        """
         req.finish_reason, req.finish_time, req.status = reason, time.monotonic(), Status.FINISHED
         self._forget(req)
         if req.seq is not None:
-            self._release([req])
+            self._release([req], written=reason != "error")
         req.stream.put(req.snapshot([], req.text.flush() if req.text and reason != "error" else "", error))
 
     def _forget(self, req: Request) -> None:
@@ -111,12 +115,12 @@ class StepLoop:
         with self._lock:
             self._ids.discard(req.id)
 
-    def _release(self, reqs: list[Request]) -> None:
+    def _release(self, reqs: list[Request], *, written: bool = True) -> None:
         seqs = [r.seq for r in reqs if r.seq is not None]
         for r in reqs:
             r.seq = None
         if seqs:
-            self.client.free(seqs)
+            self.client.free(seqs, written=written)
 
     def _fail(self, reqs: list[Request], message: str) -> None:
         for req in reqs:

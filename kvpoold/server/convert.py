@@ -75,6 +75,7 @@ def step_request(msg: pb.StepRequest) -> StepCall:
         claim_counts=unpack(msg.claim_counts, I32, "claim_counts").astype(np.int64) if claims_given else None,
         claims=unpack(msg.claims, I32, "claims").astype(np.int64) if claims_given else None,
         free_ids=list(msg.free_seq_ids),
+        free_written=not msg.free_unwritten,
         reserve_target=msg.reserve_target,
         reserve_return=unpack(msg.reserve_return, I32, "reserve_return").tolist(),
     )

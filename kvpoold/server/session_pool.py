@@ -45,6 +45,7 @@ class StepCall:
     claim_counts: np.ndarray | None  # None: no blocks claimed from the reserve
     claims: np.ndarray | None
     free_ids: list[int]
+    free_written: bool  # False: drop the freed sequences' unconfirmed hashes (their K/V was never written)
     reserve_target: int
     reserve_return: list[int]
 
@@ -135,7 +136,7 @@ class PoolSession:
         m.check_reserve_return(owner, cls, call.reserve_return)
         try:
             extend = m.extend_columns(owner, call.seq_ids, call.counts, call.tokens, call.claim_counts, call.claims)
-            released = m.free(owner, call.free_ids) if call.free_ids else 0
+            released = m.free(owner, call.free_ids, written=call.free_written) if call.free_ids else 0
             if call.free_ids:
                 pool.tiers.forget(owner, call.free_ids)
             if call.reserve_return:
