@@ -3,6 +3,7 @@
     python3 benchmarks/bench_remote.py [--prompts 8] [--blocks 32] [--writes 2000] [--repeats 7]
                                        [--ttft-prompts 3] [--ttft-tokens 4096] [--only all|raw|ttft]
     python3 benchmarks/bench_remote.py --only raw --tls   # part 3 over rediss://
+    python3 benchmarks/bench_remote.py --only raw --keyed  # part 3 with a secret: HMAC-SHA256 names and tags
     python3 benchmarks/bench_remote.py --only ttft --device cuda --redis-server .redis-bundle/bin/redis-server
 
 Needs ``redis-server`` (started here on a Unix socket, no persistence; ``--redis-server`` names another,
@@ -26,7 +27,9 @@ e.g. the bundle that scripts/redis-bundle.sh makes for a machine without one).
    keys, one ``MGET``, header and checksum checks) against redis-py's own
    pipelined ``SET``/``GET`` of values of the same sizes, 32 KiB and 2 MiB
    blocks, interleaved, median of ``--repeats``; the ratio (tier / raw) is the
-   share of the client's bandwidth the tier keeps.
+   share of the client's bandwidth the tier keeps.  With ``--keyed`` the tier
+   has a secret (``--remote-key-file``): HMAC-SHA256 block names and value
+   tags instead of the xxh3 checksum.
 4. **Time to first token, prompt found in Redis vs computed.**  A Llama-shaped
    random model through ``kvpool.hf.PagedModel``: on the CPU backend
    (``--device cpu``) a small one (4 layers, hidden 512, 8 heads over 2 KV
@@ -46,6 +49,7 @@ e.g. the bundle that scripts/redis-bundle.sh makes for a machine without one).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -157,12 +161,15 @@ def write_behind(redis, n: int, block_bytes: int, batch: int) -> dict:
         store.close()
 
 
-def tier_vs_raw(redis, block_bytes: int, blocks: int, repeats: int, tls_ca: str = "") -> dict:
+def tier_vs_raw(redis, block_bytes: int, blocks: int, repeats: int, tls_ca: str = "",
+                secret: bytes | None = None) -> dict:
     """GB/s of payload bytes: the tier's batched write and read paths vs the raw client's pipelined SET/GET
-    (``tls_ca``: both over the server's ``rediss://`` URL, verified against this CA)."""
+    (``tls_ca``: both over the server's ``rediss://`` URL, verified against this CA; ``secret``: the tier's
+    names and checks keyed with it)."""
     from kvpoold.transfer.remote import Namespace, RemoteSettings, RemoteStore
 
-    store = RemoteStore(RemoteSettings(redis.url, batch_blocks=blocks, timeout=60, socket_timeout=60, tls_ca=tls_ca))
+    store = RemoteStore(RemoteSettings(redis.url, batch_blocks=blocks, timeout=60, socket_timeout=60, tls_ca=tls_ca,
+                                       secret=secret))
     if tls_ca:
         import redis as redis_py
 
@@ -171,7 +178,7 @@ def tier_vs_raw(redis, block_bytes: int, blocks: int, repeats: int, tls_ca: str 
         raw = redis.client()
         raw.connection_pool.connection_kwargs["socket_timeout"] = 60
     try:
-        ns = Namespace("tvr", f"tier-vs-raw {block_bytes}", block_bytes)
+        ns = Namespace("tvr", f"tier-vs-raw {block_bytes}", block_bytes, secret)
         rows = list(np.random.default_rng(block_bytes).integers(0, 256, (blocks, block_bytes), np.uint8))
         digests = [i.to_bytes(16, "little") for i in range(blocks)]
         batch = [(ns.key(d), ns, row) for d, row in zip(digests, rows)]
@@ -183,7 +190,7 @@ def tier_vs_raw(redis, block_bytes: int, blocks: int, repeats: int, tls_ca: str 
 
         def tier_read():
             got = store.fetch(ns, [digests])
-            assert len(got.payloads) == blocks and got.corrupt == 0
+            assert len(got.payloads) == blocks and got.refused == 0
 
         def raw_write():
             pipe = raw.pipeline(transaction=False)
@@ -336,6 +343,11 @@ def ttft(redis, args) -> dict:
             d.stop()
 
 
+def raw_key(args) -> str:
+    """The JSON key of the tier-vs-raw part: how it ran (TLS, keyed) is in its name."""
+    return "tier_vs_raw" + ("_tls" if args.tls else "") + ("_keyed" if args.keyed else "")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", type=int, default=8)
@@ -349,6 +361,9 @@ def main() -> None:
     ap.add_argument("--tls", action="store_true",
                     help="with --only raw: the tier and the raw client over TLS (rediss://, a throwaway CA made "
                          "with the openssl command; JSON: tier_vs_raw_tls)")
+    ap.add_argument("--keyed", action="store_true",
+                    help="with --only raw: the tier with a secret (HMAC-SHA256 names and tags, as with "
+                         "--remote-key-file; JSON: tier_vs_raw_keyed)")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                     help="the TTFT part's daemons (--backend) and model; cuda goes with --only ttft "
                          "(JSON: results/remote_cuda.json)")
@@ -358,8 +373,8 @@ def main() -> None:
     ap.add_argument("--redis-server", default="redis-server",
                     help="the redis-server to start, e.g. .redis-bundle/bin/redis-server (scripts/redis-bundle.sh)")
     args = ap.parse_args()
-    if args.tls and args.only != "raw":
-        ap.error("--tls goes with --only raw")
+    if (args.tls or args.keyed) and args.only != "raw":
+        ap.error("--tls and --keyed go with --only raw")
     if args.device == "cuda" and args.only != "ttft":
         ap.error("--device cuda goes with --only ttft")
     args.ttft_model = args.ttft_model or ("llama-3.2-1b" if args.device == "cuda" else "small")
@@ -376,8 +391,9 @@ def main() -> None:
             results["write_behind"] = [write_behind(redis, args.writes, bb, batch)
                                        for bb in (4096, 64 << 10) for batch in (256, 1)]
         if args.only in ("all", "raw"):  # 64 MiB of values per pass for either size
-            results["tier_vs_raw_tls" if certs else "tier_vs_raw"] = [
-                tier_vs_raw(redis, bb, (64 << 20) // bb, args.repeats, certs.ca if certs else "")
+            secret = os.urandom(32) if args.keyed else None
+            results[raw_key(args)] = [
+                tier_vs_raw(redis, bb, (64 << 20) // bb, args.repeats, certs.ca if certs else "", secret)
                 for bb in (32 << 10, 2 << 20)]
         if args.only in ("all", "ttft"):
             results["ttft"] = ttft(redis, args)
@@ -394,7 +410,7 @@ def main() -> None:
         print_table("write-behind to Redis (queue to stored)", ["block", "batch", "blocks/s", "MB/s", "seconds"],
                     [[f"{w['block_bytes'] >> 10} KiB", str(w["batch"]), f"{w['blocks_per_s']:.0f}",
                       f"{w['mb_per_s']:.0f}", f"{w['seconds']:.2f}"] for w in results["write_behind"]])
-    for key in ("tier_vs_raw", "tier_vs_raw_tls"):
+    for key in ("tier_vs_raw", "tier_vs_raw_tls", "tier_vs_raw_keyed", "tier_vs_raw_tls_keyed"):
         if key not in results:
             continue
         rows = []
@@ -403,7 +419,7 @@ def main() -> None:
             for way in ("write", "read"):
                 rows.append([size, str(r["blocks"]), way, f"{r[f'tier_{way}_gbps']:.2f}",
                              f"{r[f'raw_{way}_gbps']:.2f}", f"{r[f'{way}_ratio']:.2f}"])
-        over = "TLS on localhost" if key.endswith("tls") else "a Unix socket"
+        over = ("TLS on localhost" if "tls" in key else "a Unix socket") + (", keyed" if "keyed" in key else "")
         print_table(f"the tier vs redis-py's pipelined SET/GET over {over} (payload GB/s, median of "
                     f"{args.repeats}, interleaved)", ["block", "blocks", "way", "tier GB/s", "raw GB/s", "tier/raw"],
                     rows)

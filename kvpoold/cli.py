@@ -99,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
                                         "redis://[user:password@]host:6379/0, rediss://..., unix:///path "
                                         "(default: none)")
     p.add_argument("--remote-password-file", help="tier 3: read the server's password from this file")
+    p.add_argument("--remote-key-file", metavar="FILE",
+                   help="tier 3: a secret (at least 16 bytes; mode 600, the daemon's user's) that keys block "
+                        "names and authenticates values, the same on every daemon meant to share blocks; without "
+                        "it anyone who can reach the server can read and forge cached KV (default: none)")
     p.add_argument("--remote-tls-ca", metavar="FILE",
                    help="tier 3, rediss://: the CA certificates (PEM) the server's certificate must chain to "
                         "(default: the system's trusted CAs)")
@@ -133,8 +137,8 @@ FLAG_KEYS = (
     "host_bytes", "disk_dir", "disk_bytes",  # tiers
     "tenant_by",
     "cuda_memory", "release_after_seconds",  # elastic GPU memory
-    "remote_url", "remote_password_file", "remote_cluster", "remote_prefix", "remote_ttl", "remote_timeout",
-    "remote_write", "events_stream",  # remote tier, KV events
+    "remote_url", "remote_password_file", "remote_key_file", "remote_cluster", "remote_prefix", "remote_ttl",
+    "remote_timeout", "remote_write", "events_stream",  # remote tier, KV events
     "remote_tls_ca", "remote_tls_cert", "remote_tls_key",  # the remote tier's TLS
 )
 

@@ -12,6 +12,7 @@ import importlib.util
 import math
 import os
 import re
+import stat
 import tomllib
 import urllib.parse
 from dataclasses import dataclass, fields, replace
@@ -40,6 +41,9 @@ MAX_SECONDS = 365 * 86400.0  # asyncio timers overflow far above; a year is "nev
 MAX_MESSAGE_BYTES = 256 << 20
 MAX_TOKENS_PER_CALL = MAX_MESSAGE_BYTES // 8
 REMOTE_SCHEMES = ("redis", "rediss", "unix")
+# The remote tier's secret: 128 bits at least; far more is no key file (a path given by mistake).
+MIN_KEY_BYTES = 16
+MAX_KEY_BYTES = 4096
 # sockaddr_un.sun_path is 108 bytes on Linux, one of them the terminating NUL.
 SUN_PATH_MAX = 107
 
@@ -164,6 +168,7 @@ class Config:
     # -- remote tier (3): Redis or Valkey shared by the daemons of several machines --
     remote_url: str = ""  # redis://host:6379/0, rediss://..., unix:///path; "": no remote tier
     remote_password_file: str = ""  # the password, read from this file (instead of the URL)
+    remote_key_file: str = ""  # the secret that keys block names and value tags; "": none (the server is trusted)
     remote_tls_ca: str = ""  # rediss://: the CA certificates (PEM) the server's must chain to; "": the system's
     remote_tls_cert: str = ""  # rediss://: this daemon's client certificate (PEM), for servers that require one
     remote_tls_key: str = ""  # rediss://: the client certificate's private key (PEM); "": in remote_tls_cert's file
@@ -257,6 +262,7 @@ _PARSERS = {
     "release_after_seconds": _float,
     "remote_url": str,
     "remote_password_file": str,
+    "remote_key_file": str,
     "remote_tls_ca": str,
     "remote_tls_cert": str,
     "remote_tls_key": str,
@@ -366,8 +372,15 @@ def _validate_remote(cfg: Config, bad) -> None:
             raise ConfigError("remote_url needs the redis package: pip install 'kvpool[remote]'")
     elif cfg.events_stream:
         raise bad("events_stream", "needs remote_url (the stream lives on the remote tier's server)")
+    elif cfg.remote_key_file:
+        raise bad("remote_key_file", "needs remote_url (it keys the remote tier)")
     if cfg.remote_password_file and not os.access(cfg.remote_password_file, os.R_OK):
         raise bad("remote_password_file", "cannot be read")
+    if cfg.remote_key_file:
+        try:
+            read_key_file(cfg.remote_key_file)
+        except ValueError as exc:
+            raise bad("remote_key_file", str(exc)) from None
     _validate_tls(cfg, bad)
     if not cfg.remote_prefix or any(c.isspace() for c in cfg.remote_prefix):
         raise bad("remote_prefix", "must be a non-empty string without spaces")
@@ -377,6 +390,35 @@ def _validate_remote(cfg: Config, bad) -> None:
         raise bad("remote_timeout", "must be in (0, 60] seconds")
     if cfg.remote_write not in ("through", "evict"):
         raise bad("remote_write", "must be through or evict")
+
+
+def read_key_file(path: str) -> bytes:
+    """The remote tier's secret in ``path``, without surrounding whitespace (a trailing newline).
+
+    The file must be a regular file of this process's user that no group or other user may read or
+    write (the secret lets whoever holds it write blocks every daemon serves to its models), holding at
+    least ``MIN_KEY_BYTES`` bytes; else ValueError saying why (never what it holds).
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
+    except OSError as exc:
+        raise ValueError(f"cannot be read ({exc.strerror})") from None
+    try:
+        st = os.fstat(fd)  # of the file opened: nothing can swap it between the check and the read
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError("is not a regular file")
+        if st.st_uid != os.geteuid():
+            raise ValueError(f"is owned by uid {st.st_uid}, not by the daemon's user (uid {os.geteuid()}): chown it")
+        if st.st_mode & 0o077:
+            raise ValueError(f"has mode {stat.S_IMODE(st.st_mode):o}: group and others must have no access "
+                             f"(chmod 600)")
+        secret = os.read(fd, MAX_KEY_BYTES + 1).strip()
+    finally:
+        os.close(fd)
+    if not MIN_KEY_BYTES <= len(secret) <= MAX_KEY_BYTES:
+        raise ValueError(f"holds {len(secret)} bytes of key; {MIN_KEY_BYTES} to {MAX_KEY_BYTES} are needed "
+                         f"(e.g. head -c 32 /dev/urandom > FILE)")
+    return secret
 
 
 def _validate_tls(cfg: Config, bad) -> None:

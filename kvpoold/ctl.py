@@ -190,12 +190,12 @@ def remote_table(r) -> Table:
     table = Table(title=f"remote tier · {r.url} · {r.state.upper()}",
                   caption=f"last error: {r.last_error}" if r.last_error else None)
     for col in ("lookups", "hit / miss (blocks)", "mean latency", "read", "written (blocks)", "write queue",
-                "timeouts / failures / skipped", "corrupt", "dropped writes"):
+                "timeouts / failures / skipped", "corrupt / forged", "dropped writes"):
         table.add_column(col, justify="right")
     table.add_row(str(r.lookups), f"{r.hit_blocks} / {r.miss_blocks}", f"{r.fetch_ms:.2f} ms",
                   human_bytes(r.bytes_read), f"{human_bytes(r.bytes_written)} ({r.blocks_written})",
                   str(r.write_queue_blocks), f"{r.timeouts} / {r.failures} / {r.skipped_lookups}",
-                  str(r.corrupt_blocks), str(r.write_dropped))
+                  f"{r.corrupt_blocks} / {r.forged_blocks}", str(r.write_dropped))
     return table
 
 

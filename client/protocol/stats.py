@@ -131,6 +131,7 @@ class RemoteStats:
     fetch_seconds: float = 0.0
     write_seconds: float = 0.0
     last_error: str = ""
+    forged_blocks: int = 0  # with --remote-key-file: values whose tag did not verify; dropped, never served
 
     @property
     def fetch_ms(self) -> float:

@@ -78,6 +78,10 @@ class Service:
         stream = None
         if self.remote is not None and config.events_stream:
             stream = partial(self.remote.add_event, config.events_stream)
+            if config.remote_key_file:  # routers need the plain block hashes: the secret does not cover them
+                log.warning("--events-stream %s: the stream carries every tenant's block hashes in the clear; "
+                            "whoever can read it can tell which prompts are cached (let only the router read "
+                            "it: a Redis ACL)", printable(config.events_stream))
         self.events = EventBus(stream=stream)  # KV events of every pool (the Events RPC)
 
     @property

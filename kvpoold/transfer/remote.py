@@ -1,13 +1,26 @@
 """Tier 3: a remote block store on Redis or Valkey, shared by the daemons of several machines.
 
 Blocks are content-addressed: a block's key is
-``<prefix>:<layout tag>:<block hash>``.  The hash chain already names the
+``<prefix>:<layout tag>:<block name>``.  The hash chain already names the
 model id, revision and extra key; the layout tag names the block's geometry
 and its tenant, so layouts never collide and tenants never see each other's
-blocks.  A value is a header (magic, version, xxh3-64 checksum of the
-payload, payload bytes, the layout it was written with) and the block's
-bytes; a value whose header, layout or checksum does not match is dropped,
-counted as corrupt, deleted and treated as missing.
+blocks.  A value is a header (magic, version, check, payload bytes, the
+layout it was written with) and the block's bytes; a value whose header,
+layout or check does not match is dropped, counted, deleted and treated as
+missing.
+
+Everyone who can reach the server is trusted unless the operator gives a
+secret (``--remote-key-file``).  Without one, the block name is the block
+hash in hex and the check an xxh3-64 checksum: whoever reaches the server can
+compute a prompt's keys from its tokens (and learn whether it is cached,
+and read its KV) and write values that pass.  With one, the layout tag, the
+block name (HMAC-SHA256 of the block hash) and the check (an HMAC-SHA256 tag
+over the value's key and payload) are keyed with keys derived from the
+secret and the layout, so per tenant: keys cannot be told from a prompt, and
+a value that nobody holding the secret wrote for that very key is refused
+(counted as forged) before any byte of it reaches a pool.  Daemons with the
+same secret share blocks (per tenant and model, as without one); values are
+not encrypted.
 
 Nothing here runs on the daemon's event loop except the cheap calls that
 queue work (``put``) and hand a fetch to the worker pool (``submit_fetch``):
@@ -36,11 +49,12 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import hmac
 import logging
 import struct
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import xxhash
 
@@ -49,8 +63,14 @@ from kvpoold.config import redact
 log = logging.getLogger("kvpoold")
 
 MAGIC = b"KVPR"
-VERSION = 1
-_HEADER = struct.Struct("<4sBxxxQQH")  # magic, version, xxh3-64 of the payload, payload bytes, layout length
+CHECKSUMMED = 1  # the version of a value written without a secret: an xxh3-64 checksum of the payload
+AUTHENTICATED = 2  # the version of a value written with one: an HMAC-SHA256 tag of its key and payload
+_PROLOGUE = struct.Struct("<4sB")  # magic, version
+_HEADERS = {  # magic, version, the check, payload bytes, layout length
+    CHECKSUMMED: struct.Struct("<4sBxxxQQH"),
+    AUTHENTICATED: struct.Struct("<4sBxxx32sQH"),
+}
+NAME_BYTES = 16  # of a keyed block name: as many as a block hash has, unguessable without the secret
 EVENT_QUEUE = 10000  # KV events waiting for the stream; beyond, the oldest are dropped
 STREAM_MAXLEN = 100000  # the stream is capped (approximately) at this many entries
 READ_SIZE = 256 << 10  # bytes per socket read (redis-py's default, 64 KiB, costs a read and a parse per 64 KiB)
@@ -72,16 +92,22 @@ class RemoteSettings:
     tls_ca: str = ""  # rediss://: CA certificates (PEM file) to verify the server with; "": the system's
     tls_cert: str = ""  # rediss://: client certificate (PEM file), for mutual TLS
     tls_key: str = ""  # its private key (PEM file); "": in ``tls_cert``
+    #: keys the names and checks of blocks (``--remote-key-file``); None: none (anyone who reaches the server
+    #: can probe and forge). Never shown: not in the repr
+    secret: bytes | None = field(default=None, repr=False)
 
     @classmethod
     def from_config(cls, config) -> "RemoteSettings":
+        from kvpoold.config import read_key_file
+
         password = None
         if config.remote_password_file:
             with open(config.remote_password_file) as f:
                 password = f.read().strip()
+        secret = read_key_file(config.remote_key_file) if config.remote_key_file else None
         return cls(config.remote_url, password, config.remote_cluster, config.remote_prefix, config.remote_ttl,
                    config.remote_timeout, tls_ca=config.remote_tls_ca, tls_cert=config.remote_tls_cert,
-                   tls_key=config.remote_tls_key)
+                   tls_key=config.remote_tls_key, secret=secret)
 
     @property
     def tls(self) -> bool:
@@ -103,18 +129,55 @@ class RemoteSettings:
 
 
 class Namespace:
-    """The keys of one layout (geometry and tenant) in the store, and its values' layout bytes."""
+    """The keys of one layout (geometry and tenant) in the store, and the header and check of its values.
 
-    __slots__ = ("prefix", "layout", "block_bytes")
+    With a ``secret``, three keys are derived from it and the layout (so one set per tenant): one names the
+    layout's tag, one the blocks (``key``), one seals the values (``head``, ``decode``).
+    """
 
-    def __init__(self, key_prefix: str, layout: str, block_bytes: int) -> None:
+    __slots__ = ("prefix", "layout", "block_bytes", "_name_key", "_seal_key")
+
+    def __init__(self, key_prefix: str, layout: str, block_bytes: int, secret: bytes | None = None) -> None:
         self.layout = layout.encode()
         self.block_bytes = block_bytes
-        tag = xxhash.xxh3_64_hexdigest(self.layout)
+        if secret is None:
+            self._name_key = self._seal_key = None
+            tag = xxhash.xxh3_64_hexdigest(self.layout)
+        else:
+            self._name_key = derive_key(secret, b"name", self.layout)
+            self._seal_key = derive_key(secret, b"seal", self.layout)
+            tag = derive_key(secret, b"tag", self.layout)[:8].hex()
         self.prefix = f"{key_prefix}:{tag}:".encode()
 
+    @property
+    def authenticated(self) -> bool:
+        """Whether values are sealed with a secret's tag (else checksummed)."""
+        return self._seal_key is not None
+
     def key(self, digest: bytes) -> bytes:
-        return self.prefix + digest.hex().encode()
+        if self._name_key is None:
+            return self.prefix + digest.hex().encode()
+        return self.prefix + hmac.digest(self._name_key, digest, "sha256")[:NAME_BYTES].hex().encode()
+
+    def tag(self, key: bytes, view: memoryview) -> bytes:
+        """The HMAC-SHA256 tag of the value of ``key`` holding ``view``: it binds the payload to that key
+        (a value copied to another key of the tenant does not verify there)."""
+        mac = hmac.new(self._seal_key, len(key).to_bytes(2, "little") + key, "sha256")
+        mac.update(view)
+        return mac.digest()
+
+    def head(self, key: bytes, view: memoryview) -> bytes:
+        """What the value of ``key`` holds before its payload ``view`` (bytes): the header and the layout."""
+        if self._seal_key is None:
+            check, version = xxhash.xxh3_64_intdigest(view), CHECKSUMMED
+        else:
+            check, version = self.tag(key, view), AUTHENTICATED
+        return _HEADERS[version].pack(MAGIC, version, check, len(view), len(self.layout)) + self.layout
+
+
+def derive_key(secret: bytes, purpose: bytes, layout: bytes) -> bytes:
+    """A key for one ``purpose`` in one layout's namespace: HMAC-SHA256(secret, purpose NUL layout)."""
+    return hmac.digest(secret, b"kvpool-remote/1 " + purpose + b"\0" + layout, "sha256")
 
 
 def layout_string(geometry: dict) -> str:
@@ -122,16 +185,11 @@ def layout_string(geometry: dict) -> str:
     return "kvpool-block/1 " + " ".join(f"{k}={geometry[k]}" for k in sorted(geometry))
 
 
-def head(ns: Namespace, view: memoryview) -> bytes:
-    """What a stored value holds before its payload ``view`` (bytes): the header and the layout."""
-    return _HEADER.pack(MAGIC, VERSION, xxhash.xxh3_64_intdigest(view), len(view), len(ns.layout)) + ns.layout
-
-
-def encode(ns: Namespace, payload) -> bytes:
-    """A stored value: header, layout, payload (one copy of the payload; the single-server write path sends
-    the head and the payload as separate buffers instead, ``pack_sets``)."""
+def encode(ns: Namespace, key: bytes, payload) -> bytes:
+    """The value of ``key``: header, layout, payload (one copy of the payload; the single-server write path
+    sends the head and the payload as separate buffers instead, ``pack_sets``)."""
     view = memoryview(payload).cast("B")
-    return head(ns, view) + view
+    return ns.head(key, view) + view
 
 
 def pack_sets(batch: list, ttl: int) -> tuple[list, int]:
@@ -148,7 +206,7 @@ def pack_sets(batch: list, ttl: int) -> tuple[list, int]:
     sent = 0
     for k, ns, payload in batch:
         view = memoryview(payload).cast("B")
-        h = head(ns, view)
+        h = ns.head(k, view)
         n = len(h) + len(view)
         out.append(b"%s%s%d\r\n%s\r\n$%d\r\n%s" % (before, start, len(k), k, n, h))
         out.append(view)
@@ -158,20 +216,27 @@ def pack_sets(batch: list, ttl: int) -> tuple[list, int]:
     return out, sent
 
 
-def decode(ns: Namespace, value: bytes) -> memoryview | None:
-    """The payload of a stored value, or None when it is not a whole, intact block of ``ns``'s layout."""
-    if value is None or len(value) < _HEADER.size:
+def decode(ns: Namespace, key: bytes, value: bytes) -> memoryview | None:
+    """The payload of the value of ``key``, or None when it is not a whole block of ``ns``'s layout whose
+    check verifies (with a secret: a tag made with it for this key, compared in constant time)."""
+    if value is None or len(value) < _PROLOGUE.size:
         return None
-    magic, version, csum, nbytes, nlayout = _HEADER.unpack_from(value)
-    start = _HEADER.size + nlayout
-    if magic != MAGIC or version != VERSION or nbytes != ns.block_bytes or len(value) != start + nbytes:
+    magic, version = _PROLOGUE.unpack_from(value)
+    if magic != MAGIC or version != (AUTHENTICATED if ns.authenticated else CHECKSUMMED):
         return None
-    if nlayout != len(ns.layout) or not value.startswith(ns.layout, _HEADER.size):
+    header = _HEADERS[version]
+    if len(value) < header.size:
+        return None
+    _, _, check, nbytes, nlayout = header.unpack_from(value)
+    start = header.size + nlayout
+    if nbytes != ns.block_bytes or len(value) != start + nbytes:
+        return None
+    if nlayout != len(ns.layout) or not value.startswith(ns.layout, header.size):
         return None
     payload = memoryview(value)[start:]
-    if xxhash.xxh3_64_intdigest(payload) != csum:
-        return None
-    return payload
+    if ns.authenticated:
+        return payload if hmac.compare_digest(check, ns.tag(key, payload)) else None
+    return payload if xxhash.xxh3_64_intdigest(payload) == check else None
 
 
 def redis_exceptions():
@@ -216,7 +281,7 @@ class Fetched:
 
     payloads: dict
     asked: int
-    corrupt: int = 0
+    refused: int = 0  # values that failed their check (counted as corrupt, or with a secret as forged)
 
 
 class RemoteStore:
@@ -245,6 +310,7 @@ class RemoteStore:
         self.timeouts = 0
         self.failures = 0
         self.corrupt_blocks = 0
+        self.forged_blocks = 0  # with a secret: values whose tag did not verify (nobody holding it wrote them)
         self.blocks_written = 0
         self.bytes_written = 0
         self.bytes_read = 0
@@ -256,6 +322,9 @@ class RemoteStore:
         self._writer = threading.Thread(target=self._write_forever, name="kvpool-remote-write", daemon=True)
         self._writer.start()
         self._fetches.submit(self._probe)  # operators see "connected" (or why not) at start
+        if settings.secret is None:
+            log.warning("remote tier without --remote-key-file: anyone who can reach %s can read and forge "
+                        "cached KV and tell which prompts are cached", redact(settings.url))
 
     def _probe(self) -> None:
         try:
@@ -328,7 +397,8 @@ class RemoteStore:
             read: False: only find out which exist (the payloads are None).
         Returns:
             ``Fetched``: hash -> verified payload (or None) of every block of the prefixes found; a chain
-            stops at its first missing or bad block.
+            stops at its first missing or refused block (a refused value is deleted and counted: corrupt,
+            or with a secret forged).
         """
         t0 = time.perf_counter()
         asked = sum(map(len, chains))
@@ -337,7 +407,7 @@ class RemoteStore:
             lengths = self._prefix_lengths([[k for _, k in chain] for chain in keyed])
             prefixes = [chain[:n] for chain, n in zip(keyed, lengths)]
             payloads: dict = {}
-            corrupt = 0
+            refused = 0
             if not read:
                 payloads = {d: None for prefix in prefixes for d, _ in prefix}
             elif any(prefixes):
@@ -350,7 +420,7 @@ class RemoteStore:
                         if d in payloads:
                             continue  # another chain's block, read and checked already
                         v = values[k]
-                        payload = decode(ns, v) if v is not None and k not in bad else None
+                        payload = decode(ns, k, v) if v is not None and k not in bad else None
                         if payload is None:
                             if v is not None:
                                 bad.add(k)
@@ -358,12 +428,16 @@ class RemoteStore:
                         nread += len(v)
                         payloads[d] = payload
                 if bad:
-                    corrupt = len(bad)
+                    refused = len(bad)
                     pipe = self.client.pipeline(transaction=False)
                     for k in bad:  # nobody else trips on them; a writer puts good ones back
                         pipe.delete(k)  # one key per command: the keys of a cluster live on several nodes
                     pipe.execute()
-                    log.warning("remote tier: %d blocks failed their checksum or layout check: dropped", corrupt)
+                    if ns.authenticated:
+                        log.warning("remote tier: %d values without a valid tag of --remote-key-file's secret "
+                                    "(forged, or altered in the store): dropped", refused)
+                    else:
+                        log.warning("remote tier: %d blocks failed their checksum or layout check: dropped", refused)
                 with self._lock:
                     self.bytes_read += nread
         except Exception as exc:  # noqa: BLE001 - any fault of the store is a miss, never an error
@@ -372,8 +446,11 @@ class RemoteStore:
         self._succeeded()
         with self._lock:
             self.fetch_seconds += time.perf_counter() - t0
-            self.corrupt_blocks += corrupt
-        return Fetched(payloads, asked, corrupt)
+            if ns.authenticated:
+                self.forged_blocks += refused
+            else:
+                self.corrupt_blocks += refused
+        return Fetched(payloads, asked, refused)
 
     def _prefix_lengths(self, chains: list[list[bytes]]) -> list[int]:
         """How many keys of each chain exist before its first missing one.
@@ -499,7 +576,7 @@ class RemoteStore:
             pipe = self.client.pipeline(transaction=False)
             sent = 0
             for k, ns, row in batch:
-                v = encode(ns, row)
+                v = encode(ns, k, row)
                 sent += len(v)
                 if ttl:
                     pipe.set(k, v, ex=ttl)
@@ -596,10 +673,10 @@ class RemoteStore:
             return dict(
                 url=redact(self.settings.url), state=state, lookups=self.lookups, hit_blocks=self.hit_blocks,
                 miss_blocks=self.miss_blocks, skipped_lookups=self.skipped_lookups, timeouts=self.timeouts,
-                failures=self.failures, corrupt_blocks=self.corrupt_blocks, blocks_written=self.blocks_written,
-                bytes_written=self.bytes_written, bytes_read=self.bytes_read, write_dropped=self.write_dropped,
-                write_queue_blocks=len(self._queue), fetch_seconds=self.fetch_seconds,
-                write_seconds=self.write_seconds, last_error=self.last_error,
+                failures=self.failures, corrupt_blocks=self.corrupt_blocks, forged_blocks=self.forged_blocks,
+                blocks_written=self.blocks_written, bytes_written=self.bytes_written, bytes_read=self.bytes_read,
+                write_dropped=self.write_dropped, write_queue_blocks=len(self._queue),
+                fetch_seconds=self.fetch_seconds, write_seconds=self.write_seconds, last_error=self.last_error,
             )
 
     def close(self, flush_timeout: float = 2.0) -> None:
@@ -632,6 +709,7 @@ class RemoteLink:
 
     def bind(self, class_id: int, geometry: dict) -> Namespace:
         """Class ``class_id`` has this geometry (its tenant included): its namespace in the store."""
-        ns = Namespace(self.store.settings.prefix, layout_string(geometry), geometry["block_bytes"])
+        s = self.store.settings
+        ns = Namespace(s.prefix, layout_string(geometry), geometry["block_bytes"], s.secret)
         self.namespaces[class_id] = ns
         return ns

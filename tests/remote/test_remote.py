@@ -208,15 +208,16 @@ def test_evict_writes_only_blocks_leaving_the_last_local_tier_and_they_come_back
         check_sequence(ca, s, toks, blocks=3)
 
 
-def test_a_redis_cluster_given_by_one_node_stores_and_serves_blocks(redis_cluster):
+@pytest.mark.parametrize("secret", [None, b"k" * 32], ids=["checksummed", "keyed"])
+def test_a_redis_cluster_given_by_one_node_stores_and_serves_blocks(redis_cluster, secret):
     import numpy as np
 
     from kvpoold.transfer.remote import Namespace, RemoteSettings, RemoteStore
 
     cluster = redis_cluster()
-    store = RemoteStore(RemoteSettings(cluster.url, cluster=True))
+    store = RemoteStore(RemoteSettings(cluster.url, cluster=True, secret=secret))
     try:
-        ns = Namespace("kvpool", "a layout", 4096)
+        ns = Namespace("kvpool", "a layout", 4096, secret)
         digests = [bytes([i]) * 16 for i in range(40)]  # keys on every node
         store.put_many(ns, digests, [np.full(4096, i, np.uint8) for i in range(40)])
         assert store.flush(10) and store.blocks_written == 40

@@ -19,7 +19,7 @@ def test_each_chain_stops_at_its_first_missing_or_bad_block_and_writes_are_whole
         assert store.flush(10) and store.blocks_written == 10
         assert rc.ttl(ns.key(d[0])) == -1  # --remote-ttl 0: no expiry
         value = rc.get(ns.key(d[3]))
-        assert bytes(decode(ns, value)) == bytes([3]) * 1024  # a whole self-describing value
+        assert bytes(decode(ns, ns.key(d[3]), value)) == bytes([3]) * 1024  # a whole self-describing value
         rc.delete(ns.key(d[6]))  # a hole
         chains = [d[:4],  # all there
                   d[:10],  # stops at the hole (6)
@@ -30,7 +30,7 @@ def test_each_chain_stops_at_its_first_missing_or_bad_block_and_writes_are_whole
         got = store.fetch(ns, chains)
         assert set(got.payloads) == set(d[:6]) | set(d[7:10])
         assert all(bytes(got.payloads[h]) == bytes([h[0]]) * 1024 for h in got.payloads)
-        assert got.asked == 4 + 10 + 5 + 2 + 4 and got.corrupt == 0
+        assert got.asked == 4 + 10 + 5 + 2 + 4 and got.refused == 0
         found = store.fetch(ns, chains, read=False)
         assert found.payloads == dict.fromkeys(got.payloads)
         assert store.bytes_read == 9 * len(value)  # each block read once, however many chains ask for it
@@ -39,7 +39,7 @@ def test_each_chain_stops_at_its_first_missing_or_bad_block_and_writes_are_whole
         spoiled[40] ^= 1  # one payload byte
         rc.set(ns.key(d[1]), bytes(spoiled))
         got = store.fetch(ns, [d[:6], d[:3]])
-        assert set(got.payloads) == {d[0]} and got.corrupt == 1
+        assert set(got.payloads) == {d[0]} and got.refused == 1
         assert rc.get(ns.key(d[1])) is None  # dropped from the store
         assert store.failures == 0 and store.state == "connected"
     finally:
@@ -57,7 +57,7 @@ def test_writes_the_server_refuses_raise_and_leave_the_connection_in_step(redis_
         with pytest.raises(ResponseError, match="maxmemory"):
             store.write_batch([(ns.key(h), ns, np.full(64 << 10, i, np.uint8)) for i, h in enumerate(d)])
         got = store.fetch(ns, [d])  # the answers read are this fetch's, not the writes' left over
-        assert 0 < len(got.payloads) < 80 and got.corrupt == 0 and store.failures == 0
+        assert 0 < len(got.payloads) < 80 and got.refused == 0 and store.failures == 0
         assert bytes(got.payloads[d[1]]) == bytes([1]) * (64 << 10)
     finally:
         store.close()

@@ -18,15 +18,44 @@ GEOM = {"num_layers": 1, "num_kv_heads": 1, "head_dim": 8, "dtype": "float16", "
 def test_a_value_is_served_only_whole_of_its_layout_and_with_its_checksum():
     ns = Namespace("kvpool", layout_string(GEOM), BB)
     payload = np.arange(BB, dtype=np.uint32).astype(np.uint8)
-    value = encode(ns, payload)
-    assert bytes(decode(ns, value)) == payload.tobytes()
+    key = ns.key(b"\x01" * 16)
+    value = encode(ns, key, payload)
+    assert bytes(decode(ns, key, value)) == payload.tobytes()
     flipped = bytearray(value)
     flipped[-1] ^= 1
-    assert decode(ns, bytes(flipped)) is None  # checksum
-    assert decode(ns, value[:-1]) is None  # truncated
+    assert decode(ns, key, bytes(flipped)) is None  # checksum
+    assert decode(ns, key, value[:-1]) is None  # truncated
     other = Namespace("kvpool", layout_string({**GEOM, "tenant": "uid 7"}), BB)
-    assert decode(other, value) is None and other.prefix != ns.prefix  # another tenant's layout
-    assert ns.key(b"\x01" * 16).startswith(b"kvpool:") and ns.key(b"\x01" * 16).endswith(b"01" * 16)
+    assert decode(other, key, value) is None and other.prefix != ns.prefix  # another tenant's layout
+    assert key.startswith(b"kvpool:") and key.endswith(b"01" * 16)
+
+
+SECRET = b"0123456789abcdef0123456789abcdef"
+
+
+def test_with_a_secret_keys_are_unguessable_and_only_values_sealed_for_their_key_are_served():
+    lay = layout_string({**GEOM, "tenant": "uid 7"})
+    ns, plain = Namespace("kvpool", lay, BB, SECRET), Namespace("kvpool", lay, BB)
+    digest, next_digest = b"\x01" * 16, b"\x02" * 16
+    key = ns.key(digest)
+    assert key != plain.key(digest) and digest.hex().encode() not in key  # not the public block hash
+    assert ns.prefix != plain.prefix and len(key) == len(plain.key(digest))
+    again = Namespace("kvpool", lay, BB, SECRET)  # another daemon with the same secret: the same keys
+    assert again.key(digest) == key and again.prefix == ns.prefix
+    payload = np.arange(BB, dtype=np.uint32).astype(np.uint8)
+    value = encode(ns, key, payload)
+    assert bytes(decode(again, key, value)) == payload.tobytes()
+    assert decode(ns, ns.key(next_digest), value) is None  # copied to another block's key: refused
+    forged = encode(plain, key, payload)  # the checksummed format, its checksum valid
+    assert bytes(decode(plain, key, forged)) == payload.tobytes() and decode(ns, key, forged) is None
+    flipped = bytearray(value)
+    flipped[-1] ^= 1
+    assert decode(ns, key, bytes(flipped)) is None
+    other_secret = Namespace("kvpool", lay, BB, SECRET[::-1])
+    assert other_secret.key(digest) != key and decode(other_secret, key, value) is None
+    other_tenant = Namespace("kvpool", layout_string({**GEOM, "tenant": "uid 8"}), BB, SECRET)
+    assert other_tenant.key(digest) != key and other_tenant.prefix != ns.prefix
+    assert "0123456789abcdef" not in repr(RemoteSettings("redis://h", secret=SECRET))
 
 
 def test_urls_are_checked_and_passwords_never_shown():
