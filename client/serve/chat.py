@@ -19,7 +19,10 @@ def message_text(content) -> str:
     for part in content:
         if not isinstance(part, dict) or part.get("type") != "text":
             raise InvalidArgument("only text message parts are supported")
-        parts.append(part.get("text", ""))
+        text = part.get("text", "")
+        if not isinstance(text, str):
+            raise InvalidArgument("a text part's text must be a string")
+        parts.append(text)
     return "".join(parts)
 
 

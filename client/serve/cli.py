@@ -9,6 +9,8 @@ import signal
 import sys
 from pathlib import Path
 
+from .limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS, ServeLimits
+
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="a local transformers model directory (nothing is downloaded)")
@@ -29,6 +31,22 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="the pool layout's model id (default: the directory's name; its files make the revision)")
     p.add_argument("--name", default=None, help="this process's name in kvpoolctl clients")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--max-body-bytes", type=positive_int, default=DEFAULT_MAX_BODY_BYTES,
+                   help="the largest request body read; larger ones get 413 unread "
+                        f"(default: {DEFAULT_MAX_BODY_BYTES}, 2 MiB)")
+    p.add_argument("--max-waiting-requests", type=positive_int, default=DEFAULT_MAX_WAITING_REQUESTS,
+                   help="requests waiting for a place in the batch (being tokenized or queued) beyond which new "
+                        f"ones get 429 with Retry-After (default: {DEFAULT_MAX_WAITING_REQUESTS})")
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1; got {value}")
+    return value
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -51,7 +69,8 @@ def serve(args: argparse.Namespace) -> int:
                             block_size=args.block_size, tokenizer=tokenizer, config=config)
     try:
         engine.warm_up().start()
-        app = build_app(engine, name)
+        limits = ServeLimits(max_body_bytes=args.max_body_bytes, max_waiting_requests=args.max_waiting_requests)
+        app = build_app(engine, name, limits)
         print(f"kvpool serve: {name} on http://{args.host}:{args.port} (pool: {engine.client.backend}, "
               f"swap to host tier: {engine.swap})", flush=True)
         # uvicorn shuts down on SIGINT / SIGTERM and then raises the signal again for the handler it

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -9,15 +11,16 @@ _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 
 
 class _EngineCollector:
-    """Reads the engine's queue lengths and counters at scrape time."""
+    """Reads the engine's queue lengths and counters at scrape time; ``waiting()`` is the queue's length."""
 
-    def __init__(self, engine) -> None:
-        self.engine = engine
+    def __init__(self, engine, waiting: Callable[[], int]) -> None:
+        self.engine, self.waiting = engine, waiting
 
     def collect(self):
         s = self.engine.stats()
         for name, doc, value in (
-            ("kvpool_serve_requests_waiting", "requests queued, not yet in the batch (the queue length)", s.waiting),
+            ("kvpool_serve_requests_waiting",
+             "requests not yet in the batch: being tokenized or queued (the queue length)", self.waiting()),
             ("kvpool_serve_requests_running", "requests in the running batch", s.running),
             ("kvpool_serve_requests_swapped", "requests preempted to the host tier", s.swapped),
         ):
@@ -35,11 +38,12 @@ class _EngineCollector:
 
 
 class ServeMetrics:
-    """The registry behind ``/metrics``: latency histograms observed per request, engine figures per scrape."""
+    """The registry behind ``/metrics``: latency histograms observed per request, engine figures per scrape
+    (``waiting()``: the requests not yet in the batch, those being tokenized included)."""
 
-    def __init__(self, engine) -> None:
+    def __init__(self, engine, waiting: Callable[[], int]) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(engine))
+        self.registry.register(_EngineCollector(engine, waiting))
         self.ttft = Histogram("kvpool_serve_time_to_first_token_seconds", "arrival to first token",
                               buckets=_LATENCY, registry=self.registry)
         self.tpot = Histogram("kvpool_serve_time_per_output_token_seconds", "mean time between later tokens",

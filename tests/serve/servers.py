@@ -20,6 +20,38 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_for(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def send_raw(url: str, path: str, body: bytes = b"", **headers: str) -> socket.socket:
+    """POSTs ``body`` to ``url + path`` on a connection of its own and returns the socket, the response unread
+    (``read_raw``; or close the socket to hang up). ``headers`` (``content_length="..."`` for
+    ``Content-Length``) replace the defaults."""
+    host, port = url.removeprefix("http://").split(":")
+    fields = {"host": host, "connection": "close", "content_type": "application/json",
+              "content_length": str(len(body)), **headers}
+    head = f"POST {path} HTTP/1.1\r\n" + "".join(f"{k.replace('_', '-')}: {v}\r\n" for k, v in fields.items())
+    sock = socket.create_connection((host, int(port)), timeout=60)
+    sock.sendall(head.encode() + b"\r\n" + body)
+    return sock
+
+
+def read_raw(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
+    """The status, headers (lower-case names) and body of the response on ``sock``, read to the end."""
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    sock.close()
+    head, _, body = data.partition(b"\r\n\r\n")
+    status, *lines = head.decode().split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, v in (line.split(":", 1) for line in lines)}
+    return int(status.split()[1]), headers, body
+
+
 class Server:
     """A ``python -m kvpool.serve`` process; ``url`` once ``wait_ready`` returns."""
 
@@ -51,11 +83,15 @@ class Server:
             time.sleep(0.1)
         raise RuntimeError(f"kvpool serve did not become ready:\n{self.output()}")
 
-    def metric(self, name: str) -> float:
+    def metric(self, name: str, default: float | None = None) -> float:
+        """The value of the metric ``name`` (with its labels: ``name{label="value"}``); ``default`` when the
+        server has none yet (a labelled counter appears at its first count)."""
         for line in httpx.get(self.url + "/metrics").text.splitlines():
             if line.startswith(name + " ") or line.startswith(name + "{"):
                 return float(line.rsplit(" ", 1)[1])
-        raise KeyError(name)
+        if default is None:
+            raise KeyError(name)
+        return default
 
     def stop(self) -> None:
         self.proc.terminate()

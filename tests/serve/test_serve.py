@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -12,7 +11,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
 from hf_models import start_daemon  # noqa: E402
-from servers import Server  # noqa: E402
+from servers import Server, wait_for  # noqa: E402
 
 import kvpool  # noqa: E402
 from kvpool.serve.demo_model import build_demo_model  # noqa: E402
@@ -112,13 +111,6 @@ def test_bad_bodies_have_the_openai_error_shape(servers):
     assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
     r = httpx.post(url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
-
-
-def wait_for(predicate, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_sequence(servers, daemon):
