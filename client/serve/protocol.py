@@ -9,6 +9,12 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..engine import SamplingParams
 from ..errors import InvalidArgument
 
+#: every generated token is matched against each stop string and id on the engine thread, which serves every
+#: request: a request cannot make that cost unbounded (OpenAI's own limit is 4 strings)
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+
 
 class _Sampling(BaseModel):
     # unknown fields are ignored, as OpenAI-compatible servers commonly do
@@ -37,6 +43,12 @@ class _Sampling(BaseModel):
             raise InvalidArgument("presence_penalty and frequency_penalty are not supported")
         if self.logprobs:
             raise InvalidArgument("logprobs are not supported")
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        if len(stops) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_STRING_CHARS for s in stops):
+            raise InvalidArgument(f"stop takes at most {MAX_STOP_STRINGS} strings of at most "
+                                  f"{MAX_STOP_STRING_CHARS} characters each")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidArgument(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids")
 
     def params(self, max_tokens: int) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])

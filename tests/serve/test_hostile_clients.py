@@ -133,6 +133,12 @@ DEEP = b'{"model": "tiny", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
     pytest.param("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": '
                  b'[{"type": "text", "text": {"a": 1}}]}]}', 400, id="text-part-not-a-string"),
     pytest.param("/v1/nowhere", b"{}", 404, id="unknown-path"),
+    pytest.param("/v1/completions", b'{"model": "tiny", "prompt": "hi", "stop": [' + b",".join([b'"x"'] * 17) + b"]}",
+                 400, id="too-many-stop-strings"),
+    pytest.param("/v1/completions", b'{"model": "tiny", "prompt": "hi", "stop": "' + b"y" * 257 + b'"}', 400,
+                 id="stop-string-too-long"),
+    pytest.param("/v1/completions", b'{"model": "tiny", "prompt": "hi", "stop_token_ids": [' +
+                 b",".join([b"1"] * 65) + b"]}", 400, id="too-many-stop-ids"),
 ])
 def test_bad_bodies_get_openai_errors(server, path, body, status):
     r = httpx.post(server.url + path, content=body, headers={"content-type": "application/json"}, timeout=60)
