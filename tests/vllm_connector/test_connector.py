@@ -4,7 +4,7 @@ Three engine processes (tests/vllm_connector/run_engine.py) on a tiny random-wei
 built here live for the whole module, because each takes 30-90 s to start on a small
 machine: A and B with the connector on one real kvpoold (host and disk tiers, over its
 Unix socket), P without it.  The tests run in file order and share that daemon; the last
-one kills it.  In CI these tests run under .venv-vllm (see conftest.py here).
+one kills it.  In CI these tests run under vLLM's own venv (see conftest.py here).
 """
 
 from __future__ import annotations
