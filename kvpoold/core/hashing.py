@@ -58,8 +58,3 @@ def chain_hashes(parent: bytes, packed: array, block_size: int) -> list[bytes]:
         parent = _digest(parent + raw[start : start + step])
         out.append(parent)
     return out
-
-
-def block_hash(parent: bytes, block_tokens: array) -> bytes:
-    """Hash of one full block given its parent's hash."""
-    return _digest(parent + block_tokens.tobytes())

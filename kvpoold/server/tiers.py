@@ -459,10 +459,6 @@ class Tiers:
         self.poll()
         await fut
 
-    def wait_blocking(self, arrivals, timeout: float | None = None) -> bool:
-        """``wait`` without an event loop (tests, tools)."""
-        return self.engine is None or self.engine.wait(arrivals, timeout)
-
     # -- operators ------------------------------------------------------------------------------------------------
     def decorate(self, stats: ManagerStats) -> ManagerStats:
         """The core's tier counters plus the engine's bytes, seconds and corrupt blocks."""
