@@ -61,6 +61,7 @@ import numpy as np
 import torch
 
 from kvpool.kernels import paged_decode_attention, paged_prefill_attention, write_kv
+from kvpool.kernels.warm_up import warm_up_cpu_kernels
 
 from .client import Client, Sequence, connect
 from .errors import InvalidArgument
@@ -318,6 +319,8 @@ class PagedModel:
         device = next(model.parameters()).device
         if device.type == "cuda":  # the pool of the model's own GPU, whatever the current device is
             connect_kwargs.setdefault("device", device)
+        else:  # compiled before the session's lease starts: a compile holds the GIL, and the heartbeat with it
+            warm_up_cpu_kernels()
         client = connect(address, name=name, layout=layout, **connect_kwargs)
         try:
             return cls(model, client, kv_scales=kv_scales, owns_client=True)

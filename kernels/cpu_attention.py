@@ -406,7 +406,7 @@ def _accumulate(p, vb, acc, rows, lo_row, nk_row, d):
                 acc[ru, i] += p00 * vb[c_0, i] + p01 * vb[c_1, i] + p02 * vb[c_2, i] + p03 * vb[c_3, i]
 
 
-@numba.njit(parallel=True, fastmath=_FASTMATH, cache=True)
+@numba.njit(parallel=True, fastmath=_FASTMATH, cache=True, nogil=True)  # other threads (the heartbeat) run meanwhile
 def paged_attention_cpu(
     q16, q32, q_mode, k_bytes, v_bytes, kv_mode, fp8_values, k_stride, v_stride, num_kv_heads, block_size,
     block_tables, seq_lens, cu_seqlens, items, qk_scale, soft_cap, window, v_scale, out,

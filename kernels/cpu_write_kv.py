@@ -11,7 +11,7 @@ from __future__ import annotations
 from ._numba_compat import numba
 
 
-@numba.njit(parallel=True, cache=True)
+@numba.njit(parallel=True, cache=True, nogil=True)  # other threads (the heartbeat) run meanwhile
 def write_kv_cpu(key, value, k_bytes, v_bytes, slots, block_size, k_stride, v_stride, num_kv_heads, row_bytes):
     """``key``/``value``: uint8 ``[T, num_kv_heads * row_bytes]``; ``k_bytes``/``v_bytes``:
     flat uint8 views of one layer's cache from block 0 (strides in bytes).
