@@ -44,7 +44,7 @@ from kvpoold.config import LIVE_KEYS, MAX_MESSAGE_BYTES, Config, ConfigError, ch
 from kvpoold.memory import make_backend
 
 from .handoff import HandoffServer, handoff_path
-from .pools import disk_dir_for
+from .pools import check_disk_root, disk_dir_for
 from .sd import Notifier
 from .service import Service
 from .tiers import DiskTierError
@@ -155,6 +155,10 @@ def open_pools(config: Config, service: Service, instance: str, backend_kwargs: 
     devices = config.devices if config.backend == "cuda" else (-1,)
     if config.backend != "cuda" and config.devices != (0,):
         log.warning("devices %s: ignored by the %s backend, which has one pool", list(config.devices), config.backend)
+    try:
+        check_disk_root(config, len(devices))
+    except DiskTierError as exc:
+        raise StartupError(str(exc)) from None
     for device in devices:
         where = f" on GPU {device}" if device >= 0 else ""
         try:
