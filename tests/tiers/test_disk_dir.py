@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import os
 import stat
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -27,24 +24,7 @@ TIER_FILES = ["blocks-1.dat", "geometries.json", "index.log", "tiers.lock"]
 
 def _start_fails(tier_daemon, disk: Path) -> str:
     """Start a daemon with its disk tier in ``disk``: it must stop at once with exit 2 and one line; the line."""
-    d = tier_daemon(disk_blocks=64, disk_dir=disk, start=False)
-    with open(os.path.join(d.dir, "out"), "w+") as out, open(os.path.join(d.dir, "err"), "w+") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "kvpoold", *d.args], stdout=out, stderr=err, env=d.env)
-        deadline = time.monotonic() + 120
-        while proc.poll() is None and time.monotonic() < deadline:
-            out.seek(0)
-            if "kvpoold ready" in out.read():  # it started: stop it, the assertion below says so
-                proc.terminate()
-            time.sleep(0.1)
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-        out.seek(0)
-        err.seek(0)
-        stdout, stderr = out.read(), err.read()
-    assert proc.returncode == 2, stdout + stderr
-    assert stderr.count("\n") == 1 and stderr.startswith("kvpoold: "), stderr
-    return stderr
+    return tier_daemon(disk_blocks=64, disk_dir=disk, start=False).start_refused()
 
 
 def _fill_the_disk_tier(d) -> None:
