@@ -1,7 +1,7 @@
 """Two transformers model processes share one system prompt through kvpoold.
 
-    python3 -m kvpoold --socket /tmp/kvpool.sock &          # CPU backend by default
-    python3 examples/hf_shared_prefix.py --socket /tmp/kvpool.sock
+    python3 -m kvpoold --socket "$XDG_RUNTIME_DIR/kvpool.sock" &   # CPU backend by default
+    python3 examples/hf_shared_prefix.py --socket "$XDG_RUNTIME_DIR/kvpool.sock"
 
 Both processes load the same model (by default a small Llama with random
 weights made from a fixed seed, so nothing is downloaded; ``--arch qwen2`` for

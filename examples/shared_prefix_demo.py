@@ -1,6 +1,6 @@
 """Two model processes share one system prompt through kvpoold.
 
-    python3 examples/shared_prefix_demo.py --socket /tmp/kvpool.sock
+    python3 examples/shared_prefix_demo.py --socket "$XDG_RUNTIME_DIR/kvpool.sock"
 
 Each process attaches with the same model layout, creates a sequence made of
 a shared system prompt and its own question, computes K/V only for the tokens

@@ -83,8 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     # tiers
     p.add_argument("--host-bytes", help="tier 1: host memory (pinned on a GPU) for blocks evicted from the pool, "
                                         "e.g. 64GiB (default 0: none)")
-    p.add_argument("--disk-dir", help="tier 2: directory of the disk tier (default: the systemd state directory "
-                                      "/var/lib/kvpoold when it exists)")
+    p.add_argument("--disk-dir", help="tier 2: directory of the disk tier, kvpoold's user's own and not writable "
+                                      "by group or others (made 0700 when missing; default: the systemd state "
+                                      "directory /var/lib/kvpoold when it exists)")
     p.add_argument("--disk-bytes", help="tier 2: disk space for blocks, e.g. 500GiB (default 0: no disk tier)")
     # elastic GPU memory
     p.add_argument("--cuda-memory", choices=["auto", "vmm", "ipc"],

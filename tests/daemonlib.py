@@ -41,6 +41,29 @@ class Daemon:
             time.sleep(0.05)
         raise RuntimeError(f"kvpoold did not become ready:\n{self.output()}")
 
+    def start_refused(self, timeout: float = 120.0) -> str:
+        """Start it expecting a refusal: exit 2 with one line on stderr (asserted); returns that line.
+
+        A daemon that starts instead is stopped, and the assertion shows its output.
+        """
+        err_path = os.path.join(self.dir, "kvpoold.err")
+        with open(self.log, "w") as out, open(err_path, "w") as err:
+            self.proc = subprocess.Popen([sys.executable, "-m", "kvpoold", *self.args], stdout=out, stderr=err,
+                                         env=self.env, cwd=ROOT)
+            deadline = time.monotonic() + timeout
+            while self.proc.poll() is None and time.monotonic() < deadline:
+                if "kvpoold ready" in self.output():
+                    self.proc.terminate()
+                time.sleep(0.05)
+            if self.proc.poll() is None:
+                self.proc.kill()
+            self.proc.wait()
+        with open(err_path) as f:
+            stderr = f.read()
+        assert self.proc.returncode == 2, f"exit {self.proc.returncode}:\n{self.output()}{stderr}"
+        assert stderr.count("\n") == 1 and stderr.startswith("kvpoold: "), stderr
+        return stderr
+
     def output(self) -> str:
         with open(self.log) as f:
             return f.read()

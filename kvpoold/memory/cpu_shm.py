@@ -8,6 +8,15 @@ file system: nobody can squat it before the daemon starts, open it by path,
 or find it left behind after a crash (the kernel frees it with the last
 descriptor or mapping).
 
+Sealing: a client holds the very same file, so before its descriptor can
+leave the daemon its size is sealed (``ARENA_SEALS``: no shrinking, no
+growing, no further seals).  A client that could shrink it would make the
+daemon's next read of the arena (a swap-out, a demotion, a remote write)
+fault with SIGBUS and kill it for every tenant; one that could grow it would
+hold memory no budget counts, after it exits too.  Writing, punching holes
+and ``posix_fallocate`` inside the size stay possible (the daemon commits and
+releases with them); none of them can fault a reader.
+
 Memory accounting: ``ftruncate`` reserves nothing; a page is committed when it
 is first touched, or eagerly by ``commit`` (``posix_fallocate``, so memory that
 cannot be had is reported to the daemon as ``PoolDoesNotFit`` instead of
@@ -20,6 +29,7 @@ first touched them.
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import mmap
 import os
@@ -36,6 +46,8 @@ from .base import Arena, Backend, PoolDoesNotFit
 SHM_DIR = "/dev/shm"
 PAGE = mmap.PAGESIZE
 _INSTANCE_RE = re.compile(r"^[A-Za-z0-9_]{1,64}$")
+#: seals of every arena before its fd is handed out: its size is fixed and no one can add F_SEAL_WRITE
+ARENA_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
 def instance_id(socket_path: str) -> str:
@@ -86,11 +98,12 @@ class CpuShmArena(Arena):
         if nbytes <= 0:
             raise ValueError(f"arena size must be positive, got {nbytes}")
         # the name is a label only (/proc/<pid>/maps shows "memfd:<name>"): nothing can be opened by it
-        fd = os.memfd_create(name[:200], os.MFD_CLOEXEC)
+        fd = os.memfd_create(name[:200], os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         self._state = {"pid": os.getpid(), "fd": fd}
         self._finalizer = weakref.finalize(self, _close_arena, self._state)
         try:
             os.ftruncate(fd, nbytes)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, ARENA_SEALS)
             mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             self._state["mm"] = mm
             if hasattr(mmap, "MADV_DONTDUMP"):

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import fcntl
 import logging
 import os
 import signal
@@ -44,9 +43,10 @@ from kvpoold.config import LIVE_KEYS, MAX_MESSAGE_BYTES, Config, ConfigError, ch
 from kvpoold.memory import make_backend
 
 from .handoff import HandoffServer, handoff_path
-from .pools import disk_dir_for
+from .pools import check_disk_root, disk_dir_for
 from .sd import Notifier
 from .service import Service
+from .sockpath import BoundSocket, PathRefused, SocketLock, clear_stale_socket
 from .tiers import DiskTierError
 from .servicer import KVPoolServicer, add_to_server
 
@@ -58,47 +58,6 @@ SHUTDOWN_POLL_S = 0.05
 
 class StartupError(RuntimeError):
     """The daemon cannot start; the message says why and what to do."""
-
-
-class SocketLock:
-    """An exclusive lock beside the socket: one daemon per socket path."""
-
-    def __init__(self, socket_path: str) -> None:
-        self.path = socket_path + ".lock"
-        self._fd: int | None = None
-
-    def acquire(self) -> None:
-        directory = os.path.dirname(self.path) or "."
-        if not os.path.isdir(directory):
-            try:
-                os.makedirs(directory, exist_ok=True)
-            except OSError as exc:
-                raise StartupError(f"cannot create the socket's directory {directory}: {exc}") from None
-        try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as exc:
-            raise StartupError(f"cannot open lock file {self.path}: {exc}") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            raise StartupError(
-                f"another kvpoold (pid {owner}) is already serving {self.path[:-5]}; "
-                "stop it first or choose another --socket"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self._fd = fd
-
-    def release(self) -> None:
-        if self._fd is not None:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
-            os.close(self._fd)
-            self._fd = None
 
 
 def pool_bytes_for(config: Config, device: int | None = None) -> int:
@@ -155,6 +114,10 @@ def open_pools(config: Config, service: Service, instance: str, backend_kwargs: 
     devices = config.devices if config.backend == "cuda" else (-1,)
     if config.backend != "cuda" and config.devices != (0,):
         log.warning("devices %s: ignored by the %s backend, which has one pool", list(config.devices), config.backend)
+    try:
+        check_disk_root(config, len(devices))
+    except DiskTierError as exc:
+        raise StartupError(str(exc)) from None
     for device in devices:
         where = f" on GPU {device}" if device >= 0 else ""
         try:
@@ -192,6 +155,7 @@ class _Listener:
     def __init__(self, path: str, mode: int, admin: bool, service: Service, shutdown: asyncio.Event,
                  health, interceptors) -> None:
         self.path, self.mode, self.admin = path, mode, admin
+        self.bound: BoundSocket | None = None  # once bound
         # kernel credentials, attach tickets, arena fds
         self.handoff = HandoffServer(handoff_path(path), mode, service.tickets, service.arena_fd,
                                      service.chunk_sync)
@@ -204,8 +168,8 @@ class _Listener:
         reflection.enable_server_reflection(REFLECTED_SERVICES, self.server)
 
     async def start(self, gid: int | None) -> None:
-        if os.path.exists(self.path):
-            os.unlink(self.path)  # stale: we hold the lock, so nobody serves it
+        what = "--admin-socket" if self.admin else "--socket"
+        clear_stale_socket(self.path, what)  # a stale socket only: we hold the lock, so nobody serves it
         address = "unix://" + self.path
         old = os.umask(0o077)  # nobody can connect in the moment between bind and chmod
         try:
@@ -214,22 +178,20 @@ class _Listener:
             await self.server.start()
         finally:
             os.umask(old)
-        if gid is not None:
-            try:
-                os.chown(self.path, -1, gid)
-            except OSError as exc:
-                raise StartupError(f"cannot give {self.path} to group {gid} (socket_group): {exc}") from None
-        os.chmod(self.path, self.mode)
+        self.bound = BoundSocket(self.path, what)
+        try:
+            self.bound.set_access(self.mode, gid)
+        except OSError as exc:
+            raise StartupError(f"cannot give {self.path} mode {self.mode:o}, group {gid} (socket_group): "
+                               f"{exc.strerror}") from None
         try:
             await self.handoff.start(gid)
         except OSError as exc:
-            raise StartupError(f"cannot serve the side socket {self.handoff.path}: {exc}") from None
+            raise StartupError(f"cannot serve the side socket {self.handoff.path}: {exc.strerror}") from None
 
     def remove(self) -> None:
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        if self.bound is not None:
+            self.bound.remove()
 
 
 REFLECTED_SERVICES = (
@@ -385,9 +347,9 @@ def _reload(service: Service, listeners: list[_Listener], reload: Callable[[], C
         if "admin_socket_mode" in live:
             for listener in listeners:
                 if listener.admin:
-                    os.chmod(listener.path, new.admin_socket_mode)
-                    if os.path.exists(listener.handoff.path):
-                        os.chmod(listener.handoff.path, new.admin_socket_mode)
+                    for bound in (listener.bound, listener.handoff.bound):
+                        if bound is not None:
+                            bound.set_access(new.admin_socket_mode)
         service.config = applied  # every pool reads it (max_reserve_blocks, quotas, limits)
         if live:
             log.warning("reload: changed %s", ", ".join(f"{k} {getattr(old, k)!r} -> {getattr(new, k)!r}"
@@ -463,6 +425,6 @@ def run(config: Config, reload: Callable[[], Config] | None = None) -> int:
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a reload before the handler is installed must not kill us
     try:
         return asyncio.run(serve(config, reload=reload))
-    except StartupError as exc:
+    except (StartupError, PathRefused) as exc:
         print(f"kvpoold: {exc}", file=sys.stderr)
         return 2

@@ -32,12 +32,13 @@ import logging
 import os
 import secrets
 import socket
-import stat
 import struct
 import time
 from dataclasses import dataclass
 
 from kvpoold.core.errors import KvpoolError
+
+from .sockpath import BoundSocket, clear_stale_socket
 
 log = logging.getLogger("kvpoold")
 
@@ -115,21 +116,17 @@ class HandoffServer:
         self.path, self.mode, self.tickets, self.arena_fd = path, mode, tickets, arena_fd
         self.chunk_sync = chunk_sync
         self._server: asyncio.AbstractServer | None = None
+        self.bound: BoundSocket | None = None  # once bound
 
     async def start(self, gid: int | None) -> None:
-        try:
-            if stat.S_ISSOCK(os.lstat(self.path).st_mode):
-                os.unlink(self.path)  # stale: the caller holds the main socket's lock
-        except FileNotFoundError:
-            pass
+        clear_stale_socket(self.path, "the side socket")  # a stale socket only: the caller holds the lock
         old = os.umask(0o077)  # nobody can connect in the moment between bind and chmod
         try:
             self._server = await asyncio.start_unix_server(self._serve, path=self.path, limit=MAX_REQUEST)
         finally:
             os.umask(old)
-        if gid is not None:
-            os.chown(self.path, -1, gid)
-        os.chmod(self.path, self.mode)
+        self.bound = BoundSocket(self.path, "the side socket")
+        self.bound.set_access(self.mode, gid)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -197,7 +194,5 @@ class HandoffServer:
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        if self.bound is not None:
+            self.bound.remove()

@@ -33,6 +33,7 @@ from kvpool.ipc import DeviceMismatch
 from kvpool.protocol import ArenaDescriptor
 from kvpool.protocol.stats import DeviceStats
 from kvpoold.memory import Arena, Backend
+from kvpoold.transfer import open_private_dir
 
 from .access import Limits, Quotas
 from .events import EventBus
@@ -49,6 +50,14 @@ def disk_dir_for(config: Config, device: int, npools: int) -> str:
     if npools > 1 and base:
         return os.path.join(base, f"gpu{device}")
     return base
+
+
+def check_disk_root(config: Config, npools: int) -> None:
+    """With several pools ``--disk-dir`` holds their ``gpuN`` directories: it must be kvpoold's own too
+    (``transfer.disk.open_private_dir``; ``DiskTierError`` if not), checked before anything is made in it."""
+    base = resolve_disk_dir(config.disk_dir)
+    if npools > 1 and base and config.disk_bytes:
+        os.close(open_private_dir(base))
 
 
 def normalize_bus_id(bus: str) -> str:

@@ -7,9 +7,10 @@ real bytes (batched, asynchronous, with one completion per batch);
 restarts).  Nothing here knows about gRPC.
 """
 
-from .disk import DiskStore, DiskTierError
+from .disk import DiskStore, DiskTierError, open_private_dir
 from .engine import Arrivals, CpuCopier, TransferEngine
 from .host import HostStore
 from .meter import Meter, Meters
 
-__all__ = ["Arrivals", "CpuCopier", "DiskStore", "DiskTierError", "HostStore", "Meter", "Meters", "TransferEngine"]
+__all__ = ["Arrivals", "CpuCopier", "DiskStore", "DiskTierError", "HostStore", "Meter", "Meters", "TransferEngine",
+           "open_private_dir"]

@@ -9,6 +9,15 @@ directory /var/lib/kvpoold by default)::
                       block bytes rounded up to 4 KiB, so O_DIRECT works)
     index.log         an append-only log of ADD/DEL records
 
+**Whose directory.** The tier holds every tenant's KV, so its directory must
+be the daemon's alone: one owned by another user, or one that group or others
+may write to (where anyone could plant a symbolic link to a file the daemon
+would then overwrite), is refused at start (``open_private_dir``).  Every file
+is opened relative to that directory's descriptor, never through a symbolic
+link, only if it is a regular file of the daemon's user with one link, and
+files the tier creates are made mode 0600 (``_open_in``; temporary files
+with ``O_EXCL`` after removing whatever was left there).
+
 **Checksums.** Every block is written with the xxh3-64 of its bytes, kept in
 memory and in its ADD record; a read recomputes it, and a block that does not
 match is dropped and counted, never served (the read reports failure and the
@@ -58,6 +67,7 @@ import fcntl
 import json
 import logging
 import os
+import stat
 import struct
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -78,6 +88,7 @@ _REC = struct.Struct("<B3xI16sQQQ")  # op, layout id, hash, slot offset, block b
 _CRC = struct.Struct("<I")
 REC_BYTES = _REC.size + _CRC.size
 ADD, DEL = 1, 2
+INDEX, GEOMETRIES = "index.log", "geometries.json"
 # One I/O job (one pwritev/preadv) is at most this large: big enough for large requests, small enough
 # that a batch of a few hundred MiB is several jobs per I/O thread, so every thread has work until the
 # end of the batch and the checksums of one job run while other jobs' I/O is in flight.
@@ -99,17 +110,89 @@ def _aligned(view: np.ndarray) -> bool:
     return view.ctypes.data % ALIGN == 0 and view.nbytes % ALIGN == 0
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+def open_private_dir(path: str) -> int:
+    """A descriptor of the directory ``path`` (made, mode 0700, when missing) that only this user can change.
+
+    ``DiskTierError`` (one line) for a symbolic link or a non-directory at
+    ``path``, a directory of another user, or one that group or others may
+    write to: anyone who can write there can plant links the daemon would follow.
+    """
     try:
-        os.fsync(fd)
-    finally:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+    except FileExistsError:
+        pass  # something else than a directory is there: the open below says what
+    except OSError as exc:
+        raise DiskTierError(f"cannot create the disk tier's directory {path}: {exc.strerror}") from None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise DiskTierError(f"the disk tier's directory {path} {_what_is_wrong(exc, path)}: give a directory of "
+                            "kvpoold's own") from None
+    st = os.fstat(fd)
+    why = None
+    if st.st_uid != os.geteuid():
+        why = (f"belongs to uid {st.st_uid}, not to kvpoold's user (uid {os.geteuid()}): give a directory of "
+               "kvpoold's own")
+    elif st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        why = (f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):o}): remove their write permission "
+               "(chmod go-w) or give another directory")
+    elif not os.access(".", os.W_OK | os.X_OK, dir_fd=fd):
+        why = "is not writable by this user"
+    if why is not None:
         os.close(fd)
+        raise DiskTierError(f"the disk tier's directory {path} {why}")
+    return fd
 
 
-def _write_atomic(path: str, data: bytes) -> None:
-    tmp = path + ".tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+def _what_is_wrong(exc: OSError, name: str, dir_fd: int | None = None) -> str:
+    """Why opening ``name`` (relative to ``dir_fd``) without following a link failed, in words."""
+    try:
+        mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
+    except OSError:
+        mode = 0
+    if stat.S_ISLNK(mode):
+        return "is a symbolic link"
+    if exc.errno == errno.ENOTDIR:
+        return "is not a directory"
+    return f"cannot be opened: {exc.strerror}"
+
+
+def _open_in(dir_fd: int, where: str, name: str, flags: int, *, create: bool) -> int:
+    """Open ``name`` in the tier's directory (``dir_fd``; ``where`` names it in messages), never through a
+    symbolic link; ``create``: made, mode 0600, when missing.
+
+    Anything but a regular file of this user with a single link is refused
+    (``DiskTierError``): the daemon made none such, so someone else put it there.
+    FileNotFoundError when it is missing and not ``create``.
+    """
+    # O_NOFOLLOW holds with O_CREAT too (a link there fails, dangling or not); O_NONBLOCK: a FIFO cannot hang us
+    flags |= os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | (os.O_CREAT if create else 0)
+    path = os.path.join(where, name)
+    try:
+        fd = os.open(name, flags, 0o600, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno == errno.ENOENT:
+            raise
+        raise DiskTierError(f"disk tier: {path} {_what_is_wrong(exc, name, dir_fd)}; kvpoold made no such file: "
+                            "remove it") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1:
+        os.close(fd)
+        raise DiskTierError(f"disk tier: {path} is not a file kvpoold made (a regular file of uid {os.geteuid()} "
+                            "with one link): remove it")
+    if st.st_mode & 0o077:
+        os.fchmod(fd, 0o600)  # every tenant's KV: for this user's eyes only
+    return fd
+
+
+def _write_atomic(dir_fd: int, name: str, data: bytes) -> None:
+    """Replace ``name`` in ``dir_fd`` with ``data``: a fresh temporary file, fsynced, renamed over it."""
+    tmp = name + ".tmp"
+    try:
+        os.unlink(tmp, dir_fd=dir_fd)  # a leftover of a crash; never opened, so never followed
+    except FileNotFoundError:
+        pass
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
     try:
         view = memoryview(data)
         while view:
@@ -117,8 +200,8 @@ def _write_atomic(path: str, data: bytes) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-    os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path))
+    os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)  # a link at ``name`` is replaced, not followed
+    os.fsync(dir_fd)
 
 
 def _record(op: int, gid: int, digest: bytes, offset: int, nbytes: int, csum: int) -> bytes:
@@ -193,16 +276,19 @@ class DiskEntry:
 
 
 class _DataFile:
-    def __init__(self, path: str, stride: int, use_direct: bool) -> None:
-        self.path = path
+    def __init__(self, dir_fd: int, where: str, name: str, stride: int, use_direct: bool) -> None:
+        self.path = os.path.join(where, name)
         self.stride = stride
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self.fd = _open_in(dir_fd, where, name, os.O_RDWR, create=True)
         self.dfd = None
         if use_direct and hasattr(os, "O_DIRECT"):
             try:
-                self.dfd = os.open(path, os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC)
+                self.dfd = os.open(name, os.O_RDWR | os.O_DIRECT | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
             except OSError:
                 self.dfd = None  # e.g. tmpfs: buffered I/O only
+            if self.dfd is not None and not _same_file(self.fd, self.dfd):
+                os.close(self.dfd)
+                self.dfd = None
         self.slots = SlotAllocator(None, ALIGN)
 
     def close(self) -> None:
@@ -213,6 +299,11 @@ class _DataFile:
                 except OSError:
                     pass
         self.fd = self.dfd = None
+
+
+def _same_file(a: int, b: int) -> bool:
+    sa, sb = os.fstat(a), os.fstat(b)
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
 
 
 class DiskStore:
@@ -230,19 +321,8 @@ class DiskStore:
         self.index_errors = 0  # appends to index.log that failed (rewritten whole at the next sync)
         self._index_stale = False
         faults.announce()
-        try:
-            os.makedirs(self.directory, mode=0o700, exist_ok=True)
-        except OSError as exc:
-            raise DiskTierError(f"cannot create the disk tier's directory {self.directory}: {exc}") from None
-        if not os.access(self.directory, os.W_OK | os.X_OK):
-            raise DiskTierError(f"the disk tier's directory {self.directory} is not writable by this user")
-        self._lock_fd = os.open(os.path.join(self.directory, "tiers.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self._lock_fd)
-            raise DiskTierError(f"another kvpoold uses the disk tier in {self.directory}: give each daemon its own "
-                                "--disk-dir") from None
+        self._lock_fd = self._log_fd = None
+        self._dir_fd = open_private_dir(self.directory)  # every file below is opened relative to it
         self.files: dict[int, _DataFile] = {}
         self.geoms: dict[int, dict] = {}
         self.gid_of: dict[int, int] = {}  # class id -> layout id
@@ -255,21 +335,41 @@ class DiskStore:
         self._log_records = 0
         self._writers = ThreadPoolExecutor(io_threads, thread_name_prefix="kvpool-disk-w")
         self._readers = ThreadPoolExecutor(io_threads, thread_name_prefix="kvpool-disk-r")
-        self._load()
+        try:
+            self._lock()
+            self._load()
+        except BaseException:
+            self.close()
+            raise
+
+    def _lock(self) -> None:
+        self._lock_fd = self._open("tiers.lock", os.O_RDWR, create=True)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise DiskTierError(f"another kvpoold uses the disk tier in {self.directory}: give each daemon its own "
+                                "--disk-dir") from None
 
     # -- start: geometries, replay, compaction ----------------------------------------------------
     @property
     def _index_path(self) -> str:
-        return os.path.join(self.directory, "index.log")
+        return os.path.join(self.directory, INDEX)
 
     @property
     def _geoms_path(self) -> str:
-        return os.path.join(self.directory, "geometries.json")
+        return os.path.join(self.directory, GEOMETRIES)
+
+    def _open(self, name: str, flags: int, *, create: bool = False) -> int:
+        return _open_in(self._dir_fd, self.directory, name, flags, create=create)
+
+    def _read(self, name: str) -> bytes:
+        """The whole file ``name`` of the directory; FileNotFoundError when there is none."""
+        with os.fdopen(self._open(name, os.O_RDONLY), "rb") as f:
+            return f.read()
 
     def _load(self) -> None:
         try:
-            with open(self._geoms_path) as f:
-                self.geoms = {int(k): v for k, v in json.load(f).items()}
+            self.geoms = {int(k): v for k, v in json.loads(self._read(GEOMETRIES)).items()}
         except FileNotFoundError:
             self.geoms = {}
         except (OSError, ValueError) as exc:
@@ -278,8 +378,7 @@ class DiskStore:
         live: dict[tuple, tuple] = {}
         by_slot: dict[tuple, tuple] = {}
         try:
-            with open(self._index_path, "rb") as f:
-                data = f.read()
+            data = self._read(INDEX)
         except FileNotFoundError:
             data = b""
         if data and not data.startswith(MAGIC):
@@ -335,7 +434,7 @@ class DiskStore:
         f = self.files.get(gid)
         if f is None:
             stride = -(-block_bytes // ALIGN) * ALIGN
-            f = self.files[gid] = _DataFile(os.path.join(self.directory, f"blocks-{gid}.dat"), stride, self.direct)
+            f = self.files[gid] = _DataFile(self._dir_fd, self.directory, f"blocks-{gid}.dat", stride, self.direct)
         return f
 
     def _compact(self) -> None:
@@ -352,10 +451,10 @@ class DiskStore:
                 n += 1
         for f in self.files.values():
             os.fdatasync(f.fd)  # the bytes the records name are on disk first
-        _write_atomic(self._index_path, b"".join(recs))
-        if getattr(self, "_log_fd", None) is not None:
+        _write_atomic(self._dir_fd, INDEX, b"".join(recs))
+        if self._log_fd is not None:
             os.close(self._log_fd)
-        self._log_fd = os.open(self._index_path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+        self._log_fd = self._open(INDEX, os.O_WRONLY | os.O_APPEND)
         self._logbuf.clear()
         self._log_records = n
 
@@ -367,7 +466,8 @@ class DiskStore:
                 return gid
         gid = max(self.geoms, default=0) + 1
         self.geoms[gid] = dict(geometry)
-        _write_atomic(self._geoms_path, json.dumps({str(k): v for k, v in self.geoms.items()}, indent=1).encode())
+        table = json.dumps({str(k): v for k, v in self.geoms.items()}, indent=1).encode()
+        _write_atomic(self._dir_fd, GEOMETRIES, table)
         self._open_file(gid, geometry["block_bytes"])
         return gid
 
@@ -629,3 +729,6 @@ class DiskStore:
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = None
+        if self._dir_fd is not None:
+            os.close(self._dir_fd)
+            self._dir_fd = None

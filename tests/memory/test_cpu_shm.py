@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -20,7 +21,7 @@ from kvpool.ipc import open_arena
 from kvpool.protocol import ArenaDescriptor
 from kvpoold.memory import make_backend
 from kvpool.ipc.cpu_shm import CpuMappedArena
-from kvpoold.memory.cpu_shm import CpuShmBackend, instance_id
+from kvpoold.memory.cpu_shm import ARENA_SEALS, CpuShmBackend, instance_id
 
 REPO = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
@@ -166,6 +167,34 @@ def test_release_frees_pages(backend):
     assert data[100] == 0xAB
     with pytest.raises(ValueError):
         arena.release(15 * MiB, 2 * MiB)
+
+
+def test_an_arena_is_sealed_at_its_size_before_anyone_gets_its_fd(backend):
+    """A client holds the daemon's very file: shrinking it would fault the daemon's next read (SIGBUS),
+    growing it would hold memory outside the pool; the seals allow neither, and no seal can be added."""
+    arena = backend.create_arena("cls0", 4 * MiB)
+    fd = os.dup(arena.fileno())  # what the side socket sends: the same open file
+    try:
+        assert fcntl.fcntl(fd, fcntl.F_GET_SEALS) == ARENA_SEALS
+        for size in (0, 2 * MiB, 8 * MiB):
+            with pytest.raises(PermissionError):
+                os.ftruncate(fd, size)
+        with pytest.raises(PermissionError):
+            os.pwrite(fd, b"x", 4 * MiB)  # writing past the end would grow it
+        with pytest.raises(PermissionError):
+            os.posix_fallocate(fd, 4 * MiB - 4096, 8192)  # so would allocating past it
+        with pytest.raises(PermissionError):
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)  # nor can a client freeze it
+        assert os.fstat(fd).st_size == 4 * MiB
+        # what the daemon and its clients do with it still works: commit, write, map, release
+        arena.commit(0, 4 * MiB)
+        os.pwrite(fd, b"y", 4 * MiB - 1)
+        client = _open(arena)
+        assert client.as_tensor("uint8", (4 * MiB,)).numpy()[-1] == ord("y")
+        arena.release(0, 4 * MiB)
+        assert arena.resident_bytes() == 0
+    finally:
+        os.close(fd)
 
 
 def test_arenas_have_no_name_to_squat_or_leave_behind(backend, tmp_path):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import io
 import os
+import stat
 import threading
 
 import numpy as np
@@ -29,8 +30,9 @@ from kvpoold.ctl import stats_view
 from kvpoold.memory.cpu_shm import CpuShmBackend
 from kvpoold.server.errors import TooManySessions
 from kvpoold.server.handoff import HandoffServer, handoff_path
-from kvpoold.server.pools import disk_dir_for, normalize_bus_id
+from kvpoold.server.pools import check_disk_root, disk_dir_for, normalize_bus_id
 from kvpoold.server.service import Service
+from kvpoold.transfer import DiskStore, DiskTierError
 from kvpoold.server.servicer import KVPoolServicer, add_to_server
 
 BUS = ("0000:1A:00.0", "0000:3B:00.0")
@@ -207,6 +209,22 @@ def test_disk_tier_directory_per_pool(tmp_path):
     assert disk_dir_for(cfg, 1, 1) == str(tmp_path)  # one pool: --disk-dir itself, as before
     assert disk_dir_for(cfg, 0, 2) == str(tmp_path / "gpu0")
     assert disk_dir_for(cfg, 1, 2) == str(tmp_path / "gpu1")  # kvpoold@1 uses the same directory
+
+
+def test_several_pools_keep_their_disk_tiers_in_directories_of_the_daemon_alone(tmp_path):
+    base = tmp_path / "tiers"
+    cfg = Config(disk_dir=str(base), disk_bytes=1 << 30)
+    old = os.umask(0)
+    try:
+        check_disk_root(cfg, 2)  # made before any gpuN in it
+        for device in (0, 1):
+            DiskStore(disk_dir_for(cfg, device, 2), 1 << 20, post=lambda fn: None).close()
+    finally:
+        os.umask(old)
+    assert [stat.S_IMODE(p.stat().st_mode) for p in (base, base / "gpu0", base / "gpu1")] == [0o700] * 3
+    base.chmod(0o777)  # anyone could swap a gpuN directory for a link
+    with pytest.raises(DiskTierError, match=f"{base} is writable by group or others"):
+        check_disk_root(cfg, 2)
 
 
 def test_bus_ids_are_compared_in_one_form():
