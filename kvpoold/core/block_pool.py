@@ -214,6 +214,18 @@ class LayoutClass:
         if short > 0:
             raise OutOfBlocks(short, 0)
 
+    def unowned_spans(self) -> list[tuple[int, int]]:
+        """(byte offset, bytes) of the runs of slab slots the class does not own, over its whole id space."""
+        spans, start = [], None
+        for slot in range(self.max_slabs + 1):
+            owned = slot in self.slots or slot == self.max_slabs
+            if not owned and start is None:
+                start = slot
+            elif owned and start is not None:
+                spans.append((start * self.span, (slot - start) * self.span))
+                start = None
+        return spans
+
     def _take_slabs(self, short: int, gained: list[int]) -> int:
         """Take slabs (given-back ones first, then never-used ones in bulk) until ``short`` is covered."""
         bps, k, budget = self.blocks_per_slab, self.slab_chunks, self.budget

@@ -31,6 +31,10 @@ class PoolDoesNotFit(MemoryError):
 class Arena(TensorView):
     """Daemon-side owner of one class's block bytes."""
 
+    #: clients map the whole arena writable, so pages may be there that no slab of the class owns
+    #: (``DevicePool`` releases them when a session of the class ends)
+    client_writable = False
+
     @property
     @abstractmethod
     def descriptor(self) -> ArenaDescriptor: ...

@@ -152,6 +152,8 @@ class CpuShmArena(Arena):
                 "lower --pool-bytes"
             ) from None
 
+    client_writable = True
+
     def release(self, offset: int, nbytes: int) -> None:
         _check_span(offset, nbytes, self.nbytes)
         start, length = _page_inward(offset, nbytes)

@@ -240,10 +240,15 @@ class DevicePool:
         log.debug("%s: class %d reclaimed", self.name, class_id)
 
     # -- sessions -------------------------------------------------------------------
-    def drop_owner(self, owner: int) -> int:
+    def drop_owner(self, owner: int, class_id: int | None = None) -> int:
+        """Free what a session held; ``class_id``: its class, whose arena loses the pages no slab owns."""
         released = self.manager.drop_owner(owner)
         self.tiers.forget_owner(owner)
         self.sync_memory()
+        arena = self.arenas.get(class_id)
+        if arena is not None and arena.client_writable:  # what the client wrote outside the class's slabs
+            for offset, nbytes in self.manager.classes[class_id].unowned_spans():
+                arena.release(offset, nbytes)
         ledger = getattr(self.backend, "ledger", None)
         if ledger is not None:  # its process maps none of our chunks any more (or is gone)
             ledger.forget(owner)

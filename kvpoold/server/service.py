@@ -203,7 +203,7 @@ class Service:
     def drop(self, session: Session, reason: str) -> int:
         pool = self.pools.of(session)
         pool.classes.detached(session.class_id)  # before the sync of drop_owner, which reclaims the class if it can
-        released = pool.drop_owner(session.id)
+        released = pool.drop_owner(session.id, session.class_id)
         self.sessions.remove(session)
         self.pools.unbind(session.id)
         log.info("session %d (%s, pid %d) dropped: %s; %d blocks released on %s",

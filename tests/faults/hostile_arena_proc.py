@@ -36,6 +36,7 @@ from kvpool.ipc import cpu_shm, views  # noqa: F401 - the same: imported while s
 _LOADED = (kvpool.connect, kvpool.Layout, kvpool.KvpoolError, kvpool.Connection)
 
 LAYOUT = kvpool.Layout("hostile-model", num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16", block_size=16)
+UNOWNED_FILL = 16 << 20
 PROMPTS = ([7] + list(range(1, 64)), [8] + list(range(1, 64)))  # 4 full blocks each, no shared block
 
 
@@ -81,6 +82,9 @@ def attack(fd: int, size: int) -> dict:
     """Every change of the memfd's size a client could try; what each gave, and the file afterwards."""
     out = {
         "seals": fcntl.fcntl(fd, fcntl.F_GET_SEALS),
+        # inside the size but outside every slab of its class: memory no budget counts, until the daemon
+        # takes it back (when the session ends)
+        "fill_unowned": errno_of(os.pwrite, fd, b"u" * UNOWNED_FILL, size - UNOWNED_FILL),
         "grow": errno_of(os.ftruncate, fd, size * 8),
         "pwrite_past_end": errno_of(os.pwrite, fd, b"x" * 4096, size),
         "fallocate_past_end": errno_of(os.posix_fallocate, fd, size, 64 << 20),

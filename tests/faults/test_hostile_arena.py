@@ -74,6 +74,19 @@ def _run_hostile(sock: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, HOSTILE, sock, str(NOBODY)], capture_output=True, text=True, timeout=180)
 
 
+def _daemon_shm_bytes(pid: int) -> int:
+    """Physical bytes of every memfd the daemon holds open (its arenas)."""
+    total = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        path = f"/proc/{pid}/fd/{fd}"
+        try:
+            if os.readlink(path).startswith("/memfd:"):
+                total += os.stat(path).st_blocks * 512
+        except OSError:
+            continue  # closed meanwhile
+    return total
+
+
 def _still_serves(client, prompt: list[int], swap: bool) -> None:
     """A whole round trip of another tenant's client: create, write, (``swap``: out and in), read back."""
     seq = client.create_sequence(prompt)
@@ -114,6 +127,12 @@ def test_a_tenant_cannot_resize_its_arena_and_the_daemon_survives_reading_it(dae
             assert got["swap_out"] == "ok" and got["swap_in"] == "ok" and got["intact"] is True, got
         # ...and another tenant's client goes on working
         _still_serves(bystander, list(range(101, 117)), swap)
+        # what it wrote outside its class's slabs went with its session
+        assert got["fill_unowned"] == "ok", got
+        deadline = time.monotonic() + 60
+        while _daemon_shm_bytes(d.proc.pid) >= 16 << 20 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _daemon_shm_bytes(d.proc.pid) < 16 << 20
     if tier == "remote, a real redis-server":  # the daemon did read the hostile arena: its blocks went out
         r = request.getfixturevalue("redis")
         deadline = time.monotonic() + 30
