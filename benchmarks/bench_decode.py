@@ -48,6 +48,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from kvpool.kernels.cuda_attention import (
+    DEFAULT_DECODE_VARIANT,
+    DEFAULT_PREFILL_VARIANT,
+    DEFAULT_TUNING,
+)
 
 
 HQ, HKV, D, BS = 32, 8, 128, 16
@@ -175,7 +180,15 @@ def decode_case(batch: int, ctx: int, copies: int, gen: torch.Generator, sequent
     return pool, tables, lens, qs
 
 
-def bench_decode(batch: int, ctx: int, variants, split_options, fi, gen, with_gather=True, sequential=False) -> list[dict]:
+def _pipelines(variant: str | None):
+    """What ``variant=`` takes for a variant name (None: what the defaults run)."""
+    import kernel_variants
+
+    return None if variant is None else kernel_variants.get(variant)
+
+
+def bench_decode(batch: int, ctx: int, variants, split_options, fi, gen, with_gather=True, sequential=False,
+                 tuning=DEFAULT_TUNING) -> list[dict]:  # fmt: skip
     from kvpool.kernels import cuda_attention
     from kvpool.kernels._validate import check_attention
 
@@ -191,16 +204,16 @@ def bench_decode(batch: int, ctx: int, variants, split_options, fi, gen, with_ga
             a = check_attention(qs[i], k, v, tables[i], lens, None, None, outs[i])
             return lambda: cuda_attention.paged_attention(
                 a, qs[i], k, v, tables[i], lens, None, max_seq_len=ctx, min_seq_len=min_seq_len, num_splits=splits,
-                variant=variant,
+                variant=_pipelines(variant), tuning=tuning,
             )
 
         return make
 
     for variant in variants:
         us = graph_time_us(ours(None, variant), copies)
-        plan = _decode_plan(batch, ctx, variant)
+        plan = _decode_plan(batch, ctx, variant, tuning=tuning)
         rows.append(dict(impl=f"ours {variant}", batch=batch, ctx=ctx, us=us, splits=plan.num_splits, stages=plan.pipe.stages))
-        bounded = _decode_plan(batch, ctx, variant, min_seq_len=ctx)
+        bounded = _decode_plan(batch, ctx, variant, min_seq_len=ctx, tuning=tuning)
         if bounded != plan:  # what a caller that passes the even bounds gets (kvpool.hf's eager decode)
             us = graph_time_us(ours(None, variant, ctx), copies)
             rows.append(dict(impl=f"ours {variant} bounded", batch=batch, ctx=ctx, us=us, splits=bounded.num_splits,
@@ -209,7 +222,7 @@ def bench_decode(batch: int, ctx: int, variants, split_options, fi, gen, with_ga
         for splits in split_options:
             name = f"ours s{splits}" if len(variants) == 1 else f"{variant} s{splits}"
             us = graph_time_us(ours(splits, variant), copies)
-            stages = _decode_plan(batch, ctx, variant, splits).pipe.stages
+            stages = _decode_plan(batch, ctx, variant, splits, tuning=tuning).pipe.stages
             rows.append(dict(impl=name, batch=batch, ctx=ctx, us=us, splits=splits, stages=stages))
     if fi is not None:
         for tc in (True, False):
@@ -282,7 +295,7 @@ def _flashinfer_decode(fi, tensor_cores: bool, pool, tables, qs, outs, batch, ct
 
 
 def _decode_plan(batch: int, ctx: int, variant: str | None = None, splits: int | None = None,
-                 min_seq_len: int | None = None):
+                 min_seq_len: int | None = None, tuning=DEFAULT_TUNING):
     from kvpool.kernels import cuda_attention
     from kvpool.kernels._validate import AttentionArgs, CacheGeometry
 
@@ -290,15 +303,16 @@ def _decode_plan(batch: int, ctx: int, variant: str | None = None, splits: int |
     a = AttentionArgs(geo, batch, batch, HQ, HQ // HKV, 1.0, None)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     return cuda_attention.plan_attention(
-        a, prefill=False, max_blocks=ctx // BS, max_seq_len=ctx, num_sms=sms, variant=variant, num_splits=splits,
-        min_seq_len=min_seq_len,
+        a, prefill=False, max_blocks=ctx // BS, max_seq_len=ctx, num_sms=sms, variant=_pipelines(variant),
+        num_splits=splits, min_seq_len=min_seq_len, tuning=tuning,
     )
 
 
-def bench_prefill(ctx: int, variants, fi, gen, emit) -> list[dict]:
+def bench_prefill(ctx: int, variants, fi, gen, emit, tuning=DEFAULT_TUNING) -> list[dict]:
     """One sequence, ``ctx`` new tokens, causal: SDPA (contiguous), then ours (paged), then
     FlashInfer (paged; its first use builds a JIT module, a minute or more). ``emit(row)``
-    gets each row as soon as it is timed, so a run cut short still shows what it measured."""
+    gets each row as soon as it is timed, so a run cut short still shows what it measured.
+    ``tuning``: the planner's knobs (``cuda_attention.Tuning``)."""
     from kvpool.kernels import cuda_attention
     from kvpool.kernels._validate import check_attention
     from kvpool.kernels.cuda_runtime import has_wgmma
@@ -327,11 +341,13 @@ def bench_prefill(ctx: int, variants, fi, gen, emit) -> list[dict]:
     q4 = q.transpose(0, 1).unsqueeze(0).contiguous()
     add("sdpa", graph_time_us(lambda i: lambda: F.scaled_dot_product_attention(q4, kc, vc, is_causal=True, enable_gqa=True), 1))
     for variant in variants:
-        run = lambda variant=variant: cuda_attention.paged_attention(  # noqa: E731
-            a, q, k, v, table, lens, cu, max_seq_len=ctx, variant=variant
+        pipelines = _pipelines(variant)
+        run = lambda pipelines=pipelines: cuda_attention.paged_attention(  # noqa: E731
+            a, q, k, v, table, lens, cu, max_seq_len=ctx, variant=pipelines, tuning=tuning
         )
         plan = cuda_attention.plan_attention(
-            a, prefill=True, max_blocks=nblk, max_seq_len=ctx, num_sms=sms, variant=variant, wgmma=has_wgmma(0)
+            a, prefill=True, max_blocks=nblk, max_seq_len=ctx, num_sms=sms, variant=pipelines, wgmma=has_wgmma(0),
+            tuning=tuning,
         )
         p = plan.pipe
         if p.wgmma:
@@ -374,17 +390,16 @@ GRIDS = {
 
 def main() -> None:
     import kernel_variants
-    from kvpool.kernels.cuda_attention import DEFAULT_DECODE, DEFAULT_PREFILL
 
-    names = ",".join(kernel_variants.register())
+    names = ",".join(kernel_variants.names())
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--grid", choices=sorted(GRIDS), default="quick")
     p.add_argument("--shapes", default="", help="decode shapes BxCTX to time instead of --grid, e.g. 16x4096,16x16384")
     p.add_argument("--splits", default="", help="comma-separated forced split counts to compare, e.g. 1,2,4")
     p.add_argument("--splits-batches", default="", help="time the forced splits only at these batch sizes (default: all)")
-    p.add_argument("--variants", default=DEFAULT_DECODE,
+    p.add_argument("--variants", type=kernel_variants.name_list, default=DEFAULT_DECODE_VARIANT,
                    help=f"our decode kernel variants to time ({names}; default: what decode runs)")
-    p.add_argument("--prefill-variants", default=DEFAULT_PREFILL,
+    p.add_argument("--prefill-variants", type=kernel_variants.name_list, default=DEFAULT_PREFILL_VARIANT,
                    help=f"our prefill kernel variants to time ({names}; default: what prefill runs)")
     p.add_argument("--no-gather", action="store_true", help="skip the gather-then-SDPA decode rows")
     p.add_argument("--sequential-tables", action="store_true",
@@ -397,17 +412,15 @@ def main() -> None:
     args = p.parse_args()
     from bench_mixed_decode import parse_sweep
 
-    with kernel_variants.division(*(parse_sweep(args.division) or [()])[0]):
-        bench(args)
+    bench(args, kernel_variants.tuning(*(parse_sweep(args.division) or [()])[0]))
 
 
-def bench(args) -> None:
-    """The tables and JSON of ``main``'s arguments."""
+def bench(args, tuning) -> None:
+    """The tables and JSON of ``main``'s arguments, every call of ours planned with ``tuning``."""
     gen = torch.Generator().manual_seed(0)
     split_options = [int(x) for x in args.splits.split(",") if x]
     split_batches = {int(x) for x in args.splits_batches.split(",") if x}
-    variants = [x for x in args.variants.split(",") if x]
-    prefill_variants = [x for x in args.prefill_variants.split(",") if x]
+    variants, prefill_variants = args.variants, args.prefill_variants
     fi = None if args.no_flashinfer else flashinfer_or_none()
     dev = torch.cuda.get_device_name(0)
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -426,7 +439,8 @@ def bench(args) -> None:
     shapes = parse_shapes(args.shapes) or GRIDS[args.grid]
     for batch, ctx in shapes:
         splits_here = split_options if not split_batches or batch in split_batches else []
-        for r in bench_decode(batch, ctx, variants, splits_here, fi, gen, not args.no_gather, args.sequential_tables):
+        for r in bench_decode(batch, ctx, variants, splits_here, fi, gen, not args.no_gather, args.sequential_tables,
+                              tuning):  # fmt: skip
             rows.append(r)
             extra = f"  (splits={r['splits']}, stages={r['stages']})" if "splits" in r else ""
             extra += f"  [{r['backend']}]" if "backend" in r else ""
@@ -440,7 +454,7 @@ def bench(args) -> None:
         save()
 
     for ctx in [int(c) for c in args.prefill.split(",") if c]:
-        bench_prefill(ctx, prefill_variants, fi, gen, emit_prefill)
+        bench_prefill(ctx, prefill_variants, fi, gen, emit_prefill, tuning)
     save()
     print(f"# wrote {out}")
 

@@ -20,7 +20,7 @@ sequence with a key mask; only where the padded K/V fit in 8 GB: it reads B x L 
 device-to-device copy. ``vs fi``: our time over FlashInfer's best (<= 1 is the target).
 
 ``--sweep PER_SM:OVERHEAD:CLASSES,...`` adds rows ``v9 sPER_SM oOVERHEAD cCLASSES``: page-aware
-decode planned with other knobs (``kernel_variants.division``: CTAs per SM of the wave, an item's
+decode planned with other knobs (``kernel_variants.tuning``: CTAs per SM of the wave, an item's
 fixed cost, the size classes of the item order; an empty field keeps the planner's).
 ``--passes N`` times every row N times in turn and keeps the lowest median.
 
@@ -127,19 +127,16 @@ def bench_case(name, lens, variants, fi, gen, dtype=torch.bfloat16, with_sdpa=Tr
     outs = torch.empty_like(qs)
     timers = []  # (impl, () -> us)
 
-    def ours(variant, knobs=None, bounds=(None, None)):
+    def ours(variant, knobs=(), bounds=(None, None)):
+        pipelines, tuning = kernel_variants.get(variant), kernel_variants.tuning(*knobs)
+
         def make(i):
             a = check_attention(qs[i], k, v, tables[i], seq_lens, None, None, outs[i])
-            return lambda: cuda_attention.paged_attention(a, qs[i], k, v, tables[i], seq_lens, None, variant=variant,
-                                                          max_seq_len=bounds[0], min_seq_len=bounds[1])  # fmt: skip
+            return lambda: cuda_attention.paged_attention(a, qs[i], k, v, tables[i], seq_lens, None, variant=pipelines,
+                                                          tuning=tuning, max_seq_len=bounds[0],
+                                                          min_seq_len=bounds[1])  # fmt: skip
 
-        def time_it():
-            if knobs is None:
-                return graph_time_us(make, copies)
-            with kernel_variants.division(*knobs):
-                return graph_time_us(make, copies)
-
-        return time_it
+        return lambda: graph_time_us(make, copies)
 
     for variant in variants:
         timers.append((f"ours {variant}", ours(variant)))
@@ -229,21 +226,21 @@ FP8_SHAPES = [(64, 4096), (128, 4096), (64, 16384), (256, 4096), (16, 4096), (1,
 def main() -> None:
     import kernel_variants
 
-    kernel_variants.register(probes=True)
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--grid", choices=["quick", "full"], default="quick")
-    p.add_argument("--variants", default="v9,v7", help="our decode variants to time")
+    p.add_argument("--variants", type=kernel_variants.name_list, default="v9,v7", help="our decode variants to time")
     p.add_argument("--no-fp8", action="store_true", help="skip the float8 rows")
     p.add_argument("--sweep", default="", help="page-aware knobs to time besides the variants, PER_SM:OVERHEAD:CLASSES,... "
                    "(PER_SM a: the planner's rule; an empty field: the planner's), e.g. a:0,1:256,2:")
     p.add_argument("--passes", type=int, default=1, help="time every row this many times in turn, keep the lowest")
-    p.add_argument("--fp8-variants", default="", help="decode variants to time on the float8 shapes (default: the first)")
+    p.add_argument("--fp8-variants", type=kernel_variants.name_list, default="",
+                   help="decode variants to time on the float8 shapes, kernel_variants.PROBES included (default: the first)")
     p.add_argument("--fp8-shapes", default=",".join(f"{b}x{c}" for b, c in FP8_SHAPES), help="BxCTX,... of the float8 rows")
     p.add_argument("--cases", default="", help="only the cases whose names contain one of these, comma-separated")
     p.add_argument("--no-flashinfer", action="store_true")
     p.add_argument("--json", default=str(Path(__file__).parent / "results" / "mixed-decode.json"))
     args = p.parse_args()
-    variants = [x for x in args.variants.split(",") if x]
+    variants = args.variants
     fi = None if args.no_flashinfer else flashinfer_or_none()
     gen = torch.Generator().manual_seed(0)
     dev, stamp = torch.cuda.get_device_name(0), time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -274,7 +271,7 @@ def main() -> None:
             tb = gather_tb_per_s(row)
             fp8.append(dict(gather_row_bytes=row, tb_per_s=tb))
             print(f"# random gather of {row}-byte rows: {tb:.2f} TB/s ({100 * tb / COPY_TBPS:.0f}% of copy)", flush=True)
-        fp8_variants = [x for x in args.fp8_variants.split(",") if x] or variants[:1]
+        fp8_variants = args.fp8_variants or variants[:1]
         for batch, ctx in [tuple(map(int, x.split("x"))) for x in args.fp8_shapes.split(",") if x]:
             lens = [ctx] * batch
             ref16 = bench_case(f"{batch}x{ctx}", lens, variants[:1], None, gen, torch.bfloat16, False, bounded=True)

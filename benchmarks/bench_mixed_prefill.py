@@ -65,6 +65,7 @@ def causal_flops(batch: list[tuple[int, int]]) -> float:
 
 
 def bench_case(name, batch, variants, fi, backends, gen, passes) -> list[dict]:
+    import kernel_variants
     from kvpool.kernels import cuda_attention
     from kvpool.kernels._validate import check_attention
 
@@ -81,10 +82,12 @@ def bench_case(name, batch, variants, fi, backends, gen, passes) -> list[dict]:
     outs = torch.empty_like(qs)
     timers = []
     for variant in variants:
-        def make(i, variant=variant):
+        pipelines = None if variant is None else kernel_variants.get(variant)
+
+        def make(i, pipelines=pipelines):
             a = check_attention(qs[i], k, v, tables[i], seq_lens, cu, None, outs[i])
             return lambda: cuda_attention.paged_attention(
-                a, qs[i], k, v, tables[i], seq_lens, cu, max_seq_len=max(seq_lens_l), variant=variant
+                a, qs[i], k, v, tables[i], seq_lens, cu, max_seq_len=max(seq_lens_l), variant=pipelines
             )
 
         timers.append((f"ours {variant or 'default'}", lambda make=make: graph_time_us(make, copies)))
@@ -125,16 +128,16 @@ def bench_case(name, batch, variants, fi, backends, gen, passes) -> list[dict]:
 def main() -> None:
     import kernel_variants
 
-    kernel_variants.register()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--variants", default="", help="our prefill variants besides the default, comma-separated")
+    p.add_argument("--variants", type=kernel_variants.name_list, default="",
+                   help="our prefill variants besides the default, comma-separated")
     p.add_argument("--fi-backends", default="fa2,fa3", help="FlashInfer prefill backends to time")
     p.add_argument("--passes", type=int, default=2)
     p.add_argument("--cases", default="", help="only the cases whose names contain one of these, comma-separated")
     p.add_argument("--no-flashinfer", action="store_true")
     p.add_argument("--json", default=str(Path(__file__).parent / "results" / "mixed-prefill.json"))
     args = p.parse_args()
-    variants = [None, *[x for x in args.variants.split(",") if x]]
+    variants = [None, *args.variants]
     fi = None if args.no_flashinfer else flashinfer_or_none()
     backends = [x for x in args.fi_backends.split(",") if x]
     gen = torch.Generator().manual_seed(0)

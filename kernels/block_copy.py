@@ -23,6 +23,11 @@ copies one item with 16-byte loads/stores and strides over the items, so a
 few 2 MiB blocks still fill the GPU and many 32 KiB blocks cost one launch.
 With ``check=False`` and ids already on the device, nothing synchronizes the
 host (so it should be capturable in a CUDA graph; not tested yet).
+The ``**tune`` keywords of the three functions, for benchmarks
+(``bench_block_copy.py --sweep``), change the launch shape: ``threads`` per
+thread block, ``chunk`` bytes per work item, ``ctas_per_sm``, and ``kernel``,
+another entry point of ``cuda/block_copy.cu``; the defaults are what the
+sweep chose.
 
 CPU: one ``memcpy`` per block over a ``[num_blocks, block_bytes]`` uint8
 NumPy view (dtype-agnostic: bfloat16 and float8 too), in pair order.
@@ -35,6 +40,7 @@ import warnings
 import numpy as np
 import torch
 
+from ._math import cdiv
 from .cuda_source import BLOCK_COPY, read
 
 __all__ = ["copy_blocks", "gather_blocks", "scatter_blocks"]
@@ -43,15 +49,20 @@ _CHUNK = 64 * 1024  # bytes one thread block copies per work item
 _THREADS = 512
 _CTAS_PER_SM = 8  # grid = min(work items, 8 per SM); the rest is grid-stride
 
-# From benchmarks/bench_block_copy.py --sweep on an H200 (benchmarks/NOTES-memory.md):
-# 512 threads, 64 KiB chunks; 8 loads in flight per thread when a chunk is
-# big enough to use them (2 MiB blocks: 0.93 of torch's copy), else 4
-# (32 KiB blocks: 0.91).  The .cg/.cs cache hints were worth < 0.5%.
+# The launch shape that benchmarks/bench_block_copy.py --sweep chose (benchmarks/NOTES-memory.md):
+# 512 threads and 64 KiB chunks come closest to a plain device copy for small and large blocks
+# alike. ``**tune`` overrides it.
 _DEFAULT = {"threads": _THREADS, "chunk": _CHUNK, "ctas_per_sm": _CTAS_PER_SM}
+_TUNE_KEYS = {*_DEFAULT, "kernel"}
 
 
 def _pick_kernel(chunk: int, threads: int) -> str:
+    """8 loads in flight per thread where a chunk is big enough to give every thread 8, else 4:
+    an unrolled loop the chunk cannot fill leaves its threads idle. Plain ``.cg`` loads and
+    stores (L2 only: a copy never reuses data); the streaming hint made no difference."""
     return "kvpool_copy_v16_u8_cg" if chunk >= 8 * 16 * threads else "kvpool_copy_v16_u4_cg"
+
+
 _module_cache: dict = {}
 _sm_count: dict[int, int] = {}
 _streams: dict[tuple[int, int], object] = {}
@@ -167,12 +178,9 @@ def _rows_u8(t: torch.Tensor) -> np.ndarray:
 
 
 def _cpu_copy(dst_rows: np.ndarray, dst_ids, src_rows: np.ndarray, src_ids) -> None:
-    """One ``memcpy`` per block, in order, no temporary.
-
-    Measured (2-core VM): 25 GB/s for 2 MiB and 18 GB/s for 32 KiB blocks,
-    near ``numpy.copyto``; ``torch.index_select``/``index_copy_`` on uint8
-    rows managed 0.4-1.4 GB/s and NumPy fancy indexing ~10 (it goes through
-    a temporary).
+    """One ``memcpy`` per block, in order, no temporary: as fast as ``numpy.copyto`` of the
+    same bytes, where ``torch.index_select``/``index_copy_`` on uint8 rows and NumPy fancy
+    indexing (which goes through a temporary) are far slower (benchmarks/NOTES-memory.md).
     """
     for d, s in zip(dst_ids, src_ids):
         dst_rows[d] = src_rows[s]
@@ -193,6 +201,9 @@ def _torch_stream(stream, device: torch.device) -> "torch.cuda.Stream":
 def _launch(dev: int, src_base, dst_base, src_ids, src_stride, dst_ids, dst_stride,
             n, src_row, dst_row, block_bytes, sptr: int, **tune) -> None:
     cupy = _cupy()
+    unknown = tune.keys() - _TUNE_KEYS
+    if unknown:
+        raise TypeError(f"unknown block copy tuning keywords {sorted(unknown)}; known: {sorted(_TUNE_KEYS)}")
     cfg = {**_DEFAULT, **tune}
     aligned = all(x % 16 == 0 for x in (src_base, dst_base, src_row, dst_row, block_bytes))
     chunk = min(cfg["chunk"], block_bytes)
@@ -201,7 +212,7 @@ def _launch(dev: int, src_base, dst_base, src_ids, src_stride, dst_ids, dst_stri
         name = "kvpool_copy_v1"
     else:
         name = cfg.get("kernel") or _pick_kernel(chunk, int(cfg["threads"]))
-    chunks = -(-block_bytes // chunk)
+    chunks = cdiv(block_bytes, chunk)
     with cupy.cuda.Device(dev):
         if dev not in _sm_count:
             _sm_count[dev] = cupy.cuda.runtime.deviceGetAttribute(

@@ -129,7 +129,7 @@ def _f16_to_f32(h):
     Normal and special values by moving the exponent and mantissa bits (exponent bias
     15 → 127, all-ones stays all-ones), subnormals as ``mantissa * 2^-24`` (exact),
     then the sign bit; in integer and float arithmetic that vectorizes (a 65536-entry
-    lookup table is a gather, about 3x slower here).
+    lookup table is a gather, which does not: benchmarks/NOTES-kernels.md).
     """
     em = np.int32(h & 0x7FFF)
     normal = _bits_to_f32((em << 13) + (0x70000000 if em >= 0x7C00 else 0x38000000))
@@ -552,9 +552,9 @@ def q_tile(group: int) -> int:
     """Query tokens per prefill work item: about ``TILE_ROWS`` rows, at least ``Q_TILE`` tokens.
 
     The score product keeps the rows in its vector lanes, so each pass over 4 x 4 values of K
-    makes rows / 16 vector steps, and each converted K/V chunk serves every row: with 16 rows
-    (group 1, 16 tokens) a 2k prefill took 1.6x as long as with 128; 64 to 512 rows were within
-    ~10% of each other for groups 1, 4 and 8 (benchmarks/NOTES-kernels.md).
+    makes rows / 16 vector steps, and each converted K/V chunk serves every row: a tile of a
+    single vector's rows converts each chunk for too few rows, while from 64 rows up the tile
+    size matters little, for every GQA group (benchmarks/NOTES-kernels.md).
     """
     return max(Q_TILE, TILE_ROWS // max(group, 1))
 

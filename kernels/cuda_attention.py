@@ -42,11 +42,13 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from . import cuda_tma
+from ._math import cdiv
 from ._validate import AttentionArgs
 from .cuda_source import ORDER_CLASSES, WG_GROUPS, WG_KEYS, WG_STAGES
 from .cuda_runtime import THREADS, ptr
@@ -54,15 +56,14 @@ from .cuda_runtime import THREADS, ptr
 TILE = 16  # keys per MMA step
 WARPS = THREADS // 32
 CTAS_PER_SM = 3  # what the kernel's registers allow at most
-# Decode: the CTAs per SM that the split count is planned for. Two (the bandwidth of
-# the whole GPU already) even where shared memory would seat three: at B16 x 4k and
-# x 16k two splits were as fast as or faster than the three that filling three CTAs per
-# SM took (benchmarks/NOTES-kernels.md).
+# Decode: the CTAs per SM that the split count is planned for. Two even where shared memory
+# would seat three: two per SM already stream at the whole GPU's bandwidth, so the splits a
+# third would take only add partials to merge (benchmarks/NOTES-kernels.md).
 DECODE_SPLIT_CTAS_PER_SM = 2
-# Decode: most keys per CTA where the grid is longer than one wave. The last wave's
-# CTAs end apart by up to a CTA's length, with SMs idle meanwhile: halving 16k-key CTAs
-# made B256 x 16k about 1% faster (B64 x 16k unchanged), while splitting 4k-key CTAs
-# lost 2% at B256 x 4k.
+# Decode: most keys per CTA where the grid is longer than one wave. The last wave's CTAs end
+# apart by up to a CTA's length, with SMs idle meanwhile, so the longest CTAs are halved;
+# CTAs of a few thousand keys stay whole, where one more split costs more than the shorter
+# tail saves (benchmarks/NOTES-kernels.md).
 DECODE_MAX_CTA_KEYS = 8192
 SM_SMEM = 228 * 1024  # shared memory per SM (H100 / H200), 1 KiB of it reserved per CTA
 SMEM_LIMIT = 227 * 1024  # per-CTA opt-in maximum on sm_80 / sm_90
@@ -73,15 +74,16 @@ HEAD_DIMS = (64, 80, 96, 112, 128, 192, 256)
 # Page-aware decode: work items planned per SM (see decode_work) and the fewest keys per
 # item (one 16-key tile per warp of a 4-warp CTA).
 DECODE_ITEM_KEYS = 64
-# Page-aware attention: a work item's fixed cost (start, table reads, pipeline fill, epilogue
-# and its share of the merge), in keys streamed in the same time; work_items weighs items by
-# it. 0, 256 and 1024 timed alike on the H200's mixed batches (within 2%).
+# Page-aware attention (decode and prefill): a work item's fixed cost (start, table reads,
+# pipeline fill, epilogue and its share of the merge), in keys streamed in the same time;
+# work_items weighs items by it, so that short items are not counted as free. The mixed
+# batches timed are not sensitive to the exact value (benchmarks/NOTES-mixed-decode.md).
 DECODE_ITEM_OVERHEAD = 256
 # Page-aware decode: size classes of the item order (``work_order``; at least two in one wave,
 # where the long sequences' items run first), up to ``cuda_source.ORDER_CLASSES``: larger
-# items first over several waves too. On an H100's multi-wave mixed batches 2, 4 and 8 classes
-# were 2-8% faster than batch order (one class); 4 had the best mean (0.971 of batch order's
-# time) and was within 1% of the best on every batch (benchmarks/NOTES-mixed-decode.md).
+# items first over several waves too, so that the last wave is not left to a few long items.
+# Four: the best mean over the mixed batches timed, and close to the best on each of them
+# (benchmarks/NOTES-mixed-decode.md).
 DECODE_ITEM_CLASSES = 4
 
 
@@ -132,22 +134,20 @@ class Pipeline:
 
 # Decode with stages == 0: the planner picks per shape (``decode_stages``); exactly two
 # splits run as clusters of two CTAs where the device has clusters (``pair``).
-AUTO_DECODE = Pipeline(0, 16, True, pair=True)
+AUTO_DECODE = Pipeline(0, 16, fused=True, pair=True)
 # Page-aware decode (``decode_work``): stages per shape as AUTO_DECODE, splits by the lengths.
-PAGED_DECODE = Pipeline(0, 16, True, paged=True)
+PAGED_DECODE = Pipeline(0, 16, fused=True, paged=True)
 # Prefill on the dedicated kernel (``prefill_kernel``: 64-key tiles, 2 stages, Q in shared
 # memory, rows written from registers); mtiles 0 = the planner picks 64 or 128 rows per CTA.
 DEDICATED = Pipeline(2, 64, dedicated=True, mtiles=0)
 # 8 warps x 16 rows (128 rows per CTA, one CTA per SM), 3 stages: each K/V tile serves
 # as many rows as mtiles=2 without its 255 registers and spill (see prefill_kernel).
 W8 = Pipeline(3, 64, dedicated=True, mtiles=1, warps=8)
-# Whether the planner (mtiles 0) may pick W8, and for which grids (in waves of one CTA
-# per SM). On the H200 (one bf16 sequence, 8 KV heads, group 4, 132 SMs;
-# benchmarks/NOTES-kernels.md) W8 beat both 4-warp tilings at 2 waves (1k tokens) and lost
-# to 128 rows on 4 warps at 7.8 waves (4k tokens): on a long grid two CTAs per SM hide
-# each other's barriers better. So W8 is taken from W8_MIN_WAVES up to below
-# W8_MAX_WAVES; where between 2 and 7.8 waves the cross-over lies is not measured.
-W8_AUTO = True
+# The grids, in waves of one CTA per SM, on which the planner (mtiles 0) picks W8: from
+# W8_MIN_WAVES up to below W8_MAX_WAVES (``Tuning.w8_waves``). On a short grid W8's one
+# CTA per SM, loading each K/V tile once for 128 rows, wins; on a long grid two 4-warp CTAs
+# per SM hide each other's barriers better. The upper end lies between the grids timed:
+# where exactly the cross-over is has not been measured (benchmarks/NOTES-kernels.md).
 W8_MIN_WAVES = 2
 W8_MAX_WAVES = 4
 # Prefill on warpgroup MMA (sm_90a, ``prefill_wg_kernel``; its shape is fixed in
@@ -159,9 +159,9 @@ WGMMA = Pipeline(WG_STAGES, WG_KEYS, dedicated=True, warps=4 * WG_GROUPS, wgmma=
 PERSISTENT_QUEUE_BYTES = 4 * 8 + 2 * 9 * 4
 # The planner runs the persistent prefill only while the longest sequence's keys are within
 # this many times the mean new tokens per sequence (no long cached prefix): there its query
-# tiles see few keys, and what a CTA of one tile pays once weighs most. On an H100 it was
-# 14-21% faster than one CTA per tile on fresh prompts of 512-1024 tokens and level at 4k,
-# but 3-6% slower where every tile sees 8k-32k cached keys (benchmarks/NOTES-mixed-decode.md).
+# tiles see few keys, and what a CTA of one tile pays once weighs most. Behind a long cached
+# prefix every tile streams many keys, that once-paid cost weighs little, and one CTA per
+# tile is faster (benchmarks/NOTES-mixed-decode.md).
 PERSISTENT_MAX_KV_PER_NEW_TOKEN = 4
 # Prefill where the dedicated kernel does not apply (float32, head_dim 256, forced splits,
 # or too few query tiles to fill the GPU without split-KV): page-aware, each query tile split
@@ -169,21 +169,50 @@ PERSISTENT_MAX_KV_PER_NEW_TOKEN = 4
 GENERIC_PREFILL = Pipeline(3, 16, paged=True)
 
 
-# Kernel variants, (decode pipeline, prefill pipeline), by name. "v9": decode page-aware
-# (``decode_work``); prefill on warpgroup MMA with TMA loads where the device has them
-# (Hopper) and the grid fills it, else on the dedicated kernel where it applies
+class Variant(NamedTuple):
+    """A kernel variant: the pipeline that decode runs and the one that prefill runs."""
+
+    decode: Pipeline
+    prefill: Pipeline
+
+
+# The kernel variants by name, for ``variant=`` (a name here or a ``Variant``). Names are
+# versions of the kernels; only those the defaults run ship here. benchmarks/kernel_variants.py
+# holds the earlier pipelines and the planner's per-shape choices forced, which
+# ``bench_decode.py --variants`` and the tests pass as ``Variant`` objects. "v9": decode
+# page-aware (``decode_work``); prefill on warpgroup MMA with TMA loads where the device has
+# them (Hopper) and the grid fills it, else on the dedicated kernel where it applies
 # (``plan_dedicated`` picks its rows per CTA) and on the split-KV kernel elsewhere. "v10": v9
-# with the warpgroup-MMA prefill persistent (one CTA per SM taking query tiles from a
-# counter). Only what the defaults run ships here; benchmarks/kernel_variants.py registers
-# the candidates and forced choices that bench_decode.py --variants and the tests time and
-# check side by side.
-VARIANTS: dict[str, tuple[Pipeline, Pipeline]] = {
-    "v9": (PAGED_DECODE, replace(WGMMA, mtiles=0)),
-    "v10": (PAGED_DECODE, replace(WGMMA, mtiles=0, persistent=True)),
+# with the warpgroup-MMA prefill persistent (one CTA per SM taking query tiles from a counter).
+VARIANTS: dict[str, Variant] = {
+    "v9": Variant(decode=PAGED_DECODE, prefill=replace(WGMMA, mtiles=0)),
+    "v10": Variant(decode=PAGED_DECODE, prefill=replace(WGMMA, mtiles=0, persistent=True)),
 }
-# What `variant=None` runs, per mode.
-DEFAULT_DECODE = "v9"
-DEFAULT_PREFILL = "v10"
+# The variants whose pipelines ``variant=None`` runs: decode v9's, prefill v10's.
+DEFAULT_DECODE_VARIANT = "v9"
+DEFAULT_PREFILL_VARIANT = "v10"
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """The planner's tunable rules, an argument of ``plan_attention`` and ``paged_attention`` so
+    that a benchmark can time other settings (``benchmarks/kernel_variants.py``); the defaults
+    are what every call runs.
+
+    ``decode_ctas_per_sm``: the CTAs per SM of the wave that page-aware decode aims at (None:
+    ``decode_work``'s rule). ``item_overhead``: a page-aware work item's fixed cost in keys
+    (``work_items``), decode and prefill. ``item_classes``: the size classes of page-aware
+    decode's item order (``work_order``). ``w8_waves``: the grids, in waves of one CTA per SM,
+    from the first up to below the second, on which the dedicated prefill planner picks ``W8``
+    (None: never)."""
+
+    decode_ctas_per_sm: int | None = None
+    item_overhead: int = DECODE_ITEM_OVERHEAD
+    item_classes: int = DECODE_ITEM_CLASSES
+    w8_waves: tuple[int, int] | None = (W8_MIN_WAVES, W8_MAX_WAVES)
+
+
+DEFAULT_TUNING = Tuning()
 
 
 @dataclass(frozen=True)
@@ -265,15 +294,29 @@ def decode_warps_kv(dt: int, head_dim: int, pipe: Pipeline = GENERIC_PREFILL, kf
     raise ValueError(f"head_dim {head_dim} does not fit in shared memory")
 
 
-def pipeline_for(variant: str | None, prefill: bool, dt: int, head_dim: int, plain: bool = True, kf: int = 0) -> Pipeline:
+def variant_pipelines(variant: str | Variant | None) -> Variant:
+    """``variant=``'s pipelines: a ``Variant`` as given, a name from ``VARIANTS``, or None for
+    what the defaults run (``DEFAULT_DECODE_VARIANT``'s decode, ``DEFAULT_PREFILL_VARIANT``'s
+    prefill)."""
+    if isinstance(variant, Variant):
+        return variant
+    if variant is None:
+        decode, prefill = VARIANTS[DEFAULT_DECODE_VARIANT].decode, VARIANTS[DEFAULT_PREFILL_VARIANT].prefill
+        return Variant(decode=decode, prefill=prefill)
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown kernel variant {variant!r}; choose from {sorted(VARIANTS)} or pass a Variant")
+    return VARIANTS[variant]
+
+
+def pipeline_for(
+    variant: str | Variant | None, *, prefill: bool, dt: int, head_dim: int, plain: bool = True, kf: int = 0
+) -> Pipeline:
     """The variant's pipeline, its stages halved (down to 16 keys) while one ring
     would keep two CTAs off an SM (wide rows: head_dim 256 or float32). The dedicated
     prefill kernels take ``plain`` calls only (16-bit cache of head_dim 64 or 128, no window,
     soft cap or scale); the rest prefill on the split-KV kernel."""
-    name = variant if variant is not None else DEFAULT_PREFILL if prefill else DEFAULT_DECODE
-    if name not in VARIANTS:
-        raise ValueError(f"unknown kernel variant {name!r}; choose from {sorted(VARIANTS)}")
-    pipe = VARIANTS[name][1 if prefill else 0]
+    pipes = variant_pipelines(variant)
+    pipe = pipes.prefill if prefill else pipes.decode
     if pipe.dedicated:
         if dt == 0 or head_dim not in (64, 128) or not plain or kf:
             pipe = GENERIC_PREFILL
@@ -291,18 +334,17 @@ def decode_stages(ctas: int, max_kv: int, num_sms: int, kf: int = 0) -> int:
     warp). Where the grid (``ctas``, before splits) is between one wave of two per SM and
     three waves of three per SM, equal CTAs finish wave by wave and a last wave left mostly
     empty costs up to a whole wave's time: there the stage count whose last wave is fuller
-    wins (``wave_idle``; ties to two stages). On an H100, B64 x 4k (512 CTAs: 1.94 waves of
-    two, 1.29 of three) ran 16% (float8) and 9% (bfloat16) sooner on three stages, B48 x 4k
-    (384 CTAs) 15% and 3% sooner on two (benchmarks/NOTES-mixed-decode.md).
+    wins (``wave_idle``; ties to two stages), whatever the bytes each keeps in flight
+    (benchmarks/NOTES-mixed-decode.md).
 
     Elsewhere: 3 stages keep the most bytes in flight per warp and are fastest except where
-    (sequences x KV heads) is about one CTA per SM and the contexts are long (B16 at 4k and
-    16k): there 2 stages finish about 2% sooner (benchmarks/NOTES-kernels.md). The split
-    count is planned for two CTAs per SM whatever fits (``DECODE_SPLIT_CTAS_PER_SM``), and
-    with two splits at B16 two stages still beat three. A float8 cache (``kf``; stages of
-    twice the keys, as many bytes) takes 2 there: three CTAs per SM keep more warps
-    converting and multiplying, which float8 needs more of per byte than bfloat16 (2 stages
-    were 4-15% faster than 3 on the H200).
+    (sequences x KV heads) is about one CTA per SM and the contexts are long (4096 keys or
+    more): there 2 stages, seating a third CTA per SM, are the faster
+    (benchmarks/NOTES-kernels.md). The split count is planned for two CTAs per SM whatever
+    fits (``DECODE_SPLIT_CTAS_PER_SM``), and with two splits there two stages still beat
+    three. A float8 cache (``kf``; stages of twice the keys, as many bytes) takes 2 there:
+    three CTAs per SM keep more warps converting and multiplying, which float8 needs more of
+    per byte than bfloat16 (benchmarks/NOTES-mixed-decode.md).
     """
     three_per_sm, two_per_sm = ctas / (3 * num_sms), ctas / (2 * num_sms)
     if two_per_sm > 1 and three_per_sm < 3:
@@ -319,16 +361,23 @@ def wave_idle(waves: float) -> float:
 
 
 def plan_dedicated(
-    a: AttentionArgs, pipe: Pipeline, num_sms: int, max_kv: int, bs_log2: int, wgmma: bool = False
+    a: AttentionArgs,
+    pipe: Pipeline,
+    num_sms: int,
+    max_kv: int,
+    bs_log2: int,
+    *,
+    wgmma: bool = False,
+    w8_waves: tuple[int, int] | None = DEFAULT_TUNING.w8_waves,
 ) -> AttentionPlan | None:
     """The dedicated prefill kernel's plan, or None where it does not apply.
 
     It has no split-KV, so the planner (``pipe.mtiles == 0``) uses it only when the
     query tiles alone give at least two CTAs per SM; rows per CTA: 128 on 8 warps
-    (``W8``: each K/V tile loaded once for twice the rows, registers to spare) when
-    that gives ``W8_MIN_WAVES`` to ``W8_MAX_WAVES`` waves of one CTA per SM, else 128 on 4 warps when
-    that leaves four CTAs per SM, else 64 (shorter CTAs balance the causal triangle
-    better when the grid is small). A variant that fixes ``mtiles`` always gets it
+    (``W8``: each K/V tile loaded once for twice the rows, registers to spare) when that
+    gives ``w8_waves`` waves of one CTA per SM (from the first up to below the second; None:
+    never), else 128 on 4 warps when that leaves four CTAs per SM, else 64 (shorter CTAs
+    balance the causal triangle better when the grid is small). A variant that fixes ``mtiles`` always gets it
     (tests, benchmark). With ``wgmma`` (Hopper, and TMA maps of the pool to hand) a
     ``wgmma`` pipeline runs ``prefill_wg_kernel`` under the same grid rule; without, it
     falls back to the ``mma.sync`` planner above. A ``persistent`` one stays persistent under
@@ -347,9 +396,9 @@ def plan_dedicated(
         if grid_x(64) * kvh < 2 * num_sms:
             return None
         if pipe.wgmma:
-            short = max_kv <= PERSISTENT_MAX_KV_PER_NEW_TOKEN * -(-a.num_tokens // a.num_seqs)
+            short = max_kv <= PERSISTENT_MAX_KV_PER_NEW_TOKEN * cdiv(a.num_tokens, a.num_seqs)
             pipe = replace(WGMMA, persistent=pipe.persistent and short)
-        elif W8_AUTO and W8_MIN_WAVES * num_sms <= grid_x(128) * kvh < W8_MAX_WAVES * num_sms:
+        elif w8_waves and w8_waves[0] * num_sms <= grid_x(128) * kvh < w8_waves[1] * num_sms:
             pipe = W8
         else:
             pipe = Pipeline(pipe.stages, pipe.keys, dedicated=True, mtiles=2 if grid_x(128) * kvh >= 4 * num_sms else 1)
@@ -386,26 +435,28 @@ def choose_splits(ctas: int, tiles: int, warps_kv: int, slots: int) -> int:
     and shortens nothing. Each warp keeps at least one tile.
     """
     best, best_cost = 1, math.inf
-    max_s = max(1, min(tiles // warps_kv, 2 * math.ceil(slots / max(ctas, 1)), 256))
+    max_s = max(1, min(tiles // warps_kv, 2 * cdiv(slots, max(ctas, 1)), 256))
     for s in range(1, max_s + 1):
-        cost = math.ceil(ctas * s / slots) * math.ceil(tiles / s)
+        cost = cdiv(ctas * s, slots) * cdiv(tiles, s)
         if cost < best_cost:
             best, best_cost = s, cost
     return best
 
 
-def decode_work(num_seqs: int, num_kv_heads: int, tiles: int, num_sms: int) -> int:
+def decode_work(num_seqs: int, num_kv_heads: int, tiles: int, num_sms: int, *, per_sm: int | None = None) -> int:
     """Page-aware decode: the wave, in CTAs per KV head, that one call's work division aims at
     (``work_items`` states the division; the kernel's ``locate_item`` makes it from the
     lengths on the device).
 
-    ``DECODE_SPLIT_CTAS_PER_SM`` CTAs per SM over all KV heads, or one per SM where that
-    already gives a uniform batch of this size 8 or more splits (small batches: fewer partials
-    to merge; ``tiles`` is the longest sequence's 16-key tiles, the shape bound). The grid
-    holds ``target + num_seqs`` items per head; the merge is fused (a row's last item merges).
+    ``per_sm`` CTAs per SM over all KV heads; by default ``DECODE_SPLIT_CTAS_PER_SM``, or one
+    where that already gives a uniform batch of this size 8 or more splits (small batches:
+    fewer partials to merge; ``tiles`` is the longest sequence's 16-key tiles, the shape
+    bound). The grid holds ``target + num_seqs`` items per head; the merge is fused (a row's
+    last item merges).
     """
-    ctas = num_seqs * num_kv_heads
-    per_sm = 1 if choose_splits(ctas, tiles, WARPS, num_sms) >= 8 else DECODE_SPLIT_CTAS_PER_SM
+    if per_sm is None:
+        ctas = num_seqs * num_kv_heads
+        per_sm = 1 if choose_splits(ctas, tiles, WARPS, num_sms) >= 8 else DECODE_SPLIT_CTAS_PER_SM
     return max(1, num_sms * per_sm // num_kv_heads)
 
 
@@ -418,7 +469,7 @@ def tile_keys(seq_lens, q_lens=None, *, tokens_per_tile: int = 1, capacity: int,
     for j, n in enumerate(seq_lens):
         n = max(0, int(n))
         ql = 1 if q_lens is None else int(q_lens[j])
-        tiles = 1 if q_lens is None else -(-ql // tokens_per_tile)
+        tiles = 1 if q_lens is None else cdiv(ql, tokens_per_tile)
         for t in reversed(range(tiles)):
             first, tok0 = n - ql, t * tokens_per_tile
             hi = min(min(n, capacity), first + tok0 + min(tokens_per_tile, ql - tok0))
@@ -458,14 +509,14 @@ def work_items(
     keys = tile_keys(seq_lens, q_lens, tokens_per_tile=tokens_per_tile, capacity=capacity, window=window)
     if q_lens is not None and len(keys) >= target:
         return 1 << 35, keys, [1] * len(keys)
-    units = [(k + 63) // 64 for k in keys]
+    units = [cdiv(k, 64) for k in keys]
     n_units, total = len(units), sum(units)
     a, s = overhead // 64, max(1, target)
     min_u = max(1, min_chunk // 64)
     max_u = max(min_u, max_chunk // 64)
 
     def items(u: int) -> list[int]:
-        return [max(1, -(-w // u)) for w in units]
+        return [max(1, cdiv(w, u)) for w in units]
 
     def fits(u: int) -> bool:
         counts = items(u)
@@ -473,15 +524,15 @@ def work_items(
         return n_long <= s and total + a * sum(counts) <= s * (u + a)
 
     if n_units >= target:  # decode of S or more sequences: several waves whatever the split
-        u = max(min_u, -(-total // s))
+        u = max(min_u, cdiv(total, s))
         if u > max_u and sum(items(max_u)) <= target + n_units:
             u = max_u
     else:
         lo = max(min_u, (total + a * n_units) // s - a)
         u = lo
         if not fits(lo):
-            hi = max(2 * max(units, default=0), -(-(total + a * n_units) // s)) + 1
-            probe = max(lo + 1, -(-3 * total // s))
+            hi = max(2 * max(units, default=0), cdiv(total + a * n_units, s)) + 1
+            probe = max(lo + 1, cdiv(3 * total, s))
             if probe < hi and fits(probe):
                 hi = probe
             while hi - lo > 1:
@@ -489,7 +540,7 @@ def work_items(
                 lo, hi = (lo, mid) if fits(mid) else (mid, hi)
             u = hi
     counts = items(u)
-    per_item = [(-(-k // n) + 63) & ~63 for k, n in zip(keys, counts)]
+    per_item = [(cdiv(k, n) + 63) & ~63 for k, n in zip(keys, counts)]
     return 64 * u, per_item, counts
 
 
@@ -510,8 +561,8 @@ def work_order(keys: list[int], c: int, counts: list[int], *, target: int,
     u = c // 64
 
     def size_class(i: int) -> int:
-        w = (keys[i] + 63) // 64
-        p = -(-w // counts[i])
+        w = cdiv(keys[i], 64)
+        p = cdiv(w, counts[i])
         return 0 if 2 * p > u else min(last, max(1, (u // max(p, 1)).bit_length() - 1))
 
     of = [size_class(i) for i in range(len(keys))]
@@ -526,11 +577,12 @@ def plan_attention(
     max_seq_len: int | None,
     num_sms: int,
     num_splits: int | None = None,
-    variant: str | None = None,
+    variant: str | Variant | None = None,
     aligned_out: bool = True,
     wgmma: bool = False,
     clusters: bool = False,
     min_seq_len: int | None = None,
+    tuning: Tuning = DEFAULT_TUNING,
 ) -> AttentionPlan:
     """Grid, split-KV and shared memory for one call (pure arithmetic on shapes).
 
@@ -539,14 +591,16 @@ def plan_attention(
     ``aligned_out``: ``out`` starts on 4 bytes (the dedicated prefill kernel stores pairs of
     elements). ``wgmma``: the device has warpgroup MMA (sm_90a). ``clusters``:
     the device has thread block clusters (sm_90+), for the pair decode kernel. A forced
-    ``num_splits`` plans a fixed grid (also for a page-aware variant)."""
+    ``num_splits`` plans a fixed grid (also for a page-aware variant). ``variant``: the kernel
+    pipelines (``variant_pipelines``; None: the defaults'). ``tuning``: the planner's tunable
+    rules (``Tuning``; the default: what production runs)."""
     geo = a.geo
     kf = kv_format(geo.dtype)
     # The query's dtype (out has it); planners' shape-only args may carry no out: the cache's.
     dt = _DT_CODE[a.out.dtype if a.out is not None else torch.bfloat16 if kf else geo.dtype]
     window = a.window
     plain = not kf and window == 0 and a.soft_cap == 0.0
-    pipe = pipeline_for(variant, prefill, dt, geo.head_dim, plain, kf)
+    pipe = pipeline_for(variant, prefill=prefill, dt=dt, head_dim=geo.head_dim, plain=plain, kf=kf)
     capacity = max_blocks * geo.block_size
     max_kv = capacity if max_seq_len is None else max(1, min(int(max_seq_len), capacity))
     if (pipe.paged and not prefill and num_splits is None
@@ -559,7 +613,7 @@ def plan_attention(
     if pipe.dedicated:
         plan = None
         if num_splits in (None, 1) and aligned_out:
-            plan = plan_dedicated(a, pipe, num_sms, max_kv, bs_log2, wgmma)
+            plan = plan_dedicated(a, pipe, num_sms, max_kv, bs_log2, wgmma=wgmma, w8_waves=tuning.w8_waves)
         if plan is not None:
             return plan
         pipe = GENERIC_PREFILL
@@ -573,7 +627,7 @@ def plan_attention(
     tokens_per_cta = (16 * (WARPS // warps_kv)) // a.group
     if window:  # a tile's keys start at its first token's window
         max_kv = min(max_kv, window + tokens_per_cta + 7)
-    tiles = max(1, math.ceil(max_kv / pipe.keys))  # stages, the unit of a split
+    tiles = max(1, cdiv(max_kv, pipe.keys))  # stages, the unit of a split
     if pipe.paged and num_splits is None:
         if prefill:
             # Page-aware prefill: items of query tiles (split by their own key counts while the
@@ -582,13 +636,13 @@ def plan_attention(
             items = max(a.num_tokens // tokens_per_cta + a.num_seqs, 2 * target)
             pipe, classes = replace(pipe, fused=True), 0
         else:
-            target = decode_work(a.num_seqs, geo.num_kv_heads, tiles, num_sms)
-            items, tokens_per_cta, classes = target + a.num_seqs, 1, DECODE_ITEM_CLASSES
+            target = decode_work(a.num_seqs, geo.num_kv_heads, tiles, num_sms, per_sm=tuning.decode_ctas_per_sm)
+            items, tokens_per_cta, classes = target + a.num_seqs, 1, tuning.item_classes
         return AttentionPlan(
             dt=dt, head_dim=geo.head_dim, warps_kv=warps_kv, pipe=pipe, tokens_per_cta=tokens_per_cta,
             grid=(items * geo.num_kv_heads, 1, 1), num_splits=items, chunk=DECODE_MAX_CTA_KEYS, smem_bytes=smem,
             bs_log2=bs_log2, kf=kf, work_target=target, min_chunk=max(DECODE_ITEM_KEYS, pipe.keys * warps_kv),
-            item_overhead=DECODE_ITEM_OVERHEAD, item_classes=classes,
+            item_overhead=tuning.item_overhead, item_classes=classes,
         )  # fmt: skip
     if prefill:
         # sum over sequences of ceil(q_len / tq) <= T // tq + B
@@ -604,17 +658,16 @@ def plan_attention(
             planned = num_sms * max(1, min(DECODE_SPLIT_CTAS_PER_SM, slots // num_sms))
             num_splits = choose_splits(ctas, tiles, warps_kv, planned)
             # Where one CTA per SM already takes 8 or more splits (small batches), stop
-            # there: the second CTA per SM costs more partials to merge than it gains (B1 x
-            # 4k about 10% slower with two per SM; B1 x 1k and 16k equal). Larger batches
-            # keep the full wave.
+            # there: the second CTA per SM costs more partials to merge than it gains
+            # (benchmarks/NOTES-kernels.md). Larger batches keep the full wave.
             one_per_sm = choose_splits(ctas, tiles, warps_kv, num_sms)
             if one_per_sm >= 8:
                 num_splits = one_per_sm
             if ctas * num_splits > max(slots, num_sms):
-                num_splits = max(num_splits, math.ceil(max_kv / DECODE_MAX_CTA_KEYS))
+                num_splits = max(num_splits, cdiv(max_kv, DECODE_MAX_CTA_KEYS))
     num_splits = max(1, min(int(num_splits), tiles))
-    chunk_tiles = math.ceil(tiles / num_splits)
-    num_splits = math.ceil(tiles / chunk_tiles)
+    chunk_tiles = cdiv(tiles, num_splits)
+    num_splits = cdiv(tiles, chunk_tiles)
     # Two splits as a cluster pair where the extra shared memory seats as many CTAs per SM.
     pair = False
     if pipe.pair and pipe.fused and clusters and not prefill and num_splits == 2:
@@ -687,14 +740,17 @@ def paged_attention(
     max_seq_len: int | None = None,
     min_seq_len: int | None = None,
     num_splits: int | None = None,
-    variant: str | None = None,
+    variant: str | Variant | None = None,
+    tuning: Tuning = DEFAULT_TUNING,
     launcher=None,
 ) -> torch.Tensor:
     """Decode (``cu_seqlens_q is None``) or prefill on the GPU; returns ``a.out``.
 
-    ``variant`` picks a kernel pipeline from ``VARIANTS`` (default: ``DEFAULT_DECODE`` /
-    ``DEFAULT_PREFILL``);
-    it exists so that one GPU run can time the shipped kernel against a candidate."""
+    ``num_splits`` (a fixed grid of that many splits), ``variant`` (the kernel pipelines: a
+    name from ``VARIANTS`` or a ``Variant``) and ``tuning`` (the planner's rules) default to
+    what the public wrappers run; they exist so that one GPU run can time the shipped kernel
+    against a candidate and the tests reach every kernel path on small shapes. ``launcher``:
+    what compiles and launches the kernels (default: CuPy's; the tests' emulator)."""
     check_gpu_limits(a, q)
     if launcher is None:
         from .cuda_runtime import default_launcher
@@ -719,14 +775,15 @@ def paged_attention(
             aligned_out=out.data_ptr() % 4 == 0,
             wgmma=wgmma,
             clusters=getattr(launcher, "clusters", lambda device: False)(q.device),
+            tuning=tuning,
         )
 
-    plan = plan_with(getattr(launcher, "wgmma", lambda device: False)(q.device))
+    plan = plan_with(wgmma=getattr(launcher, "wgmma", lambda device: False)(q.device))
     maps = None  # TMA tensor maps of the pool: only the warpgroup-MMA prefill kernel reads them
     if plan.pipe.wgmma:
         maps = cuda_tma.maps_for(geo, k_cache, v_cache)
         if maps is None:  # none to hand (a first call inside graph capture, the driver): mma.sync
-            plan = plan_with(False)
+            plan = plan_with(wgmma=False)
     tile_cum = None
     if prefill and not plan.pipe.dedicated and not plan.work_target:  # the others scan cu_seqlens themselves
         q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
@@ -777,5 +834,5 @@ def paged_attention(
             np.int32(a.num_q_heads), np.int32(plan.num_splits), np.int32(plan.chunk),
         )  # fmt: skip
         rows = a.num_tokens * a.num_q_heads  # one warp each
-        launcher.launch(key, "merge", q.device, (math.ceil(rows / WARPS), 1, 1), merge_args, 0)
+        launcher.launch(key, "merge", q.device, (cdiv(rows, WARPS), 1, 1), merge_args, 0)
     return out

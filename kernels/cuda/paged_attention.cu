@@ -55,8 +55,9 @@
 //     two split CTAs of each (tile, KV head): split 1 writes its normalized rows and
 //     log-sum-exps into split 0's shared memory (distributed shared memory, past split 0's
 //     rings) and arrives at the cluster barrier; split 0 waits there and writes the merged
-//     rows. No partials in global memory and no arrival counter, which made two-split
-//     decode measurably sooner on the H200 than the merge by counter.
+//     rows. No partials in global memory and no arrival counter: one barrier in place of an
+//     L2 atomic and the partials' round trip through global memory, which is the faster merge
+//     (benchmarks/NOTES-kernels.md).
 //
 // prefill_kernel<DT, D, MT, NW, NS>
 //     Prefill for 16-bit types and head_dim 64/128 when the query tiles fill the GPU
@@ -134,8 +135,9 @@ __device__ __forceinline__ float ldcg1(const float* p) {
 // One arrival at a split counter; returns the count before it. Release: this CTA's partials
 // (written before a CTA barrier) are visible to whoever sees the arrival. Acquire: for the
 // last arrival, the other splits' partials are visible to this CTA once it passes a CTA
-// barrier (one atomic instead of a fence, the atomic and a second fence per thread: run
-// 36, B1 x 4k and x 16k 1-2% sooner). The last arrival resets the counter for the next call.
+// barrier (one atomic instead of a fence, the atomic and a second fence per thread: less
+// latency between the last split and its merge). The last arrival resets the counter for
+// the next call.
 __device__ __forceinline__ int arrive(int* c) {
     int old;
     asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(c) : "memory");
@@ -792,8 +794,8 @@ __device__ __forceinline__ void attention_cta(ATTENTION_PARAMS_KV(typename Kv<DT
         // The grid is (tiles, KV heads, splits) and launches x fastest; CTAs take their (tile,
         // KV head) in KV-head-fastest order instead, so that the KV heads of a sequence run
         // together: its table row and Q rows are read while in L2, and a block's per-head
-        // chunks at about the same time (on the H200 up to 1% sooner on multi-wave grids, one
-        // shape 0.6% later). Grids of one wave run all CTAs at once either way.
+        // chunks at about the same time. That matters on grids of several waves; grids of one
+        // wave run all CTAs at once either way.
         const int xy = blockIdx.x + gridDim.x * blockIdx.y;
         kvh = xy % gridDim.y;
         split = blockIdx.z, nsplit = num_splits, chunk_c = chunk;
@@ -936,8 +938,8 @@ __device__ __forceinline__ void attention_cta(ATTENTION_PARAMS_KV(typename Kv<DT
         cp_async_commit();
     }
     // Block ids of tile k + NS - 1, read in the iteration before the one that issues it: no
-    // table read stands between tile k's arrival and the cp.async of tile k + NS - 1 (up
-    // to 1.2% sooner on the H200, no shape slower).
+    // table read stands between tile k's arrival and the cp.async of tile k + NS - 1, so the
+    // table's latency is hidden behind a tile's compute.
     int ahead_ids[KT / 8];
     auto read_ids = [&](int k) {
 #pragma unroll
@@ -1124,7 +1126,7 @@ __device__ __forceinline__ void attention_cta(ATTENTION_PARAMS_KV(typename Kv<DT
         // log-sum-exps into split 0's shared memory, past split 0's rings (split 0 may still be
         // streaming keys), and arrives at the cluster barrier; split 0 waits there and combines
         // them with its own rows. No partials in global memory, no arrival counter, one barrier
-        // in place of an L2 atomic and the partials' reads (B16 x 4k a few us sooner).
+        // in place of an L2 atomic and the partials' reads.
         constexpr int PR = RW * warps_row;                   // most rows of a CTA tile
         float* recv = reinterpret_cast<float*>(smem + pair_recv_offset<ES, D, WKV, NS, KT>());
         if (cluster_rank() == 1) {

@@ -6,8 +6,8 @@
 // MMA (wgmma.mma_async) instead of mma.sync: a warpgroup (4 warps, 128 threads) multiplies
 // a 64-row tile in one instruction per 16-wide k-step, reading its operands straight from
 // shared memory through matrix descriptors, so no lane spends instructions or registers
-// loading fragments. SDPA (FlashAttention-3 / cuDNN class) runs at about half of the
-// H200's dense peak this way; the mma.sync prefill stops near a fifth
+// loading fragments. This is how SDPA's Hopper kernels (FlashAttention-3, cuDNN) reach a far
+// larger share of the tensor cores' peak than the mma.sync prefill can
 // (benchmarks/NOTES-kernels.md).
 //
 // Layout: every tile (Q, K, V) is stored as 128-byte panels of 64 head dims, rows 128
@@ -153,14 +153,14 @@ __device__ __forceinline__ int sw128(int r, int c, int panel_bytes) {
 //   MMA descriptors read. A block id past the sequence or out of range becomes num_blocks,
 //   a coordinate outside the map: zeros. Its other warps only hand their registers over
 //   (setmaxnreg: 40 per producer thread, 232 per consumer thread, FlashAttention-3's split of
-//   the register file). About a quarter faster at 4k tokens than the producer as the first
-//   warp of a consumer warpgroup, whose warpgroup's MMAs then waited for it every tile.
+//   the register file). A warpgroup of its own, not the first warp of a consumer warpgroup,
+//   whose MMAs would then wait for it every tile (benchmarks/NOTES-kernels.md).
 // * Ping-pong (two warpgroups): named barriers make the warpgroups take turns issuing their
 //   MMAs, so one warpgroup's softmax runs while the other's MMAs keep the tensor cores busy.
 // * A warpgroup issues tile k - 1's O += P V and then tile k's S = Q K^T as one group and
 //   waits once. Issuing S first and running the softmax beside P V (FlashAttention-3's
-//   intra-warpgroup overlap) was slower on the H200, much slower with the producer
-//   warpgroup, where the two accumulators and P live at once and spill
+//   intra-warpgroup overlap) keeps the two accumulators and P live at once, which spills in
+//   the registers left after the producer warpgroup's share, and was the slower
 //   (benchmarks/NOTES-kernels.md). One wait also frees tile k - 1 before the softmax.
 // A warpgroup whose rows end before a tile skips its MMAs (uniform over the warpgroup, as
 // wgmma requires) but keeps taking part in the barriers.
@@ -177,10 +177,9 @@ __device__ __forceinline__ int sw128(int r, int c, int panel_bytes) {
 // 64, which only its own S MMAs read) as soon as its last S MMA of this item completed,
 // behind that tile's softmax, the last P V and the epilogue.
 //
-// Shape (measured on the H200, benchmarks/NOTES-kernels.md): 2 consumer warpgroups (128
-// rows), 128-key tiles, 3 stages (225 KiB of shared memory, one CTA per SM). One warpgroup
-// per CTA, 64- or 96-key tiles, 4-5 stages and no ping-pong were all slower (measured with
-// the producer inside a consumer warpgroup).
+// Shape, the fastest of the shapes timed (benchmarks/NOTES-kernels.md): 2 consumer warpgroups
+// (128 rows), 128-key tiles, 3 stages (225 KiB of shared memory, one CTA per SM). One
+// warpgroup per CTA, 64- or 96-key tiles, 4-5 stages and no ping-pong were all slower.
 constexpr int WG_GROUPS = 2, WG_KEYS = 128, WG_STAGES = 3;
 
 template <int DT, int D, bool PERSIST = false>

@@ -57,7 +57,7 @@ def _run(launcher, case, q, cu, num_splits, max_seq_len=None, variant=None):
     a = check_attention(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, cu, None, out)
     cuda_attention.paged_attention(
         a, q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, cu,
-        max_seq_len=max_seq_len, num_splits=num_splits, variant=variant, launcher=launcher,
+        max_seq_len=max_seq_len, num_splits=num_splits, variant=variants.pipelines(variant), launcher=launcher,
     )  # fmt: skip
     return out
 
@@ -142,14 +142,14 @@ def test_emulated_write_kv(launcher):
 
 
 def _plan(num_tokens, num_seqs, *, dtype=torch.bfloat16, d=128, prefill=True, ctx=4096, splits=None, variant="v7",
-          wgmma=False, scale=1.0, clusters=False):  # fmt: skip
+          wgmma=False, scale=1.0, clusters=False, tuning=cuda_attention.DEFAULT_TUNING):  # fmt: skip
     from kvpool.kernels._validate import AttentionArgs, CacheGeometry
 
     geo = CacheGeometry(1, 8, 16, d, 0, 0, dtype, torch.device("cpu"))
     a = AttentionArgs(geo, num_seqs, num_tokens, 32, 4, scale, None)
     return cuda_attention.plan_attention(
-        a, prefill=prefill, max_blocks=ctx // 16, max_seq_len=ctx, num_sms=132, num_splits=splits, variant=variant,
-        wgmma=wgmma, clusters=clusters,
+        a, prefill=prefill, max_blocks=ctx // 16, max_seq_len=ctx, num_sms=132, num_splits=splits,
+        variant=variants.pipelines(variant), wgmma=wgmma, clusters=clusters, tuning=tuning,
     )  # fmt: skip
 
 
@@ -174,7 +174,7 @@ def test_planner_takes_warpgroup_mma_on_hopper_only():
     tiles, 3 stages in 225 KiB of shared memory. Without wgmma it is v7; a short chunk after a
     long prefix, float32, head_dim 256 and a non-positive scale keep their old paths; v8f
     forces the kernel."""
-    assert cuda_attention.DEFAULT_PREFILL == "v10"
+    assert cuda_attention.DEFAULT_PREFILL_VARIANT == "v10"
     big = _plan(4096, 1, variant="v8", wgmma=True)
     assert big.pipe.wgmma and big.pipe.warps == 8 and big.pipe.keys == 128 and big.pipe.stages == 3
     assert big.grid == (129 * 8, 1, 1) and big.tokens_per_cta == 32 and big.num_splits == 1
@@ -296,7 +296,7 @@ def test_tma_maps_fall_back_once_where_the_driver_cannot_make_them(monkeypatch):
     assert calls == [1] and cuda_tma._MAPS == {}
 
 
-def test_planner_picks_the_prefill_kernel_per_shape(monkeypatch):
+def test_planner_picks_the_prefill_kernel_per_shape():
     """Dedicated kernel, 8 warps x 16 rows per CTA, where that grid is two to four waves of
     one CTA per SM (1k tokens x 8 KV heads on 132 SMs); else 4 warps x 32 rows where that
     leaves four CTAs per SM (4k), else 4 x 16 rows; the split-KV kernel where the query tiles
@@ -309,8 +309,7 @@ def test_planner_picks_the_prefill_kernel_per_shape(monkeypatch):
     assert mid.smem_bytes == 128 * 256 + 3 * 2 * 64 * 256
     small = _plan(768, 1, ctx=768)  # 25 x 8 = 200 CTAs of 128 rows: under two waves
     assert small.pipe.dedicated and small.pipe.warps == 4 and small.pipe.mtiles == 1 and small.grid == (49 * 8, 1, 1)
-    monkeypatch.setattr(cuda_attention, "W8_AUTO", False)  # the switch that takes W8 out of the planner's hands
-    off = _plan(1024, 1, ctx=1024)
+    off = _plan(1024, 1, ctx=1024, tuning=replace(cuda_attention.DEFAULT_TUNING, w8_waves=None))  # W8 never
     assert off.pipe.mtiles == 1 and off.pipe.warps == 4 and off.grid == (65 * 8, 1, 1)
     chunk = _plan(64, 1, ctx=32768)
     assert not chunk.pipe.dedicated and chunk.num_splits > 1

@@ -16,7 +16,7 @@ from kvpool.kernels import cuda_attention
 from kvpool.kernels._validate import check_attention
 from tests.kernels.support import cuda_emulator
 from tests.kernels.support import reference as ref
-from tests.kernels.support import variants  # noqa: F401 - registers v7, the fixed-grid decode
+from tests.kernels.support import variants
 from tests.kernels.support.testing import assert_matches_reference, make_case, poisoned
 
 pytestmark = pytest.mark.skipif(not cuda_emulator.available(), reason="needs g++ for the CUDA emulator")
@@ -31,12 +31,13 @@ def launcher():
     return cuda_emulator.EmulatorLauncher(num_sms=32, cp_async="late")
 
 
-def _attend(launcher, case, q, cu=None, *, variant=None, num_splits=None, **options):
+def _attend(launcher, case, q, cu=None, *, variant=None, num_splits=None, tuning=cuda_attention.DEFAULT_TUNING,
+            **options):  # fmt: skip
     out = poisoned(q.shape, q.dtype)
     a = check_attention(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, cu, None, out, **options)
     cuda_attention.paged_attention(
         a, q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, cu,
-        num_splits=num_splits, variant=variant, launcher=launcher,
+        num_splits=num_splits, variant=variants.pipelines(variant), tuning=tuning, launcher=launcher,
     )  # fmt: skip
     b = case.seq_lens.shape[0]
     cu_ref = torch.arange(b + 1) if cu is None else cu
@@ -190,8 +191,7 @@ def test_page_aware_decode_with_each_item_order_matches_the_reference(launcher, 
     # three size classes and the long one last: every order covers every item once.
     lens = [3, 70, 200, 130, 9, 0, 260] * 5 + [40, 33, 150, 64, 2500]
     case, q = _decode_case(lens, seed=classes)
-    with kernel_variants.division(classes=classes):
-        out, want = _attend(launcher, case, q)
+    out, want = _attend(launcher, case, q, tuning=kernel_variants.tuning(classes=classes))
     assert_matches_reference(out, want, "cuda")
 
 
@@ -258,8 +258,7 @@ def test_page_aware_decode_on_random_mixes(launcher, data):
     window = data.draw(st.sampled_from([None, 1, 24, 300]))
     overhead = data.draw(st.sampled_from([0, 256, 4096]))
     case, q = _decode_case(lens, seed=long_len)
-    with kernel_variants.division(overhead=overhead):
-        out, want = _attend(launcher, case, q, sliding_window=window)
+    out, want = _attend(launcher, case, q, sliding_window=window, tuning=kernel_variants.tuning(overhead=overhead))
     assert_matches_reference(out, want, "cuda")
 
 

@@ -35,14 +35,19 @@ def test_attention_source_declares_the_item_order_classes_the_host_mirrors():
 
 
 def test_shipped_variants_are_what_the_defaults_run():
-    """The package keeps the variants ``variant=None`` runs; the others are registered by
-    benchmarks/kernel_variants.py (imported by other tests of this process, so only the
-    shipped names are checked here)."""
-    shipped = {cuda_attention.DEFAULT_DECODE, cuda_attention.DEFAULT_PREFILL}
-    assert shipped == {"v9", "v10"} and shipped <= set(cuda_attention.VARIANTS)
+    """The package keeps the variants ``variant=None`` runs, and only those; the others live in
+    benchmarks/kernel_variants.py under names of their own."""
+    shipped = {cuda_attention.DEFAULT_DECODE_VARIANT, cuda_attention.DEFAULT_PREFILL_VARIANT}
+    assert shipped == {"v9", "v10"} == set(cuda_attention.VARIANTS)
+    defaults = cuda_attention.variant_pipelines(None)
+    assert defaults.decode == cuda_attention.VARIANTS["v9"].decode
+    assert defaults.prefill == cuda_attention.VARIANTS["v10"].prefill
     from benchmarks import kernel_variants
 
-    assert not shipped & set(kernel_variants.EXTRA)
+    assert not shipped & (set(kernel_variants.EXTRA) | set(kernel_variants.PROBES))
+    assert kernel_variants.get("v9") is cuda_attention.VARIANTS["v9"]
+    with pytest.raises(ValueError, match="unknown kernel variant 'v7'"):
+        cuda_attention.variant_pipelines("v7")  # benchmark-only: passed as a Variant
 
 
 def _operands(n: int, first: int = 0) -> str:

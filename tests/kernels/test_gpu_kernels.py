@@ -29,7 +29,7 @@ def _attend(variant, q, case, cu=None, scale=None, out=None):
     """One call of a given kernel variant through the same host code as the public wrappers."""
     a = check_attention(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, cu, scale, out)
     return cuda_attention.paged_attention(
-        a, q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, cu, variant=variant
+        a, q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, cu, variant=variants.pipelines(variant)
     )
 
 
@@ -96,7 +96,7 @@ def test_gpu_prefill_at_serving_size(variant):
     a = check_attention(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, cu, None, out)
     plan = cuda_attention.plan_attention(
         a, prefill=True, max_blocks=case.block_tables.shape[1], max_seq_len=None,
-        num_sms=torch.cuda.get_device_properties(0).multi_processor_count, variant=variant,
+        num_sms=torch.cuda.get_device_properties(0).multi_processor_count, variant=variants.pipelines(variant),
     )  # fmt: skip
     assert plan.pipe.dedicated
     if variant is None:
@@ -173,7 +173,8 @@ def test_gpu_persistent_prefill_runs_many_items_per_cta(dtype, head_dim, block_s
     a = check_attention(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, cu, None, out)
     plan = cuda_attention.plan_attention(
         a, prefill=True, max_blocks=case.block_tables.shape[1], max_seq_len=None,
-        num_sms=torch.cuda.get_device_properties(0).multi_processor_count, variant="v10f", wgmma=True,
+        num_sms=torch.cuda.get_device_properties(0).multi_processor_count, variant=variants.pipelines("v10f"),
+        wgmma=True,
     )  # fmt: skip
     assert plan.pipe.persistent and plan.num_splits * 8 > 4 * plan.grid[0]  # several items per CTA
     _check_repeats_leave_counters_at_zero(lambda: _attend("v10f", q, case, cu=cu, out=out), out, want)
@@ -191,7 +192,7 @@ def test_gpu_long_context_split_kv(seq_len):
     assert_matches_reference(out, want, "cuda")
 
 
-@pytest.mark.parametrize("variant", [v for v in DECODE_VARIANTS if cuda_attention.VARIANTS[v][0].fused])
+@pytest.mark.parametrize("variant", [v for v in DECODE_VARIANTS if variants.pipelines(v).decode.fused])
 def test_gpu_fused_merge_leaves_counters_at_zero(variant):
     """Split-KV with the merge fused: repeated calls (eager, then in a CUDA graph) stay
     right, which needs every arrival counter back at zero after each call."""

@@ -1,8 +1,9 @@
-"""The kernel variants the GPU and emulated tests run: the shipped ones
+"""The kernel variants the GPU and emulated tests run, by name: the shipped ones
 (``cuda_attention.VARIANTS``) and the benchmark-only ones of
-``benchmarks/kernel_variants.py``, registered here. The latter force, whatever the shape,
-each choice the planner makes per shape (rows per prefill CTA, the warpgroup-MMA prefill,
-the merge by counter), so that small test shapes reach every path of the shipped kernels."""
+``benchmarks/kernel_variants.py``. The latter force, whatever the shape, each choice the
+planner makes per shape (rows per prefill CTA, the warpgroup-MMA prefill, the merge by
+counter), so that small test shapes reach every path of the shipped kernels. The tests
+pass ``pipelines(name)`` as ``variant=``."""
 
 import re
 
@@ -15,19 +16,24 @@ def _version(name: str) -> tuple[int, str]:
     return int(re.match(r"v(\d+)", name)[1]), name
 
 
-ALL = sorted(kernel_variants.register(), key=_version)
+def pipelines(name: str | None) -> cuda_attention.Variant | None:
+    """What a test passes as ``variant=`` for the variant ``name`` (None: the defaults)."""
+    return None if name is None else kernel_variants.get(name)
+
+
+ALL = sorted(kernel_variants.names(), key=_version)
 # variants that differ in their decode / prefill pipeline (v7m1 / v7m2 / v7w8 decode exactly like v7)
-DECODE = sorted({cuda_attention.VARIANTS[v][0]: v for v in reversed(ALL)}.values(), key=_version)
-PREFILL = sorted({cuda_attention.VARIANTS[v][1]: v for v in reversed(ALL)}.values(), key=_version)
-# The variants whose pipelines the defaults run (what the planner picks without a variant):
-# the emulated tests run these under both cp.async orders, the rest under one (CI time).
-# Page-aware decode runs the fixed grid (AUTO_DECODE) for one sequence and for even batches.
-SHIPPED_DECODE = sorted({v for v in DECODE if cuda_attention.VARIANTS[v][0] in
-                         {cuda_attention.VARIANTS[s][0] for s in (cuda_attention.DEFAULT_DECODE, cuda_attention.DEFAULT_PREFILL)}
-                         | {cuda_attention.AUTO_DECODE}}, key=_version)
-SHIPPED_PREFILL = sorted({v for v in PREFILL if cuda_attention.VARIANTS[v][1] in
-                          {cuda_attention.VARIANTS[s][1] for s in (cuda_attention.DEFAULT_DECODE, cuda_attention.DEFAULT_PREFILL)}
-                          | {cuda_attention.DEDICATED}}, key=_version)
+DECODE = sorted({pipelines(v).decode: v for v in reversed(ALL)}.values(), key=_version)
+PREFILL = sorted({pipelines(v).prefill: v for v in reversed(ALL)}.values(), key=_version)
+# The variants whose pipelines ship (what the planner picks without a variant, v9's prefill
+# where v10's persistent one is not picked): the emulated tests run these under both cp.async
+# orders, the rest under one (CI time). Page-aware decode runs the fixed grid (AUTO_DECODE)
+# for one sequence and for even batches.
+_SHIPPED = cuda_attention.VARIANTS.values()
+SHIPPED_DECODE = sorted({v for v in DECODE if pipelines(v).decode in {*(s.decode for s in _SHIPPED),
+                                                                      cuda_attention.AUTO_DECODE}}, key=_version)
+SHIPPED_PREFILL = sorted({v for v in PREFILL if pipelines(v).prefill in {*(s.prefill for s in _SHIPPED),
+                                                                        cuda_attention.DEDICATED}}, key=_version)
 # What the emulated tests run. Benchmark-only variants that the emulator cannot tell from a
 # shipped path are left to the GPU tests: v5's decode is v7's with three stages (what the
 # planner picks on the emulator's small shapes), v7a's decode merges by counter as v9 does,
