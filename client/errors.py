@@ -69,6 +69,11 @@ class TooManyClasses(KvpoolError):
 TOO_MANY_CLASSES_PREFIX = "too many layout classes:"
 
 
+# gRPC's own words when a message exceeds the receiving side's limit (the daemon's max_message_bytes):
+# the caller's call is too large, not the pool too full.
+MESSAGE_TOO_LARGE = "Received message larger than max"
+
+
 class FailedPrecondition(KvpoolError, RuntimeError):
     code = "FAILED_PRECONDITION"
 
@@ -110,6 +115,9 @@ def from_rpc_error(exc: grpc.RpcError, address: str) -> KvpoolError:
         kind = TooManySessions
     elif name == "RESOURCE_EXHAUSTED" and (details or "").startswith(TOO_MANY_CLASSES_PREFIX):
         kind = TooManyClasses
+    elif name == "RESOURCE_EXHAUSTED" and MESSAGE_TOO_LARGE in (details or ""):
+        kind = InvalidArgument
+        details = f"the call is larger than kvpoold reads (its max_message_bytes): split it ({details})"
     err = kind(details or name)
     err.code = name
     return err

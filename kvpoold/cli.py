@@ -27,7 +27,8 @@ precedence: defaults < TOML file < KVPOOL_<KEY> environment variables < flags.
 signals: SIGHUP reloads the settings that can change live (log_level, grace_seconds, lease_seconds,
   max_reserve_blocks, max_sessions, max_blocks_per_session, shutdown_timeout,
   admin_socket_mode, max_sequences_per_session, max_tokens_per_call, max_string_bytes, max_classes,
-  max_classes_per_tenant) and logs the others as needing a restart; SIGTERM/SIGINT stop
+  max_classes_per_tenant, the per-user caps, handoff_timeout, fair_share, max_pool_share_per_user)
+  and logs the others as needing a restart; SIGTERM/SIGINT stop
   gracefully (clients are told and get shutdown_timeout seconds to detach).
 
 exit codes: 0 stopped cleanly, 2 bad configuration or cannot start"""
@@ -77,6 +78,32 @@ def build_parser() -> argparse.ArgumentParser:
                         "reclaimed, least recently used first, to make room (default 64; 0: none)")
     p.add_argument("--max-classes-per-tenant",
                    help="cap: layout classes one tenant keeps at once on a device pool (default 16; 0: none)")
+    # per-user caps: one user cannot lock the others out
+    p.add_argument("--max-tickets-per-user",
+                   help="cap: attach tickets one user (uid) holds unredeemed at once (default 64; 0: none)")
+    p.add_argument("--max-sessions-per-user", help="cap: sessions of one user at once (default 256; 0: none)")
+    p.add_argument("--max-handoff-connections-per-user",
+                   help="cap: open connections of one user to a side socket (<socket>.handoff); more are refused "
+                        "at accept (default 32; 0: none)")
+    p.add_argument("--handoff-timeout",
+                   help="seconds a side-socket connection may take to send its request; a silent one is closed "
+                        "(default 2)")
+    p.add_argument("--fair-share", metavar="on|off",
+                   help="with several users on a device pool, each may hold at most the pool divided by the "
+                        "users with a session there (default on)")
+    p.add_argument("--max-pool-share-per-user",
+                   help="the most of a device pool one user may hold whatever the number of users, e.g. 0.5 "
+                        "(default 1)")
+    # the gRPC sockets
+    p.add_argument("--grpc-idle-seconds",
+                   help="a gRPC connection with no call in progress this long is closed; the client reconnects "
+                        "at its next call (default 60; 0: never)")
+    p.add_argument("--max-grpc-connections",
+                   help="connections to each gRPC socket at once; more are closed at accept (default 2048; 0: none)")
+    p.add_argument("--max-grpc-streams", help="calls in progress on one gRPC connection (default 1024; 0: none)")
+    p.add_argument("--max-message-bytes",
+                   help="largest request read, e.g. 16MiB; larger ones are refused unread (default 0: what "
+                        "max_tokens_per_call, max_sequences_per_session and max_string_bytes need)")
     p.add_argument("--shutdown-timeout", help="on SIGTERM, seconds to wait for clients to detach (default 30)")
     p.add_argument("--metrics-port", help="serve Prometheus metrics on this TCP port (default 0: off)")
     p.add_argument("--metrics-address", help="address of the metrics endpoint (default 127.0.0.1)")
@@ -135,6 +162,9 @@ FLAG_KEYS = (
     "metrics_port", "metrics_address",
     "max_sequences_per_session", "max_tokens_per_call", "lease_seconds", "max_string_bytes",  # limits, lease
     "max_classes", "max_classes_per_tenant",  # caps on layout classes
+    "max_tickets_per_user", "max_sessions_per_user", "max_handoff_connections_per_user", "handoff_timeout",
+    "fair_share", "max_pool_share_per_user",  # per-user caps
+    "grpc_idle_seconds", "max_grpc_connections", "max_grpc_streams", "max_message_bytes",  # the gRPC sockets
     "host_bytes", "disk_dir", "disk_bytes",  # tiers
     "tenant_by",
     "cuda_memory", "release_after_seconds",  # elastic GPU memory

@@ -35,15 +35,27 @@ _UNITS = {
 MAX_COUNT = 2**31 - 1
 MAX_BYTES = 2**63 - 1
 MAX_SECONDS = 365 * 86400.0  # asyncio timers overflow far above; a year is "never" for an operator
-# The gRPC server's message limit (both ways).  A call carries 4 bytes per token
-# plus per-sequence arrays; at 8 bytes per token the most tokens one call may
-# carry still fits, so max_tokens_per_call answers before gRPC's own limit does.
+# The largest gRPC message either way (the daemon's replies; max_message_bytes at most).
+# A call carries 4 bytes per token plus per-sequence arrays; at 8 bytes per token the
+# most tokens one call may carry still fits, so max_tokens_per_call answers first.
 MAX_MESSAGE_BYTES = 256 << 20
 MAX_TOKENS_PER_CALL = MAX_MESSAGE_BYTES // 8
+# What the largest legitimate request needs on the wire (``receive_limit``): per token its
+# id and a claimed block (4 + 4 bytes); per sequence its id, count, claim count, a freed id
+# and a prompt's framing (64 bytes); per reserve block a return (8); strings (name, model
+# id, extra keys) room for 16 of the longest; and the message's own framing.
+EXTRA_KEY_FACTOR = 4  # an extra key (a LoRA id, an adapter list) may have this many times max_string_bytes
+TOKEN_WIRE_BYTES = 8
+SEQUENCE_WIRE_BYTES = 64
+RESERVE_WIRE_BYTES = 8
+STRINGS_PER_CALL = 16
+MESSAGE_SLACK_BYTES = 64 << 10
 REMOTE_SCHEMES = ("redis", "rediss", "unix")
 # The remote tier's secret: 128 bits at least; far more is no key file (a path given by mistake).
 MIN_KEY_BYTES = 16
 MAX_KEY_BYTES = 4096
+# caps on what one user may hold at once (0: none); each is counted per uid
+PER_USER_CAPS = ("max_tickets_per_user", "max_sessions_per_user", "max_handoff_connections_per_user")
 # sockaddr_un.sun_path is 108 bytes on Linux, one of them the terminating NUL.
 SUN_PATH_MAX = 107
 
@@ -182,6 +194,20 @@ class Config:
     # Idle ones (no session, only cached blocks) are reclaimed, least recently used first, to make room.
     max_classes: int = 64
     max_classes_per_tenant: int = 16
+    # -- per-user caps (the uid the kernel reports; 0: no cap): one user cannot lock the others out --
+    max_tickets_per_user: int = 64  # attach tickets one user holds unredeemed (each attach takes one for ms)
+    max_sessions_per_user: int = 256  # sessions of one user at once (of max_sessions)
+    max_handoff_connections_per_user: int = 32  # open connections of one user to a side socket
+    handoff_timeout: float = 2.0  # a side-socket connection must send its request (and take the reply) within this
+    fair_share: bool = True  # with several users on a pool, each may hold at most pool / users of its memory
+    max_pool_share_per_user: float = 1.0  # the most of a pool one user may hold, however many users there are
+    # -- the gRPC sockets (per socket; gRPC tells a servicer nothing of its peer, so no cap can be per user) --
+    grpc_idle_seconds: float = 60.0  # a connection with no call in progress this long is closed; 0: never
+    max_grpc_connections: int = 2048  # connections at once; more are closed at accept; 0: no cap
+    # calls in progress on one connection (a client queues more); a process's sessions share one connection,
+    # each with its Watch call open: keep it above max_sessions_per_user; 0: no cap
+    max_grpc_streams: int = 1024
+    max_message_bytes: int = 0  # largest request read; larger ones are refused unread; 0: what the limits need
 
     def effective_pool_bytes(self) -> int:
         return self.pool_bytes or (1 << 30)
@@ -226,6 +252,8 @@ LIVE_KEYS = frozenset({
     "log_level", "grace_seconds", "max_reserve_blocks", "max_sessions", "max_blocks_per_session",
     "shutdown_timeout", "admin_socket_mode", "max_sequences_per_session", "max_tokens_per_call",
     "lease_seconds", "max_string_bytes", "release_after_seconds", "max_classes", "max_classes_per_tenant",
+    "max_tickets_per_user", "max_sessions_per_user", "max_handoff_connections_per_user", "handoff_timeout",
+    "fair_share", "max_pool_share_per_user",
 })
 
 
@@ -274,6 +302,16 @@ _PARSERS = {
     "events_stream": str,
     "max_classes": _int,
     "max_classes_per_tenant": _int,
+    "max_tickets_per_user": _int,
+    "max_sessions_per_user": _int,
+    "max_handoff_connections_per_user": _int,
+    "handoff_timeout": _float,
+    "fair_share": _bool,
+    "max_pool_share_per_user": _float,
+    "grpc_idle_seconds": _float,
+    "max_grpc_connections": _int,
+    "max_grpc_streams": _int,
+    "max_message_bytes": parse_bytes,
 }
 KEYS = tuple(f.name for f in fields(Config))
 assert set(KEYS) == set(_PARSERS)
@@ -284,7 +322,8 @@ def _validate(cfg: Config, sources: Mapping[str, str]) -> None:
         return ConfigError(f"{key} = {getattr(cfg, key)!r} ({sources.get(key, 'default')}): {why}")
 
     for key in ("max_reserve_blocks", "max_sessions", "max_blocks_per_session", "max_sequences_per_session",
-                "max_tokens_per_call", "max_string_bytes", "max_classes", "max_classes_per_tenant"):
+                "max_tokens_per_call", "max_string_bytes", "max_classes", "max_classes_per_tenant", *PER_USER_CAPS,
+                "max_grpc_connections", "max_grpc_streams"):
         if getattr(cfg, key) > MAX_COUNT:
             raise bad(key, f"must be at most {MAX_COUNT} (the wire and block ids are 32-bit)")
     if cfg.max_tokens_per_call > MAX_TOKENS_PER_CALL:
@@ -343,9 +382,11 @@ def _validate(cfg: Config, sources: Mapping[str, str]) -> None:
         raise bad("max_tokens_per_call", "must be >= 0 (0: no limit)")
     if cfg.max_string_bytes < 0:
         raise bad("max_string_bytes", "must be >= 0 (0: no limit)")
-    for key in ("max_classes", "max_classes_per_tenant"):
+    for key in ("max_classes", "max_classes_per_tenant", *PER_USER_CAPS, "max_grpc_connections",
+                "max_grpc_streams"):
         if getattr(cfg, key) < 0:
             raise bad(key, "must be >= 0 (0: no cap)")
+    _validate_connections(cfg, bad)
     if cfg.shutdown_timeout < 0:
         raise bad("shutdown_timeout", "must be >= 0 seconds")
     if cfg.release_after_seconds < 0:
@@ -361,6 +402,44 @@ def _validate(cfg: Config, sources: Mapping[str, str]) -> None:
     if admin and os.path.abspath(admin) == os.path.abspath(cfg.socket):
         raise bad("admin_socket", "must differ from socket")
     _validate_remote(cfg, bad)
+
+
+def _validate_connections(cfg: Config, bad) -> None:
+    """The side sockets' deadline, the gRPC servers' options and the pool share."""
+    if not 0 < cfg.handoff_timeout <= 3600:
+        raise bad("handoff_timeout", "must be in (0, 3600] seconds")
+    if not (cfg.grpc_idle_seconds == 0 or 0.1 <= cfg.grpc_idle_seconds <= MAX_SECONDS):
+        raise bad("grpc_idle_seconds", "must be 0 (never) or between 0.1 seconds and a year")
+    if cfg.max_grpc_streams and cfg.max_sessions_per_user and cfg.max_grpc_streams <= cfg.max_sessions_per_user:
+        raise bad("max_grpc_streams", f"must be above max_sessions_per_user ({cfg.max_sessions_per_user}): the "
+                                      "sessions of one process share its connection, each with a call always open")
+    if not 0 < cfg.max_pool_share_per_user <= 1:
+        raise bad("max_pool_share_per_user", "must be in (0, 1] (a fraction of each pool)")
+    if cfg.max_message_bytes:
+        if not 1 << 16 <= cfg.max_message_bytes <= MAX_MESSAGE_BYTES:
+            raise bad("max_message_bytes", f"must be 0 (what the limits need) or between 64KiB and "
+                                           f"{MAX_MESSAGE_BYTES >> 20}MiB")
+        need = needed_message_bytes(cfg)
+        if cfg.max_message_bytes < need:
+            raise bad("max_message_bytes", f"is below the {need} bytes the largest call allowed by "
+                                           "max_tokens_per_call, max_sequences_per_session and max_string_bytes "
+                                           "needs; lower those or leave max_message_bytes at 0")
+
+
+def needed_message_bytes(cfg: Config) -> int:
+    """The largest request a client may send within the per-call and per-session limits (``MAX_MESSAGE_BYTES``
+    when one of them is off)."""
+    if not (cfg.max_tokens_per_call and cfg.max_sequences_per_session and cfg.max_string_bytes):
+        return MAX_MESSAGE_BYTES
+    need = (TOKEN_WIRE_BYTES * cfg.max_tokens_per_call + SEQUENCE_WIRE_BYTES * cfg.max_sequences_per_session
+            + RESERVE_WIRE_BYTES * cfg.max_reserve_blocks
+            + STRINGS_PER_CALL * EXTRA_KEY_FACTOR * cfg.max_string_bytes + MESSAGE_SLACK_BYTES)
+    return min(need, MAX_MESSAGE_BYTES)
+
+
+def receive_limit(cfg: Config) -> int:
+    """The gRPC servers' receive limit: ``max_message_bytes``, or what the limits need (0)."""
+    return cfg.max_message_bytes or needed_message_bytes(cfg)
 
 
 def _validate_remote(cfg: Config, bad) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -16,7 +17,8 @@ ROOT = Path(__file__).resolve().parent.parent
 class Daemon:
     """A kvpoold subprocess on a temporary Unix socket."""
 
-    def __init__(self, *args: str, env: dict | None = None) -> None:
+    def __init__(self, *args: str, env: dict | None = None, nofile: int | None = None) -> None:
+        """``nofile``: the daemon's limit on open files (soft and hard), to run it out of descriptors."""
         self.dir = tempfile.mkdtemp(prefix="kvpool-test-")
         self.socket = os.path.join(self.dir, "kvpoold.sock")
         self.args = ["--socket", self.socket, "--pool-bytes", "64MiB", "--chunk-bytes", "64KiB",
@@ -25,12 +27,13 @@ class Daemon:
         self.env.pop("KVPOOL_CONFIG", None)
         self.proc: subprocess.Popen | None = None
         self.log = os.path.join(self.dir, "kvpoold.log")
+        self.nofile = nofile
 
     def start(self, timeout: float = 30.0) -> "Daemon":
         self._out = open(self.log, "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvpoold", *self.args], stdout=self._out, stderr=subprocess.STDOUT,
-            env=self.env, cwd=ROOT,
+            env=self.env, cwd=ROOT, preexec_fn=None if self.nofile is None else self._limit_files,
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -63,6 +66,9 @@ class Daemon:
         assert self.proc.returncode == 2, f"exit {self.proc.returncode}:\n{self.output()}{stderr}"
         assert stderr.count("\n") == 1 and stderr.startswith("kvpoold: "), stderr
         return stderr
+
+    def _limit_files(self) -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (self.nofile, self.nofile))
 
     def output(self) -> str:
         with open(self.log) as f:

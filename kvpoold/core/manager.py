@@ -370,6 +370,30 @@ class KVCacheManager(
             return 0
         return int((-(-t.ntok[mine] // self._block_size[t.cls[mine]])).sum())
 
+    def held_bytes(self, owners: Iterable[int]) -> int:
+        """Device bytes ``owners`` hold: their page tables' blocks (as ``held_device_blocks``) and reserves."""
+        owners = list(owners)
+        if not owners:
+            return 0
+        t = self.seqs
+        mine = t.owner == owners[0]  # a few compares beat np.isin's sort for the few sessions of a user
+        for owner in owners[1:]:
+            mine |= t.owner == owner
+        if t.nswapped:
+            mine &= ~t.swapped
+        slots = np.flatnonzero(mine)
+        held = 0
+        if len(slots):
+            cls = t.cls[slots]
+            block_bytes = np.fromiter((getattr(c, "block_bytes", 0) for c in self.classes), np.int64,
+                                      len(self.classes))  # a vacant class has none (and no sequence)
+            held = int((-(-t.ntok[slots] // self._block_size[cls]) * block_bytes[cls]).sum())
+        for owner in owners:
+            state = self._owners.get(owner)
+            if state is not None:
+                held += sum(len(r) * self.classes[c].block_bytes for c, r in state.reserves.items())
+        return held
+
     def device_blocks_of(self, owner: int, seq_ids: Iterable[int]) -> int:
         """Device blocks the sequences' tokens fill (what a swap-in brings back, what a free gives back)."""
         slots = [self.seqs.slot_of(owner, i) for i in seq_ids]

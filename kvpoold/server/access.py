@@ -1,4 +1,4 @@
-"""Who may do what: admin-only calls, drain, and per-session quotas.
+"""Who may do what: admin-only calls, drain, per-session quotas and per-user caps.
 
 * **Attach**: decided by the file system — the socket's mode and group
   (``socket_mode``, ``socket_group``).  Nothing to check here.
@@ -13,6 +13,19 @@
   (:class:`QuotaExceeded`, RESOURCE_EXHAUSTED, naming the quota), so the core's
   validate-then-apply rule holds: a refused call changed nothing.  The
   session's reserve is not counted, but it is never topped up past the quota.
+* **Per-user caps**: what one user (the uid the kernel reported at attach,
+  whatever ``tenant_by`` says) may hold at once is capped, so that one user
+  cannot lock the others out: attach tickets, sessions and side-socket
+  connections are counted with :class:`PerUser` where they are made
+  (``handoff.py``, ``sessions.py``).  A pool's memory is shared by
+  :class:`PoolShares`: with ``fair_share`` a user may hold at most the pool
+  divided by the users with a session on it, and never more than
+  ``max_pool_share_per_user`` of it; a call that would take the user past
+  that is refused like a quota (:class:`ShareExceeded`).  A user alone may use
+  the whole pool; once a second user attaches, a user above its share cannot
+  grow, so the memory it frees goes to the others.  Held bytes are the
+  user's sequences' blocks (counted as for the quota) and reserves; cached
+  blocks are not held: they are evicted for whoever needs the memory.
 
 Every check here reads state only; the service calls them first, on the
 event loop, like everything else.
@@ -20,8 +33,11 @@ event loop, like everything else.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 
+from kvpoold.config import EXTRA_KEY_FACTOR
 from kvpoold.core.errors import KvpoolError
 
 
@@ -56,13 +72,116 @@ class Draining(KvpoolError, RuntimeError):
         super().__init__(f"kvpoold is draining: no {what} (an operator can resume with `kvpoolctl drain --off`)")
 
 
+class ShareExceeded(KvpoolError, MemoryError):
+    """A user would hold more of a pool than its share (``fair_share``, ``max_pool_share_per_user``)."""
+
+    code = "RESOURCE_EXHAUSTED"
+
+    def __init__(self, uid: int, ceiling: int, held: int, needed: int, pool_bytes: int, users: int,
+                 fair: bool) -> None:
+        why = f"fair_share: a pool of {pool_bytes} bytes shared by {users} users" if fair else \
+            f"max_pool_share_per_user of a pool of {pool_bytes} bytes"
+        super().__init__(f"pool share of uid {uid} exceeded: it holds {held} bytes, may hold {ceiling} ({why}), "
+                         f"and this call needs {needed} more; free sequences and retry")
+
+
+def uid_of(session) -> int | None:
+    """The user of a session (its kernel credentials at attach); None for an in-process caller."""
+    return None if session.creds is None else session.creds.uid
+
+
+class PerUser:
+    """How many of something each user (uid) holds, against a cap read when taking one (0: no cap)."""
+
+    def __init__(self) -> None:
+        self._held: Counter[int] = Counter()
+
+    def __getitem__(self, uid: int) -> int:
+        return self._held[uid]
+
+    def take(self, uid: int, cap: int) -> bool:
+        """One more for ``uid`` unless it holds ``cap`` already; says whether it took one."""
+        if cap and self._held[uid] >= cap:
+            return False
+        self._held[uid] += 1
+        return True
+
+    def give(self, uid: int) -> None:
+        self._held[uid] -= 1
+        if self._held[uid] <= 0:
+            del self._held[uid]
+
+
+class PoolShares:
+    """The users with a session on one pool, and the most device memory each may hold there."""
+
+    def __init__(self, pool) -> None:
+        self.pool = pool
+        self._sessions: dict[int, set[int]] = {}  # uid -> its sessions bound to this pool
+
+    def bind(self, session) -> None:
+        uid = uid_of(session)
+        if uid is not None:
+            self._sessions.setdefault(uid, set()).add(session.id)
+
+    def unbind(self, session) -> None:
+        mine = self._sessions.get(uid_of(session))
+        if mine is not None:
+            mine.discard(session.id)
+            if not mine:
+                del self._sessions[uid_of(session)]
+
+    @property
+    def users(self) -> int:
+        return len(self._sessions)
+
+    @property
+    def pool_bytes(self) -> int:
+        budget = self.pool.manager.budget
+        return budget.total * budget.chunk_bytes
+
+    def _fair(self) -> bool:
+        """Whether the fair share (pool / users) is what bounds a user, rather than max_pool_share_per_user."""
+        config = self.pool.config
+        return config.fair_share and len(self._sessions) > 1 and \
+            1 / len(self._sessions) <= config.max_pool_share_per_user
+
+    def ceiling(self, session) -> int | None:
+        """Bytes of this pool the session's user may hold; None when nothing bounds it below the pool."""
+        if uid_of(session) is None:
+            return None
+        share = 1 / len(self._sessions) if self._fair() else self.pool.config.max_pool_share_per_user
+        return int(self.pool_bytes * share) if share < 1 else None
+
+    def held(self, session) -> int:
+        """Bytes the session's user holds on this pool: its sequences' blocks and its reserves."""
+        return self.pool.manager.held_bytes(self._sessions.get(uid_of(session), ()))
+
+    def headroom(self, session, ceiling: int) -> int:
+        """Blocks of the session's class its user may still take under ``ceiling``."""
+        return max(0, (ceiling - self.held(session)) // self.block_bytes(session))
+
+    def block_bytes(self, session) -> int:
+        return self.pool.manager.classes[session.class_id].block_bytes
+
+    def check(self, session, needed_blocks: int) -> None:
+        """``ShareExceeded`` if ``needed_blocks`` more blocks of its class take the user past its share."""
+        ceiling = self.ceiling(session)
+        if ceiling is None or needed_blocks <= 0:
+            return
+        held, needed = self.held(session), needed_blocks * self.block_bytes(session)
+        if held + needed > ceiling:
+            raise ShareExceeded(uid_of(session), ceiling, held, needed, self.pool_bytes, self.users, self._fair())
+
+
 class Quotas:
-    """Per-session limits, read from the service's current config (so SIGHUP changes them)."""
+    """Per-session quota and per-user share of one pool, read from the live config (so SIGHUP changes them)."""
 
     QUOTA = "max_blocks_per_session"
 
-    def __init__(self, service) -> None:
-        self.service = service
+    def __init__(self, pool) -> None:
+        self.service = pool
+        self.shares = PoolShares(pool)
 
     @property
     def limit(self) -> int:
@@ -72,48 +191,58 @@ class Quotas:
         """Device blocks in the session's sequences' page tables (swapped-out ones hold none)."""
         return self.service.manager.held_device_blocks(session.id)
 
-    def _check(self, session, needed: int) -> None:
+    def _bounded(self, session) -> bool:
+        """Whether a quota or a share bounds this session's growth now (else the calls skip counting)."""
+        return bool(self.limit) or self.shares.ceiling(session) is not None
+
+    def _check(self, session, needed: int, claimed: int = 0) -> None:
+        """``needed`` more blocks in the session's page tables, ``claimed`` of them from its own reserve."""
         limit = self.limit
-        if not limit or needed <= 0:
-            return
-        held = self.held(session)
-        if held + needed > limit:
-            raise QuotaExceeded(self.QUOTA, limit, held, needed)
+        if limit and needed > 0:
+            held = self.held(session)
+            if held + needed > limit:
+                raise QuotaExceeded(self.QUOTA, limit, held, needed)
+        self.shares.check(session, needed - claimed)  # a claimed block was the user's already (its reserve)
 
     # -- per call ---------------------------------------------------------------------
     def check_create(self, session, token_counts: list[int]) -> None:
-        if self.limit:
+        if self._bounded(session):
             bs = self.service.manager.block_size(session.class_id)
             self._check(session, sum(-(-n // bs) for n in token_counts))
 
     def check_fork(self, session, seq_ids: list[int]) -> None:
-        if self.limit:
+        if self._bounded(session):
             m = self.service.manager
             self._check(session, sum(len(m.sequence(session.id, i).block_table) for i in seq_ids))
 
     def check_step(self, session, seq_ids: np.ndarray, counts: np.ndarray | None, ntokens: int,
-                   free_ids: list[int]) -> None:
+                   free_ids: list[int], claimed: int = 0) -> None:
         """Blocks the extends add, less what the step's frees give back (frees run after the extends)."""
-        if not self.limit or not len(seq_ids):
+        if not len(seq_ids) or not self._bounded(session):
             return
         m = self.service.manager
         grow = m.extend_growth(session.id, seq_ids, counts)  # the core's own ownership errors first
         sent = len(seq_ids) if counts is None else int(np.sum(counts))
         if grow is None or sent != ntokens:
             return  # malformed: the core rejects it with the precise message
-        self._check(session, grow - m.device_blocks_of(session.id, free_ids))
+        self._check(session, grow - m.device_blocks_of(session.id, free_ids), claimed)
 
     def check_swap_in(self, session, seq_ids: list[int]) -> None:
         """Swapping in brings a sequence's blocks back onto the device: they count again."""
-        if self.limit:
+        if self._bounded(session):
             self._check(session, self.service.manager.device_blocks_of(session.id, seq_ids))
 
     def reserve_target(self, session, target: int) -> int:
-        """The reserve top-up a step may ask for: never past the quota's headroom."""
-        limit = self.limit
-        if not limit or not target:
+        """The reserve top-up a step may ask for: never past the quota's headroom nor the user's share."""
+        if not target:
             return target
-        return max(0, min(target, limit - self.held(session)))
+        limit, ceiling = self.limit, self.shares.ceiling(session)
+        if limit:
+            target = max(0, min(target, limit - self.held(session)))
+        if ceiling is not None:
+            reserve = len(self.service.manager.reserve(session.id, session.class_id))
+            target = min(target, reserve + self.shares.headroom(session, ceiling))
+        return target
 
 
 class LimitExceeded(KvpoolError, MemoryError):
@@ -146,10 +275,6 @@ class StringTooLong(KvpoolError, ValueError):
 
     def __init__(self, what: str, limit: int, nbytes: int) -> None:
         super().__init__(f"{what} is {nbytes} bytes; at most {limit} are allowed (max_string_bytes)")
-
-
-# An extra key (e.g. a LoRA id, or a serialized adapter list) may need more room than a name.
-EXTRA_KEY_FACTOR = 4
 
 
 def check_string(config, what: str, value: str, factor: int = 1) -> None:

@@ -8,7 +8,9 @@ a daemon), create one pool per device
 normal socket (``socket_mode``, ``socket_group``: who may attach) and the admin
 socket (``admin_socket_mode``: who may evict, drain, look at other sessions),
 each served by its own gRPC server over the same ``Service`` and with the
-gRPC health and reflection services, and beside each its side socket
+gRPC health and reflection services (``grpc_options``: the message limit,
+idle connections closed, connections and streams capped), and beside each
+its side socket
 (``<socket>.handoff``, ``handoff.py``: kernel credentials, attach tickets,
 arena file descriptors); start the Prometheus endpoint
 (``metrics_port``); then print one ``ready`` line and tell systemd READY=1
@@ -28,6 +30,7 @@ import asyncio
 import errno
 import logging
 import os
+import resource
 import signal
 import sys
 from dataclasses import replace
@@ -39,7 +42,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvpool.protocol import kvpool_pb2 as pb
-from kvpoold.config import LIVE_KEYS, MAX_MESSAGE_BYTES, Config, ConfigError, changed_keys
+from kvpoold.config import LIVE_KEYS, MAX_MESSAGE_BYTES, Config, ConfigError, changed_keys, receive_limit
 from kvpoold.memory import make_backend
 
 from .handoff import HandoffServer, handoff_path
@@ -54,6 +57,8 @@ log = logging.getLogger("kvpoold")
 
 REAP_INTERVAL_S = 0.25
 SHUTDOWN_POLL_S = 0.05
+# open files kept beyond the gRPC connections: side sockets, the admin socket, arenas, the disk tier, logs
+SPARE_FILES = 256
 
 
 class StartupError(RuntimeError):
@@ -149,6 +154,45 @@ def open_pools(config: Config, service: Service, instance: str, backend_kwargs: 
             raise StartupError(str(exc)) from None
 
 
+def grpc_options(config: Config) -> list[tuple[str, int]]:
+    """A gRPC server's options: what it reads, how long an idle connection lives, how many at once.
+
+    gRPC tells a servicer nothing of the process behind a connection, so these
+    bound every user together (the per-user caps are on the side socket and
+    the sessions); they keep one user's connections from taking every file
+    descriptor, and a request larger than any legitimate call is refused as its
+    length arrives, never read whole.
+    """
+    options = [("grpc.max_receive_message_length", receive_limit(config)),
+               ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+    if config.grpc_idle_seconds:  # also closes a connection that never completes the HTTP/2 handshake
+        options.append(("grpc.max_connection_idle_ms", int(config.grpc_idle_seconds * 1000)))
+    if config.max_grpc_connections:
+        options.append(("grpc.max_allowed_incoming_connections", config.max_grpc_connections))
+    if config.max_grpc_streams:
+        options.append(("grpc.max_concurrent_streams", config.max_grpc_streams))
+    return options
+
+
+def raise_open_files_limit(config: Config) -> None:
+    """Raise the soft limit on open files to the hard one (epoll has no use for 1024), and warn when
+    even that leaves too few beside ``max_grpc_connections``: out of descriptors, every socket stops
+    accepting, the admin socket too."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError) as exc:
+            log.warning("cannot raise the open files limit from %d to %d: %s", soft, target, exc)
+    if config.max_grpc_connections and soft != resource.RLIM_INFINITY \
+            and soft < config.max_grpc_connections + SPARE_FILES:
+        log.warning("kvpoold may open %d files, too few for max_grpc_connections = %d and %d more (side sockets, "
+                    "admin socket, arenas): raise LimitNOFILE or lower max_grpc_connections", soft,
+                    config.max_grpc_connections, SPARE_FILES)
+
+
 class _Listener:
     """One gRPC server on one Unix socket: the normal socket, or the admin socket."""
 
@@ -158,11 +202,8 @@ class _Listener:
         self.bound: BoundSocket | None = None  # once bound
         # kernel credentials, attach tickets, arena fds
         self.handoff = HandoffServer(handoff_path(path), mode, service.tickets, service.arena_fd,
-                                     service.chunk_sync)
-        self.server = grpc.aio.server(interceptors=interceptors, options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-        ])
+                                     service.chunk_sync, settings=lambda: service.config)
+        self.server = grpc.aio.server(interceptors=interceptors, options=grpc_options(service.config))
         add_to_server(KVPoolServicer(service, shutdown, admin=admin), self.server)  # undecodable: INVALID_ARGUMENT
         health_pb2_grpc.add_HealthServicer_to_server(health, self.server)
         reflection.enable_server_reflection(REFLECTED_SERVICES, self.server)
@@ -218,6 +259,7 @@ async def serve(config: Config, ready=None, reload: Callable[[], Config] | None 
     try:
         for lock in locks:
             lock.acquire()
+        raise_open_files_limit(config)
         gid = config.socket_gid()
         instance = _instance(config.socket)
         if config.backend == "cpu":
@@ -340,10 +382,16 @@ def _reload(service: Service, listeners: list[_Listener], reload: Callable[[], C
             log.warning("reload: %s cannot change while kvpoold runs (running %r, configured %r); "
                         "restart kvpoold to apply it", key, getattr(old, key), getattr(new, key))
         applied = replace(new, **{k: getattr(old, k) for k in fixed})
+        if receive_limit(applied) != receive_limit(old):
+            log.warning("reload: the gRPC servers keep reading requests of up to %d bytes (max_message_bytes); "
+                        "restart kvpoold for the %d bytes the new limits need", receive_limit(old),
+                        receive_limit(applied))
         if "log_level" in live:
             logging.getLogger().setLevel(getattr(logging, new.log_level.upper()))
         if "max_sessions" in live:
             service.sessions.max_sessions = new.max_sessions
+        if "max_sessions_per_user" in live:
+            service.sessions.max_sessions_per_user = new.max_sessions_per_user
         if "admin_socket_mode" in live:
             for listener in listeners:
                 if listener.admin:

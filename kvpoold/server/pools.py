@@ -126,7 +126,7 @@ class DevicePool:
             self.tiers.on_moves = self._report
         self.arenas: dict[int, Arena] = {}
         self.models: dict[int, set[str]] = {}
-        self.quotas = Quotas(self)  # per-session limits (access.py), checked before the core allocates
+        self.quotas = Quotas(self)  # per-session quota, per-user share (access.py), checked before the core allocates
         self.limits = Limits(self)  # sequences per session, tokens per call
         self.sessions = 0  # bound to this pool now
         self.classes = ClassSessions(self)  # sessions per class; reclaims unused classes, enforces the caps
@@ -360,12 +360,14 @@ class DevicePools:
     def bind(self, calls: PoolSession) -> None:
         self._of[calls.session.id] = calls
         calls.pool.sessions += 1
+        calls.pool.quotas.shares.bind(calls.session)
 
     def unbind(self, session_id: int) -> DevicePool | None:
         calls = self._of.pop(session_id, None)
         if calls is None:
             return None
         calls.pool.sessions -= 1
+        calls.pool.quotas.shares.unbind(calls.session)
         return calls.pool
 
     def of(self, session) -> DevicePool:

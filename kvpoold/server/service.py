@@ -66,7 +66,8 @@ class Service:
     def __init__(self, config: Config) -> None:
         self._config = config
         self.pools = DevicePools()
-        self.sessions = SessionRegistry(config.max_sessions)  # one registry: ids unique, max_sessions global
+        # one registry: ids unique, max_sessions and max_sessions_per_user over every pool
+        self.sessions = SessionRegistry(config.max_sessions, max_sessions_per_user=config.max_sessions_per_user)
         self.started = time.time()
         self.rpcs = 0
         self.closing = False
@@ -139,14 +140,14 @@ class Service:
         for what, value in (("name", name), ("model_id@revision", model_key), ("dtype", geometry.dtype),
                             ("device_bus_id", device_bus_id)):
             check_string(self.config, what, value)
+        self.sessions.check_room(creds)  # before a new class may evict idle ones to make room
         pool = self.pools.choose(device_bus_id)
         cid, descriptor, num_blocks, block_bytes = pool.open_class(geometry)
         try:
-            session = self.sessions.add(name or "client", pid, model_key, cid)
+            session = self.sessions.add(name or "client", pid, model_key, cid, creds)
         except BaseException:
             pool.classes.reclaim()  # a class opened for nobody goes at once
             raise
-        session.creds = creds
         self.pools.bind(PoolSession(self, session, pool))
         pool.classes.attached(cid)
         pool.models.setdefault(cid, set()).add(model_key)

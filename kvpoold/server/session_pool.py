@@ -131,7 +131,8 @@ class PoolSession:
         pool, session = self.pool, self.session
         m, owner, cls = pool.manager, session.id, session.class_id
         pool.limits.check_tokens(len(call.tokens))
-        pool.quotas.check_step(session, call.seq_ids, call.counts, len(call.tokens), call.free_ids)
+        pool.quotas.check_step(session, call.seq_ids, call.counts, len(call.tokens), call.free_ids,
+                               claimed=0 if call.claims is None else len(call.claims))
         m.check_free(owner, call.free_ids)
         m.check_reserve_return(owner, cls, call.reserve_return)
         try:

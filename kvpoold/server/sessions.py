@@ -20,6 +20,11 @@ last call is older than the lease is dropped at once (no grace on top: the
 grace is for a dropped stream).  Its next call, if the process ever resumes,
 answers UNAUTHENTICATED with the reason ("session N ended: no call for 10s
 (lease_seconds); attach again").  ``lease_seconds = 0`` turns leases off.
+
+**Caps.**  At most ``max_sessions`` sessions at once, and at most
+``max_sessions_per_user`` of one user (the uid of the kernel's credentials at
+attach), so that one user holding sessions cannot lock the others out; a
+session beyond either is refused with ``TooManySessions`` naming the cap.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from dataclasses import dataclass, field
 
 import psutil
 
+from .access import PerUser
 from .errors import TooManySessions, UnknownSession
 
 
@@ -84,8 +90,10 @@ ENDED_REMEMBERED = 4096  # dropped sessions whose reason a late call is told (ol
 
 
 class SessionRegistry:
-    def __init__(self, max_sessions: int, clock=time.monotonic) -> None:
+    def __init__(self, max_sessions: int, clock=time.monotonic, max_sessions_per_user: int = 0) -> None:
         self.max_sessions = max_sessions
+        self.max_sessions_per_user = max_sessions_per_user  # 0: no cap
+        self._per_user = PerUser()
         self._clock = clock
         self._by_token: dict[bytes, Session] = {}
         self._by_id: dict[int, Session] = {}
@@ -99,15 +107,27 @@ class SessionRegistry:
     def __iter__(self):
         return iter(list(self._by_id.values()))
 
-    def add(self, name: str, pid: int, model_key: str, class_id: int) -> Session:
+    def check_room(self, creds=None) -> None:
+        """``TooManySessions`` unless a session of ``creds``' user (None: an in-process caller) fits both caps."""
         if len(self._by_token) >= self.max_sessions:
             raise TooManySessions(f"too many sessions: the daemon serves at most {self.max_sessions} sessions "
                                   "at once (max_sessions)")
+        cap = self.max_sessions_per_user
+        if creds is not None and cap and self._per_user[creds.uid] >= cap:
+            raise TooManySessions(f"too many sessions: uid {creds.uid} has {self._per_user[creds.uid]} sessions "
+                                  f"and may have at most {cap} at once (max_sessions_per_user)")
+
+    def add(self, name: str, pid: int, model_key: str, class_id: int, creds=None) -> Session:
+        """A new session; ``creds`` (``handoff.Credentials``) name its user, None for an in-process caller."""
+        self.check_room(creds)
+        if creds is not None:
+            self._per_user.take(creds.uid, 0)  # check_room applied the cap
         pid = int(pid) or os.getpid()
         s = Session(
             id=self._next_id, token=secrets.token_bytes(16), name=name, pid=pid,
             pid_started=process_started(pid), model_key=model_key, class_id=class_id,
             lost_since=self._clock(),  # until its Watch stream opens
+            creds=creds,
         )
         s.last_seen = self._clock()
         self._next_id += 1
@@ -134,10 +154,14 @@ class SessionRegistry:
         return self._by_id.get(session_id)
 
     def remove(self, s: Session) -> None:
-        if self._by_token.pop(s.token, None) is not None and s.end_reason:
+        if self._by_token.pop(s.token, None) is None:
+            return
+        if s.end_reason:
             self._ended[s.token] = f"session {s.id} ended: {s.end_reason}"
             while len(self._ended) > ENDED_REMEMBERED:
                 self._ended.popitem(last=False)
+        if s.creds is not None:
+            self._per_user.give(s.creds.uid)
         self._by_id.pop(s.id, None)
 
     def stream_opened(self, s: Session) -> None:

@@ -511,6 +511,12 @@ class CoreMachine(RuleBasedStateMachine):
         for key, data in self.remote.items():
             assert data == self.expected[key[1]], f"remote block {key} holds {data}"
         assert len(self.m.classes) <= 2, "dropped ids were not reused"
+        for owners in ((1,), (2,), OWNERS):  # what the per-user pool share counts
+            want = sum(-(-len(toks) // self.bs(self.class_of[s])) * self.m.classes[self.class_of[s]].block_bytes
+                       for s, toks in self.tokens.items() if self.owner_of[s] in owners and s not in self.swapped)
+            want += sum(len(self.m.reserve(o, c)) * self.m.classes[c].block_bytes
+                        for o in owners for c in self.cls if self.m.reserve(o, c))
+            assert self.m.held_bytes(owners) == want, f"owners {owners} hold {self.m.held_bytes(owners)}, not {want}"
         for pool in self.m.classes:
             for digest, b in pool.prefix.digest_items():
                 assert self.memory[(pool.class_id, b)] == self.expected[digest], f"device block {b} is wrong"

@@ -48,6 +48,16 @@ def _one_line_exit_2(r: subprocess.CompletedProcess, *needles: str) -> None:
     ("--lease-seconds", "nan", "lease_seconds"),
     ("--gpu-memory-fraction", "nan", "gpu_memory_fraction"),
     ("--host-bytes", "1000TiB", "host_bytes"),
+    ("--max-tickets-per-user", "-1", "max_tickets_per_user = -1 (from --max-tickets-per-user): must be >= 0"),
+    ("--max-sessions-per-user", "-2", "max_sessions_per_user"),
+    ("--max-handoff-connections-per-user", "3000000000", "max_handoff_connections_per_user"),
+    ("--handoff-timeout", "0", "handoff_timeout = 0.0 (from --handoff-timeout): must be in (0, 3600]"),
+    ("--max-pool-share-per-user", "1.5", "max_pool_share_per_user"),
+    ("--fair-share", "maybe", "fair_share = 'maybe' (from --fair-share): expected true or false"),
+    ("--grpc-idle-seconds", "nan", "grpc_idle_seconds"),
+    ("--max-grpc-connections", "-1", "max_grpc_connections"),
+    ("--max-grpc-streams", "200", "max_grpc_streams = 200 (from --max-grpc-streams): must be above"),
+    ("--max-message-bytes", "1MiB", "max_message_bytes = 1048576 (from --max-message-bytes): is below the"),
 ])
 def test_out_of_range_values_are_refused_at_start(flag, value, needle):
     r = _run([*KVPOOLD, "--socket", "/tmp/kvpool-never.sock", flag, value, "--check-config"])

@@ -55,9 +55,9 @@ def users():
     return True
 
 
-def start(daemon_factory, *args: str):
+def start(daemon_factory, *args: str, **kw):
     """A daemon whose socket the group may use (its directory traversable by the other users)."""
-    d = daemon_factory("--socket-group", GROUP, "--socket-mode", "660", *args, start=False)
+    d = daemon_factory("--socket-group", GROUP, "--socket-mode", "660", *args, start=False, **kw)
     os.chmod(d.dir, 0o755)
     return d.start()
 
