@@ -29,6 +29,11 @@ class Engine(StepLoop):
     ``abort``, ``stats``.  The steps run either on a background thread
     (``start``) or when the caller calls ``step`` (tests, benchmarks).
 
+    Figures: ``stats()`` snapshots the counters (``after - before`` of two
+    snapshots is the work between them, see ``EngineStats``); ``timings`` is
+    the ``TimingLog`` of the steps (``timings.reset()`` starts a new stretch,
+    ``timings.summary()`` sums it).
+
     Args:
         model: the ``PagedModel`` (model, client, pool).
         tokenizer: a transformers tokenizer, needed for text prompts, text
@@ -106,11 +111,10 @@ class Engine(StepLoop):
         """
         params = params or SamplingParams()
         ids = self.prompt_ids(prompt)
+        self._check_params(params)
         rid = request_id or uuid.uuid4().hex
         stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         needs_text = self.tokenizer is not None
-        if params.stop and not needs_text:
-            raise InvalidArgument("stop strings need the engine's tokenizer")
         stream = RequestStream(rid, loop=_loop, callback=callback)
         text = TextTracker(self.tokenizer, params.stop, stops) if needs_text else None
         req = Request(rid, ids, params, stream, text)
@@ -135,13 +139,45 @@ class Engine(StepLoop):
             self._aborts.append(request_id)
             self._wake.notify()
 
-    def generate(self, prompts: Iterable[str | Seq[int]], params: SamplingParams | None = None) -> list[RequestOutput]:
-        """Run ``prompts`` to the end (stepping here unless the background thread runs); final outputs in order."""
-        streams = [self.add_request(p, params) for p in prompts]
+    def generate(self, prompts: Iterable[str | Seq[int]],
+                 params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run ``prompts`` to the end (stepping here unless the background thread runs); final outputs in order.
+
+        Args:
+            prompts: token ids or texts, as ``add_request`` takes them.
+            params: one ``SamplingParams`` for every prompt (default: its
+                defaults), or a list or tuple of one per prompt.
+
+        Raises:
+            InvalidArgument: ``params`` is neither, or its length is not the
+                prompts'; or a prompt or its params are refused as by
+                ``add_request``.  Every prompt is checked first: on an error,
+                none is queued.
+        """
+        prompts = list(prompts)
+        per_prompt = self._params_per_prompt(params, len(prompts))
+        ids = [self.prompt_ids(p) for p in prompts]
+        for p in per_prompt:
+            self._check_params(p)
+        streams = [self.add_request(i, p) for i, p in zip(ids, per_prompt)]
         if self._thread is None:
             while any(s.last is None or not s.last.finished for s in streams):
                 self.step()
         return [s.result() for s in streams]
+
+    @staticmethod
+    def _params_per_prompt(params, count: int) -> list[SamplingParams]:
+        if params is None or isinstance(params, SamplingParams):
+            return [params or SamplingParams()] * count
+        if not isinstance(params, (list, tuple)) or not all(isinstance(p, SamplingParams) for p in params):
+            raise InvalidArgument("params must be a SamplingParams or a list of one SamplingParams per prompt")
+        if len(params) != count:
+            raise InvalidArgument(f"{len(params)} SamplingParams for {count} prompts; pass one per prompt")
+        return list(params)
+
+    def _check_params(self, params: SamplingParams) -> None:
+        if params.stop and self.tokenizer is None:
+            raise InvalidArgument("stop strings need the engine's tokenizer")
 
     def prompt_ids(self, prompt: str | Seq[int]) -> list[int]:
         """The checked token ids of a prompt (text is tokenized).
@@ -203,7 +239,7 @@ class Engine(StepLoop):
         self.close()
 
     def stats(self) -> EngineStats:
-        """Queue lengths and counters (read from any thread; a moment's snapshot)."""
+        """Queue lengths and counters (read from any thread; a moment's snapshot; subtract two for deltas)."""
         s = self.scheduler
         return EngineStats(
             waiting=len(s.waiting) + len(self._inbox), running=len(s.running), swapped=len(s.swapped),

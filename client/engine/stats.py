@@ -2,16 +2,27 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields, replace
+
+_GAUGE = {"gauge": True}
 
 
 @dataclass(frozen=True)
 class EngineStats:
-    """Queue lengths now, and counters since the engine started."""
+    """Queue lengths now (gauges), and counters since the engine started.
 
-    waiting: int
-    running: int
-    swapped: int
+    ``after - before`` of two snapshots is the work done between them: each
+    counter's difference, with the gauges (``waiting``, ``running``,
+    ``swapped``) as ``after`` has them::
+
+        before = engine.stats()
+        engine.generate(prompts, params)
+        delta = engine.stats() - before   # delta.generation_tokens: this call's tokens (if nothing else ran)
+    """
+
+    waiting: int = field(metadata=_GAUGE)
+    running: int = field(metadata=_GAUGE)
+    swapped: int = field(metadata=_GAUGE)
     preemptions: int  # swaps + recomputes
     swaps: int
     recomputes: int
@@ -20,6 +31,12 @@ class EngineStats:
     generation_tokens: int
     finished_requests: int
     steps: int
+
+    def __sub__(self, before: "EngineStats") -> "EngineStats":
+        if not isinstance(before, EngineStats):
+            return NotImplemented
+        return replace(self, **{f.name: getattr(self, f.name) - getattr(before, f.name)
+                                for f in fields(self) if not f.metadata.get("gauge")})
 
 
 def has_host_tier(client) -> bool:

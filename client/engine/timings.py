@@ -40,13 +40,21 @@ PHASES = ("schedule", "daemon", "prepare", "forward", "sample", "total")
 
 
 class TimingLog:
-    """The last ``keep`` steps' timings, and their sums for profiling."""
+    """The last ``keep`` steps' timings since the last ``reset``, and their sums for profiling.
+
+    To profile one stretch of work: ``engine.timings.reset()``, run it, then
+    ``engine.timings.summary()``.
+    """
 
     def __init__(self, keep: int = 4096) -> None:
         self.steps: deque[StepTimings] = deque(maxlen=keep)
 
     def add(self, t: StepTimings) -> None:
         self.steps.append(t)
+
+    def reset(self) -> None:
+        """Forget the kept steps (safe while the engine thread runs: a step in flight is kept when it ends)."""
+        self.steps.clear()
 
     def summary(self) -> dict:
         """Per phase: total seconds and share of the steps' time over the kept steps; plus counts."""

@@ -14,6 +14,7 @@ import torch
 from hf_models import ARCHS, eager_copy, make_model, reference_generate
 
 import kvpool.engine as ke
+from kvpool.errors import InvalidArgument
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -254,3 +255,83 @@ def test_prompts_admitted_together_share_their_prefix_in_one_forward(daemon_fact
     assert [o.num_cached_tokens for o in outs] == [0, 16, 16]
     for p, out in zip(prompts, outs):
         assert list(out.token_ids) == reference_generate(ref, p, 8)[0]
+
+
+def test_generate_takes_one_sampling_params_per_prompt(daemon_factory, llama):
+    arch, model, ref = llama
+    d = daemon_factory()
+    prompts = [tokens(n, seed=1000 + i) for i, n in enumerate([7, 15, 11])]
+    sampled = ke.SamplingParams(max_tokens=4, temperature=1.2, top_k=40, seed=3)
+    per_prompt = [ke.SamplingParams(max_tokens=3, temperature=0), ke.SamplingParams(max_tokens=6, temperature=0),
+                  sampled]
+    with engine(model, d, f"{arch}-per-prompt") as eng:
+        short, long, drawn = eng.generate(prompts, per_prompt)
+        (alone,) = eng.generate((prompts[2],), (sampled,))
+    assert list(short.token_ids) == reference_generate(ref, prompts[0], 3)[0]
+    assert list(long.token_ids) == reference_generate(ref, prompts[1], 6)[0]
+    assert len(drawn.token_ids) == 4 and drawn.token_ids == alone.token_ids
+
+
+@pytest.mark.parametrize("bad", [
+    pytest.param(lambda p: [p] * 2, id="too-few"),
+    pytest.param(lambda p: [p] * 4, id="too-many"),
+    pytest.param(lambda p: [p, p, {"max_tokens": 3}], id="not-sampling-params"),
+    pytest.param(lambda p: {"max_tokens": 3}, id="a-dict"),
+])
+def test_generate_refuses_params_that_are_not_one_per_prompt(daemon_factory, llama, bad):
+    arch, model, _ = llama
+    d = daemon_factory()
+    with engine(model, d, f"{arch}-bad-params") as eng:
+        with pytest.raises(InvalidArgument, match="SamplingParams"):
+            eng.generate([tokens(5, seed=i) for i in range(3)], bad(GREEDY))
+        assert eng.stats().waiting == 0 and eng.client.stats().sequences == 0
+
+
+def test_generate_queues_nothing_when_one_prompt_is_refused(daemon_factory, llama):
+    arch, model, _ = llama
+    d = daemon_factory()
+    with engine(model, d, f"{arch}-all-or-nothing") as eng:
+        with pytest.raises(InvalidArgument, match="empty"):
+            eng.generate([tokens(5, seed=1), [], tokens(6, seed=2)], GREEDY)
+        with pytest.raises(InvalidArgument, match="tokenizer"):
+            eng.generate([tokens(5, seed=1), tokens(6, seed=2)], [GREEDY, ke.SamplingParams(stop=["x"])])
+        assert eng.stats().waiting == 0
+        eng.step()
+        assert eng.stats().generation_tokens == 0 and eng.client.stats().sequences == 0
+
+
+def test_stats_difference_is_the_work_between_two_snapshots(daemon_factory, llama):
+    arch, model, _ = llama
+    d = daemon_factory()
+    first = tokens(24, seed=1100)
+    with engine(model, d, f"{arch}-delta") as eng:
+        eng.generate([first], GREEDY)
+        before = eng.stats()
+        outs = eng.generate([first[:16] + tokens(4, seed=1101), tokens(9, seed=1102)],
+                            ke.SamplingParams(max_tokens=5, temperature=0))
+        after = eng.stats()
+        waiting = eng.add_request(tokens(3, seed=1103), GREEDY)
+        delta = eng.stats() - before
+        finish(eng, waiting)
+    assert before.prefix_hit_tokens == 0 and before.steps > 0
+    assert [o.num_cached_tokens for o in outs] == [16, 0]
+    assert (delta.prompt_tokens, delta.generation_tokens, delta.finished_requests) == (20 + 9, 10, 2)
+    assert (delta.prefix_hit_tokens, delta.steps) == (16, after.steps - before.steps)
+    assert (delta.waiting, delta.running, delta.swapped) == (1, 0, 0)  # gauges: the later snapshot's
+    with pytest.raises(TypeError):
+        after - 1
+
+
+def test_timings_reset_starts_a_new_stretch(daemon_factory, llama):
+    arch, model, _ = llama
+    d = daemon_factory()
+    with engine(model, d, f"{arch}-timings") as eng:
+        eng.generate([tokens(30, seed=1200)], GREEDY)
+        assert eng.timings.summary()["steps"] > 0
+        eng.timings.reset()
+        assert eng.timings.summary()["steps"] == 0 and not eng.timings.steps
+        before = eng.stats()
+        eng.generate([tokens(5, seed=1201)], ke.SamplingParams(max_tokens=3, temperature=0))
+        summary = eng.timings.summary()
+    assert summary["steps"] == (eng.stats() - before).steps == 3  # a 5-token prefill, then 2 decodes
+    assert summary["num_tokens"] == 5 + 2 and summary["forward"] > 0
