@@ -26,6 +26,10 @@ def socket_path(address: str) -> str:
     return address + ".handoff"
 
 
+#: as long as a gRPC call may take: a daemon on a loaded machine answers late, never wrongly
+SIDE_SOCKET_TIMEOUT_S = 30.0
+
+
 def _ask(address: str, request: bytes, timeout: float) -> tuple[bytes, list[int]]:
     """One request on the side socket: (the reply line, file descriptors that came with it)."""
     path = socket_path(address)
@@ -54,7 +58,7 @@ def _ask(address: str, request: bytes, timeout: float) -> tuple[bytes, list[int]
     return reply, fds
 
 
-def attach_ticket(address: str, timeout: float = 5.0) -> bytes:
+def attach_ticket(address: str, timeout: float = SIDE_SOCKET_TIMEOUT_S) -> bytes:
     """A one-time attach ticket for this process from the daemon at ``address``."""
     reply, fds = _ask(address, b"ticket", timeout)
     for fd in fds:
@@ -68,7 +72,7 @@ def attach_ticket(address: str, timeout: float = 5.0) -> bytes:
     raise Unavailable(f"kvpoold's side socket {socket_path(address)} gave no ticket: {reply[:200]!r}")
 
 
-def arena_fd(address: str, session: bytes, timeout: float = 5.0) -> int:
+def arena_fd(address: str, session: bytes, timeout: float = SIDE_SOCKET_TIMEOUT_S) -> int:
     """The memfd of this process's session's arena (the caller owns it); ``PermissionDenied`` if refused."""
     reply, fds = _ask(address, b"arena " + session.hex().encode(), timeout)
     if reply.startswith(b"ok ") and len(fds) == 1:

@@ -164,15 +164,18 @@ class Worker:
         self.proc.stdin.write(json.dumps({"socket": socket, "scenario": asdict(scenario), "prefix": prefix}) + "\n")
         self.proc.stdin.flush()
 
-    def receive(self):
-        reply = json.loads(self.proc.stdout.readline())
-        assert "exception" not in reply, reply
-        outputs = {int(i): SimpleNamespace(**o) for i, o in reply["outputs"].items()}
-        return outputs, reply["max_blocks"]
+    def receive(self) -> dict:
+        return json.loads(self.proc.stdout.readline())
 
     def close(self) -> None:
         self.proc.stdin.close()
         self.proc.wait(60)
+
+
+def worker_outputs(reply: dict):
+    """(outputs by index, the session's max blocks) of a worker's reply; a worker's exception fails the test."""
+    assert "exception" not in reply, reply
+    return {int(i): SimpleNamespace(**o) for i, o in reply["outputs"].items()}, reply["max_blocks"]
 
 
 @pytest.fixture(scope="module")
@@ -199,9 +202,12 @@ def test_engines_in_three_processes_share_one_pool(llama, workers, scenario, dat
     with TempDaemon(Daemon, scenario) as d:
         for k, (w, s) in enumerate(zip(workers, others)):
             w.send(d.socket, s, f"w{k}-")
-        outputs, max_blocks = run_engine(model, d.socket, scenario, prefix="main-")
-        results = [w.receive() for w in workers]
+        try:
+            outputs, max_blocks = run_engine(model, d.socket, scenario, prefix="main-")
+        finally:
+            replies = [w.receive() for w in workers]  # every worker is done with this daemon before it stops
         check_pool_clean(d.socket)
     check_outputs(scenario, outputs, oracle, max_blocks)
-    for s, (outs, mb) in zip(others, results):
-        check_outputs(s, outs, oracle, mb)
+    for s, reply in zip(others, replies):
+        outs, ceiling = worker_outputs(reply)
+        check_outputs(s, outs, oracle, ceiling)
