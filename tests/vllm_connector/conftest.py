@@ -25,7 +25,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 VENV_PYTHON = ROOT / os.environ.get("KVPOOL_VLLM_VENV", ".venv-vllm") / "bin" / "python"  # as setup.sh builds it
 VLLM_MODULES = {"test_connector.py"}  # the modules that start vLLM engines
-SUBPROCESS_TIMEOUT = 1500  # seconds: three engine start-ups and the tests on 2 shared cores
+SUBPROCESS_TIMEOUT = 1500  # seconds: four engine start-ups and the tests on 2 shared cores
 
 
 def _vllm_here() -> bool:
