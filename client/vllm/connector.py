@@ -23,8 +23,13 @@ of the sequences, which tells the daemon their KV is written (other processes
 see the blocks from then on), to that thread.
 
 A load that cannot be done (daemon gone, blocks evicted between lookup and
-load) reports its vLLM blocks in ``get_block_ids_with_load_errors``; with
-``kv_load_failure_policy="recompute"`` vLLM recomputes from there.
+load, a lower tier's read failed) reports its vLLM blocks in
+``get_block_ids_with_load_errors``; with ``kv_load_failure_policy="recompute"``
+vLLM recomputes from there.  Nothing a failed load left unwritten reaches other
+sessions: a save whose blocks include a failed one is dropped (a request that
+shares the block computed over it), and a load's sequence that came back short
+is never freed (its blocks past the hit are new and unwritten, and a free
+publishes them): the session detaches instead, which drops them.
 
 While kvpoold is away every call fails over to computing, and a new session
 is tried at most every ``retry_seconds``.
@@ -193,7 +198,9 @@ class KvpoolConnector(KVConnectorBase_V1):
         # per save group: ([(pool block ids, vLLM block ids)], the layers copied)
         self._save_groups: list[tuple[list[tuple[list[int], list[int]]], set[str]]] = []
         self._save_plan: Future | None = None  # the saves' creates, in the RPC thread
-        self._step_seqs: list = []
+        # this step's sequences: (sequence, the vLLM blocks its new pool blocks were computed from)
+        self._step_seqs: list[tuple[Any, list[int]]] = []
+        self._step_unwritten: list = []  # this step's sequences holding pool blocks nobody writes: never freed
         self._loaded_layers: set[str] = set()
         # the worker's daemon calls that leave the step (the saves' creates, the frees), in order
         self._rpc = ThreadPoolExecutor(1, thread_name_prefix="kvpool-connector-rpc")
@@ -257,7 +264,7 @@ class KvpoolConnector(KVConnectorBase_V1):
             for _, vllm_ids in self._step_loads:
                 self._failed.update(vllm_ids)
             self._step_loads, self._save_groups, self._step_seqs, self._pool = [], [], [], None
-            self._save_plan = None
+            self._step_unwritten, self._save_plan = [], None
             try:
                 c.close()
             except Exception:  # noqa: BLE001 - the daemon is gone
@@ -372,16 +379,31 @@ class KvpoolConnector(KVConnectorBase_V1):
         """Runs before every step's forward (``start_load_kv`` runs after it when nothing loads
         synchronously).  The pool blocks of the saves are asked for here, in the RPC thread, so the
         daemon's round trip overlaps the forward and its ``save_kv_layer`` hooks copy each layer as
-        soon as it is written.  A request that also loads this step is left to ``start_load_kv``:
-        whether its load failed (then it must not save) is known only there."""
-        self._step_loads, self._save_groups, self._step_seqs = [], [], []
+        soon as it is written.  A step that loads leaves its saves to ``start_load_kv``: a load must
+        be created before the step's saves (see ``_plan_saves``)."""
+        self._step_loads, self._save_groups, self._step_seqs, self._step_unwritten = [], [], [], []
         self._loaded_layers = set()
         self._save_plan = None
-        loading = {ld.req_id for ld in getattr(meta, "loads", ())}
-        saves = [sv for sv in getattr(meta, "saves", ()) if sv.req_id not in loading]
+        if not getattr(meta, "loads", ()):
+            self._plan_saves(getattr(meta, "saves", ()))
+
+    def _plan_saves(self, saves) -> None:
+        """Asks the RPC thread for the pool blocks of this step's saves, leaving out a save whose
+        blocks include one that failed to load this step: those vLLM blocks hold no KV, nor does
+        what was computed after them (vLLM recomputes both).
+
+        After this step's loads were created: this session sees the blocks its own sequences
+        registered as cached before they are written (a save's are copied during the forward,
+        after the loads' copies read the pool), so a load created after a save of the same
+        prefix would take those unwritten blocks for loaded ones."""
+        saves = [sv for sv in saves if self._failed.isdisjoint(self._save_sources(sv))]
         client = self._live() if saves else None
         if client is not None and self._pool is not None:
             self._save_plan = self._rpc.submit(self._create_saves, client, saves)
+
+    def _save_sources(self, sv: SaveSpec) -> list[int]:
+        """The vLLM blocks a save's KV was computed from: all the request's blocks through its last saved one."""
+        return sv.block_ids[:len(sv.tokens) // self._block_size]
 
     @staticmethod
     def _create_saves(client: Client, saves: list[SaveSpec]):
@@ -412,7 +434,7 @@ class KvpoolConnector(KVConnectorBase_V1):
             if seq is None:
                 self._failed_call(f"save of {sv.req_id} (skipped)", ids)
                 continue
-            self._step_seqs.append(seq)
+            self._step_seqs.append((seq, self._save_sources(sv)))
             cached, n = seq.num_cached_tokens // bs, len(sv.tokens) // bs
             if cached < n:
                 pairs.append((ids[cached:n], sv.block_ids[cached:n]))
@@ -423,11 +445,10 @@ class KvpoolConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvpoolConnectorMetadata)
+        if not meta.loads:
+            return  # the saves were planned in _begin_step
         bs = self._block_size
-        failed_reqs = set()
-        loading = {ld.req_id for ld in meta.loads}
-        saves = [sv for sv in meta.saves if sv.req_id in loading]  # the others: _begin_step
-        client = self._live() if meta.loads else None
+        client = self._live()
         for ld in meta.loads:
             want = ld.block_ids[ld.first:ld.last]
             try:
@@ -439,33 +460,20 @@ class KvpoolConnector(KVConnectorBase_V1):
                 self._failed_call(f"load of {ld.req_id} (recomputed)", exc)
                 client = self._client
                 self._failed.update(want)
-                failed_reqs.add(ld.req_id)
                 continue
-            self._step_seqs.append(seq)
             have = min(seq.num_cached_tokens // bs, ld.last)
             if have < ld.last:
+                # Came back short (evicted since the lookup, or a lower tier's read failed): the
+                # sequence's blocks past ``have`` are new and registered to this session as
+                # unwritten, for it to write.  It writes none of them, so it must not free the
+                # sequence: a free tells the daemon they are written (every session's hits).
                 self._failed.update(ld.block_ids[max(have, ld.first):ld.last])
-                failed_reqs.add(ld.req_id)
-            pool_ids = client.block_ids(seq)
+                self._step_unwritten.append(seq)
+            else:
+                self._step_seqs.append((seq, []))  # holds cached blocks only: its free confirms nothing
             if have > ld.first:
-                self._step_loads.append((pool_ids[ld.first:have], ld.block_ids[ld.first:have]))
-        pairs = []
-        for sv in saves:
-            if sv.req_id in failed_reqs or client is None:
-                continue  # blocks that did not load hold no KV this step: never publish them
-            try:
-                seq = client.create_sequence(sv.tokens, extra_key=sv.extra_key, counted=False)
-            except Exception as exc:  # noqa: BLE001 - a save is best effort
-                self._failed_call(f"save of {sv.req_id} (skipped)", exc)
-                client = self._client
-                continue
-            self._step_seqs.append(seq)
-            cached = seq.num_cached_tokens // bs
-            n = len(sv.tokens) // bs
-            if cached < n:
-                pairs.append((client.block_ids(seq)[cached:n], sv.block_ids[cached:n]))
-        if pairs:
-            self._save_groups.append((pairs, set()))
+                self._step_loads.append((client.block_ids(seq)[ld.first:have], ld.block_ids[ld.first:have]))
+        self._plan_saves(meta.saves)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         self._copy_layer(layer_name, self._step_loads, self._loaded_layers, to_vllm=True)
@@ -505,10 +513,27 @@ class KvpoolConnector(KVConnectorBase_V1):
         for name in self._layer_index:  # the layers whose hook ran before the pool blocks were known
             for pairs, done in self._save_groups:
                 self._copy_layer(name, pairs, done, to_vllm=False)
-        seqs, self._step_seqs = self._step_seqs, []
-        self._step_loads, self._save_groups = [], []
-        if seqs and self._client is not None:
-            self._rpc.submit(self._free, self._client, seqs)
+        written = [seq for seq, sources in self._step_seqs if self._failed.isdisjoint(sources)]
+        unwritten = self._step_unwritten + [seq for seq, sources in self._step_seqs
+                                            if not self._failed.isdisjoint(sources)]
+        self._step_seqs, self._step_unwritten, self._step_loads, self._save_groups = [], [], [], []
+        client = self._client
+        if client is None:
+            return
+        if written:
+            self._rpc.submit(self._free, client, written)
+        if unwritten:
+            self._leave_unwritten(client, len(unwritten))
+
+    def _leave_unwritten(self, client: Client, n: int) -> None:
+        """Ends the session without freeing the sequences whose blocks hold no KV: detaching frees
+        them as unwritten, so the daemon forgets their blocks' hashes (a free would publish them).
+        In the RPC thread, after the step's free; the next step attaches a new session, which
+        (unlike this one) never takes those blocks for cached ones."""
+        logger.warning("KvpoolConnector: %d sequence(s) hold blocks a failed load left unwritten; "
+                       "detaching so kvpoold drops them", n)
+        self._client, self._pool, self._retry_at = None, None, 0.0
+        self._rpc.submit(client.close)
 
     def _free(self, client: Client, seqs: list) -> None:
         """In the RPC thread: tells the daemon the saved KV is written (other processes may read it

