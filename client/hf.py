@@ -19,10 +19,11 @@ How it hooks in (no model code is copied or patched):
   ``paged_prefill_attention`` otherwise).  transformers builds no mask for an
   implementation it does not know, so none is materialised.
 * **Cache.** The pool *is* the cache: the model runs with ``use_cache=False``
-  (transformers allocates no ``DynamicCache``) and each forward carries a
-  ``PagedBatch`` (slot mapping, block tables, lengths, the pool tensor) down to
-  the attention function as the keyword argument ``kvpool_batch``, which
-  transformers passes through its layers untouched.
+  (transformers allocates no ``DynamicCache``) and each forward's
+  ``PagedBatch`` (slot mapping, block tables, lengths, the pool tensor) reaches
+  the attention function through a context variable set around the forward,
+  so it does not depend on every decoder layer passing its keyword arguments
+  on (StableLM's does not).
 * **Batching.** The new tokens of all sequences are packed into one row
   (``input_ids [1, T]``, no padding), like vLLM's varlen batches.
   ``position_ids`` hold each token's position in its own sequence, so RoPE is
@@ -35,10 +36,19 @@ How it hooks in (no model code is copied or patched):
   to the kernels unchanged, so Mistral, Qwen2 with ``use_sliding_window``,
   Gemma 2 (alternating windows, logit soft cap) and Gemma 3 (``layer_types``)
   run without knowing their configs.  What transformers computes itself
-  (final logit soft cap, RoPE per layer type) stays there.  Refused: layer
-  types other than full / sliding attention, bidirectional attention, sinks.  A
+  (final logit soft cap, RoPE per layer type) stays there.  A
   float32 model on an fp8 pool runs on the CPU only (the GPU kernels read fp8 with
   a 16-bit query).
+* **What runs.**  ``layout_for`` (so ``PagedModel.connect`` and
+  ``kvpool.engine.Engine.connect``) and ``PagedModel`` first check the model
+  with a few recorded forwards (``kvpool.hf_support.check_model``) and raise
+  ``UnsupportedModel``, naming the class and the reason, for what the kernels
+  cannot compute exactly: encoder-decoders, layers other than attention that
+  keep state or mix tokens (state-space, recurrent, convolution), masks other
+  than causal with the layer's window (bidirectional, prefix-LM, chunked, ALiBi
+  biases), attention sinks, keys and values of different head_dims (multi-head
+  latent attention) or of different shapes per layer, layers run twice.  The
+  K/V layout (KV heads, head_dim) is the one the attention layers really make.
 * **Windows keep their blocks.**  A sequence holds all its blocks for its
   whole life, also those that have left every layer's window: nothing is
   freed early, so a sliding-window model takes as many pool blocks as a
@@ -54,6 +64,7 @@ How it hooks in (no model code is copied or patched):
 
 from __future__ import annotations
 
+import contextvars
 from dataclasses import dataclass, field, replace
 from typing import Iterable, Sequence as Seq
 
@@ -75,8 +86,11 @@ except ImportError as exc:  # pragma: no cover - the extra is missing or too old
         "pip install 'kvpool[hf]'"
     ) from exc
 
+from .hf_support import UnsupportedModel, check_gpu_kernels, check_model, text_config
+
 __all__ = [
-    "ATTN_IMPLEMENTATION", "Generation", "PagedBatch", "PagedModel", "kvpool_attention", "layout_for",
+    "ATTN_IMPLEMENTATION", "Generation", "PagedBatch", "PagedModel", "UnsupportedModel", "kvpool_attention",
+    "layout_for",
 ]
 
 #: the name under which kvpool's attention is registered in transformers
@@ -85,8 +99,6 @@ ATTN_IMPLEMENTATION = "kvpool"
 _TORCH_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 #: pool dtypes the model may store its K/V in besides its own (quantized by write_kv)
 _KV_ONLY_DTYPES = {torch.float8_e4m3fn: "float8_e4m3fn"}
-#: the attention layer types kvpool.hf runs (transformers' config.layer_types names)
-_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclass
@@ -118,6 +130,11 @@ class PagedBatch:
     min_seq_len: int = 0
 
 
+#: the batch of the forward running on this thread (set by ``PagedModel.run_batch``): not every
+#: decoder layer passes its keyword arguments on to the attention (StableLM's does not)
+_CURRENT_BATCH: contextvars.ContextVar[PagedBatch | None] = contextvars.ContextVar("kvpool_batch", default=None)
+
+
 def kvpool_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -138,8 +155,10 @@ def kvpool_attention(
     Each layer passes its own ``scaling``, ``sliding_window`` (``None`` on
     full-attention layers) and ``softcap`` (Gemma 2's attention logit cap);
     they go to the kernels as ``scale``, ``sliding_window`` and ``logits_soft_cap``.
+    The pool and the sequences' blocks: ``kvpool_batch``, else the batch of the
+    ``PagedModel.run_batch`` running on this thread.
     """
-    b = kvpool_batch
+    b = kvpool_batch if kvpool_batch is not None else _CURRENT_BATCH.get()
     if b is None:
         raise RuntimeError(
             "the 'kvpool' attention runs inside kvpool.hf.PagedModel only (no kvpool_batch was passed); "
@@ -173,11 +192,6 @@ def kvpool_attention(
 AttentionInterface.register(ATTN_IMPLEMENTATION, kvpool_attention)
 
 
-def _text_config(config):
-    get = getattr(config, "get_text_config", None)
-    return get() if get is not None else config
-
-
 def layout_for(
     model, model_id: str, *, revision: str = "", block_size: int = 16, kv_dtype: str | torch.dtype | None = None
 ) -> Layout:
@@ -188,8 +202,12 @@ def layout_for(
     different weights under one id would read each other's K/V.  ``kv_dtype``:
     the pool's dtype when it is not the model's, i.e. ``"float8_e4m3fn"``
     (K/V quantized on write, attention still in the model's dtype).
+
+    Raises:
+        UnsupportedModel: kvpool.hf cannot run the model exactly (see
+            ``kvpool.hf_support``; the message names the class and the reason).
     """
-    cfg = _text_config(model.config)
+    cfg = text_config(model.config)
     dtype = _TORCH_DTYPES.get(model.dtype)
     if dtype is None:
         raise InvalidArgument(f"kvpool.hf supports float16, bfloat16 and float32 models; got {model.dtype}")
@@ -201,11 +219,9 @@ def layout_for(
         if name != dtype and name in _TORCH_DTYPES.values():
             raise InvalidArgument(f"a {dtype} model keeps a {dtype} or float8_e4m3fn KV cache; got {name}")
         dtype = name
-    heads = cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-    return Layout(model_id, num_layers=cfg.num_hidden_layers, num_kv_heads=kv_heads, head_dim=head_dim,
-                  dtype=dtype, block_size=block_size, revision=revision)
+    geometry = check_model(model)  # the K/V shapes the attention layers really make
+    return Layout(model_id, num_layers=cfg.num_hidden_layers, num_kv_heads=geometry.num_kv_heads,
+                  head_dim=geometry.head_dim, dtype=dtype, block_size=block_size, revision=revision)
 
 
 def _layer_scales(scales, num_layers: int, fp8: bool) -> list[tuple[float, float]] | None:
@@ -270,17 +286,12 @@ class PagedModel:
         self.client = client
         self.layout = client.layout
         self._owns_client = owns_client
-        cfg = _text_config(model.config)
+        cfg = text_config(model.config)
         fp8 = self.layout.dtype in _KV_ONLY_DTYPES.values()
         want = layout_for(model, self.layout.model_id, revision=self.layout.revision,
                           block_size=self.layout.block_size, kv_dtype=self.layout.dtype if fp8 else None)
         if want != self.layout:
             raise InvalidArgument(f"the client's layout {self.layout} does not match the model ({want})")
-        other = sorted(set(getattr(cfg, "layer_types", None) or ()) - set(_LAYER_TYPES))
-        if other:
-            raise NotImplementedError(f"kvpool.hf runs {' and '.join(_LAYER_TYPES)} layers; this model has {other}")
-        if getattr(cfg, "use_bidirectional_attention", False):
-            raise NotImplementedError("kvpool.hf runs causal attention only (use_bidirectional_attention is set)")
         self.kv_scales = _layer_scales(kv_scales, cfg.num_hidden_layers, fp8)
         self.kv = client.kv_cache()
         device = next(model.parameters()).device
@@ -289,6 +300,8 @@ class PagedModel:
                 f"the model is on {device} but the pool is on {self.kv.device}; move the model there "
                 "(a CPU daemon serves CPU models, a CUDA daemon CUDA models)"
             )
+        if device.type == "cuda":
+            check_gpu_kernels(model, self.layout.head_dim, self.layout.dtype)
         self.device = device
         if hasattr(model, "set_attn_implementation"):
             model.set_attn_implementation(ATTN_IMPLEMENTATION)
@@ -388,10 +401,12 @@ class PagedModel:
         """
         if batch.kv_scales is None and self.kv_scales is not None:
             batch = replace(batch, kv_scales=self.kv_scales)
-        out = self.model(
-            input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
-            logits_to_keep=logits_index, kvpool_batch=batch,
-        )
+        token = _CURRENT_BATCH.set(batch)
+        try:
+            out = self.model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
+                             logits_to_keep=logits_index)
+        finally:
+            _CURRENT_BATCH.reset(token)
         return out.logits[0]
 
     # -- sequences ------------------------------------------------------------------------

@@ -71,6 +71,7 @@ _DT_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _FP8 = getattr(torch, "float8_e4m3fn", None)
 _LOG2E = 1.4426950408889634
 HEAD_DIMS = (64, 80, 96, 112, 128, 192, 256)
+MAX_GROUP = 16  # query heads per KV head
 # Page-aware decode: work items planned per SM (see decode_work) and the fewest keys per
 # item (one 16-key tile per warp of a 4-warp CTA).
 DECODE_ITEM_KEYS = 64
@@ -245,8 +246,8 @@ def check_gpu_limits(a: AttentionArgs, q: torch.Tensor) -> None:
     bs = geo.block_size
     if bs < 8 or bs & (bs - 1):
         raise ValueError(f"GPU paged attention needs a power-of-two block_size >= 8; got {bs}")
-    if a.group > 16:
-        raise ValueError(f"GPU paged attention supports GQA groups up to 16; got {a.group}")
+    if a.group > MAX_GROUP:
+        raise ValueError(f"GPU paged attention supports GQA groups up to {MAX_GROUP}; got {a.group}")
     es, kes = q.element_size(), torch.empty(0, dtype=geo.dtype).element_size()
     for name, value in (
         ("q.data_ptr()", q.data_ptr()),
