@@ -154,6 +154,7 @@ class LayoutClass:
         self.on_evict = on_evict
         self.evictions = 0
         self.released_slabs = 0  # ever given back
+        self.taken_slabs = 0  # ever taken
         budget.classes.append(self)
 
     # -- sizes --------------------------------------------------------------
@@ -221,6 +222,7 @@ class LayoutClass:
             slot = heapq.heappop(self._returned)
             self.slots.add(slot)
             self.taken.append(slot)
+            self.taken_slabs += 1
             budget.free -= k
             gained.extend(range(slot * bps, (slot + 1) * bps))
             short -= bps
@@ -231,6 +233,7 @@ class LayoutClass:
                 self._fresh += m
                 self.slots.update(new)
                 self.taken.extend(new)
+                self.taken_slabs += m
                 budget.free -= m * k
                 gained.extend(range(new.start * bps, new.stop * bps))
                 short -= m * bps
@@ -420,4 +423,5 @@ class LayoutClass:
         assert not (self.slots & unowned), "a slot both owned and unowned"
         assert len(self.slots) + len(unowned) == self.max_slabs, "slots lost"
         assert len(set(self._returned)) == len(self._returned)
+        assert self.taken_slabs - self.released_slabs == len(self.slots), "slabs taken and given back are miscounted"
         return {b: 1 + self.extra.get(b, 0) for b in held}

@@ -288,19 +288,23 @@ def test_release_idle_validates_its_clock():
 
 
 # -- figures --------------------------------------------------------------------------------
-def test_mapped_and_released_bytes():
+def test_mapped_released_and_taken_bytes():
     m, c = elastic()
     a = m.create(1, c, "m", range(4))
     st = m.stats().classes[0]
-    assert st.mapped_bytes == 8 * 512 and st.released_bytes == 0
+    assert st.mapped_bytes == 8 * 512 and st.released_bytes == 0 and st.taken_bytes == 8 * 512
     m.release_idle(0.0, 0)
     st = m.stats().classes[0]
-    assert st.mapped_bytes == 512 and st.released_bytes == 7 * 512
+    assert st.mapped_bytes == 512 and st.released_bytes == 7 * 512 and st.taken_bytes == 8 * 512
     m.free(1, [a.seq_id], written=False)
     m.resize(0)
     st = m.stats()
     assert st.classes[0].mapped_bytes == 0 and st.classes[0].released_bytes == 8 * 512
     assert st.pool_bytes == 0 and st.max_pool_bytes == 16 * 512
+    m.resize(16 * 512)
+    m.create(1, c, "m", range(4))  # given-back slots are taken again: counted again
+    st = m.stats().classes[0]
+    assert st.taken_bytes - st.released_bytes == st.mapped_bytes == 8 * 512
 
 
 def test_a_slab_may_need_the_limit_but_never_more():
