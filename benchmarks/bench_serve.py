@@ -115,22 +115,30 @@ def summarize(name: str, results: list[dict], duration: float, extra: dict) -> d
 
 
 # -- kvpool serve ----------------------------------------------------------------------------------
+async def read_token_events(response, stamps: list[float]) -> dict | None:
+    """Read a streaming completion's server-sent events: the time of each token's event is appended to
+    ``stamps`` as it comes (the server sends one event per token); returns the usage event's figures."""
+    usage = None
+    async for line in response.aiter_lines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        event = json.loads(line[6:])
+        if event.get("usage"):
+            usage = event["usage"]
+        elif event["choices"]:
+            stamps.append(time.perf_counter())
+    return usage
+
+
 async def one_request(client, url: str, model: str, req: dict, t0: float) -> dict:
     await asyncio.sleep(max(0.0, t0 + req["arrival"] - time.perf_counter()))
     start = time.perf_counter()
     body = {"model": model, "prompt": req["prompt"], "max_tokens": req["max_tokens"], "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    stamps, usage = [], None
+    stamps = []
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
         r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if event.get("usage"):
-                usage = event["usage"]
-            elif event["choices"]:  # the server sends one event per token
-                stamps.append(time.perf_counter())
+        usage = await read_token_events(r, stamps)
     n = usage["completion_tokens"]
     return {"ttft": stamps[0] - start, "tpot": (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else None,
             "tokens": n, "prompt_tokens": usage["prompt_tokens"], "cached": usage["prompt_tokens_details"]["cached_tokens"]}

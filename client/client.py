@@ -461,10 +461,22 @@ class Client:
         st.pending.extend(toks)
         st.num_tokens += len(toks)
 
-    def _reserve_target(self) -> int:
+    def _reserve_target(self, live: int) -> int:
+        """The reserve to ask for with ``live`` sequences; none without any, since only extends draw on it."""
+        if not live:
+            return 0
         bs = self.layout.block_size
         per_seq = -(-self.flush_every // bs)
-        return min(self.max_reserve_blocks, max(8, 2 * per_seq * max(1, len(self._seqs))))
+        return min(self.max_reserve_blocks, max(8, 2 * per_seq * live))
+
+    def _reserve_surplus(self, freeing: int) -> list[int]:
+        """Reserve blocks to give back with this call: all of them when no sequence is left, else what lies
+        beyond the target once the reserve holds more than twice it.  A reserve is held memory: a model whose
+        batch shrank or that went idle would otherwise keep slabs that other models need."""
+        target = self._reserve_target(len(self._seqs) - freeing)
+        if len(self._reserve) <= 2 * target:
+            return []
+        return self._reserve[:len(self._reserve) - target]  # the stack's bottom: the last blocks it would use
 
     def _step(self, local, remote, free_ids: list[int], run_copies: bool, written: Iterable[int] = (),
               free_written: bool = True, reserve_return: list[int] = (), reserve_target: int | None = None,
@@ -506,6 +518,8 @@ class Client:
                 ids.append(sid)
                 counts.append(0)
                 claim_counts.append(0)
+        if reserve_target is None and not reserve_return:
+            reserve_return = self._reserve_surplus(len(free_ids))
         req = pb.StepRequest(
             session=self._token,
             seq_ids=np.asarray(ids, I64).tobytes(),
@@ -515,7 +529,8 @@ class Client:
             claims=np.asarray(claims, I32).tobytes(),
             free_seq_ids=free_ids,
             free_unwritten=not free_written,
-            reserve_target=self._reserve_target() if reserve_target is None else reserve_target,
+            reserve_target=self._reserve_target(len(self._seqs) - len(free_ids)) if reserve_target is None
+            else reserve_target,
             reserve_return=np.asarray(reserve_return, I32).tobytes(),
         )
         try:
@@ -570,7 +585,8 @@ class Client:
                 self._reserve.extend(back)
 
     def mark_written(self, seqs: Sequence | int | Iterable[Sequence | int]) -> None:
-        """Say that the KV of these sequences' tokens is written (one call).
+        """Say that the KV of these sequences' tokens is written (one call; two when some of their tokens are
+        still queued locally, since a call confirms only the tokens the daemon knew before it).
 
         Until then their new full blocks are prefix hits for this client only:
         another process must not read KV that is not there yet.  Any later
@@ -579,8 +595,8 @@ class Client:
         """
         ids = _ids(seqs)
         with self._lock:
-            for sid in ids:
-                self._state(sid)
+            if any(self._state(sid).pending for sid in ids):
+                self._step([], [], [], True)
             self._step([], [], [], True, written=ids)
 
     def flush(self) -> None:

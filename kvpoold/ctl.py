@@ -217,7 +217,8 @@ def _memory_caption(d) -> str:
     if d.memory != "vmm":
         return ""
     return (f"\n{d.name}: elastic (vmm), {human_bytes(d.physical_bytes)} held of at most {human_bytes(d.pool_bytes)}"
-            f" · {human_bytes(d.draining_bytes)} draining · {human_bytes(d.freed_bytes)} given back to the GPU")
+            f" · {human_bytes(d.draining_bytes)} draining · {human_bytes(d.freed_bytes)} given back to the GPU"
+            f" ({1e3 * d.free_seconds:.1f} ms)")
 
 
 def stats_table(st: PoolStats) -> Table:
@@ -259,6 +260,8 @@ def stats_table(st: PoolStats) -> Table:
     row("models", lambda c: ", ".join(c.models))
     row("block size", lambda c: human_bytes(c.block_bytes))
     row("memory mapped / released", lambda c: f"{human_bytes(c.mapped_bytes)} / {human_bytes(c.released_bytes)}")
+    row("memory taken (commit / release time)", lambda c: f"{human_bytes(c.taken_bytes)} "
+        f"({1e3 * c.commit_seconds:.1f} / {1e3 * c.release_seconds:.1f} ms)")
     row("virtual range", lambda c: human_bytes(c.reserved_bytes))
     row("total blocks", lambda c: f"{c.total_blocks} ({human_bytes(c.total_blocks * c.block_bytes)})",
         lambda t: human_bytes(t.capacity_bytes))

@@ -49,6 +49,9 @@ class ClassStats:
     reserved_bytes: int = 0  # the class's virtual range (its whole id space); no memory behind it by itself
     remote_hit_blocks: int = 0  # of promoted: prefix hits the remote tier answered
     tenant: str = ""  # who may use the class ("uid 1000", "gid 100"; "" when tenants are not told apart)
+    taken_bytes: int = 0  # slabs taken so far (from unassigned memory or from other classes)
+    commit_seconds: float = 0.0  # the daemon's time backing the slabs taken (vmm: creating and mapping chunks)
+    release_seconds: float = 0.0  # the daemon's time letting go of the slabs released (vmm: unmapping chunks)
 
     @property
     def hit_rate(self) -> float:
@@ -104,6 +107,7 @@ class DeviceStats:
     physical_bytes: int = 0  # memory held now (vmm: chunks created and not yet given back to the GPU)
     draining_bytes: int = 0  # vmm: chunks that left their class, held until every client let go of them
     freed_bytes: int = 0  # vmm: given back to the GPU so far
+    free_seconds: float = 0.0  # vmm: the daemon's time giving those chunks back
 
     @property
     def name(self) -> str:

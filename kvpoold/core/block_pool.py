@@ -98,18 +98,44 @@ class ChunkBudget:
         self.limit = total_chunks if limit is None else limit
         self.exact_slabs = exact_slabs
         self.classes: list[LayoutClass] = []
+        self.clock = 0  # stamps the blocks that become cached, so that classes can compare their ages
+
+    def tick(self) -> int:
+        self.clock += 1
+        return self.clock
 
     def reclaimable(self, requester: "LayoutClass", evict: bool) -> int:
         """Chunks the other classes could give back (empty slabs, or unheld ones if ``evict``)."""
         return sum(c.slabs_to_give(evict) * c.slab_chunks for c in self.classes if c is not requester)
 
     def reclaim(self, requester: "LayoutClass | None", chunks: int, evict: bool) -> None:
-        """Make at least ``chunks`` chunks free by taking slabs back from other classes (None: from any)."""
-        for other in self.classes:
+        """Make at least ``chunks`` chunks free by taking slabs back from other classes (None: from any).
+
+        Empty slabs first; with ``evict``, then slabs holding only cached blocks, those whose newest block
+        was cached longest ago first, whichever class they belong to: a model that stopped for a while
+        (a crash, a redeploy) keeps the prefixes it computed last while others' older ones go.
+        """
+        others = [c for c in self.classes if c is not requester]
+        for other in others:
             if self.free >= chunks:
                 return
-            if other is not requester:
-                other.give_back_slabs(chunks - self.free, evict)
+            other.give_back_empty_slabs(chunks - self.free)
+        if not evict or self.free >= chunks or not others:
+            return
+        found = [(i, *c.cached_only_slots()) for i, c in enumerate(others)]
+        owner = np.concatenate([np.full(len(slots), i) for i, slots, _ in found])
+        slots = np.concatenate([slots for _, slots, _ in found])
+        ages = np.concatenate([age for _, _, age in found])
+        chosen: dict[int, set[int]] = {}
+        need = chunks - self.free
+        for j in np.argsort(ages, kind="stable").tolist():
+            if need <= 0:
+                break
+            i = int(owner[j])
+            chosen.setdefault(i, set()).add(int(slots[j]))
+            need -= others[i].slab_chunks
+        for i, taken in chosen.items():
+            others[i].give_back(taken)
 
 
 class LayoutClass:
@@ -154,6 +180,7 @@ class LayoutClass:
         self.on_evict = on_evict
         self.evictions = 0
         self.released_slabs = 0  # ever given back
+        self.taken_slabs = 0  # ever taken
         budget.classes.append(self)
 
     # -- sizes --------------------------------------------------------------
@@ -233,6 +260,7 @@ class LayoutClass:
             slot = heapq.heappop(self._returned)
             self.slots.add(slot)
             self.taken.append(slot)
+            self.taken_slabs += 1
             budget.free -= k
             gained.extend(range(slot * bps, (slot + 1) * bps))
             short -= bps
@@ -243,6 +271,7 @@ class LayoutClass:
                 self._fresh += m
                 self.slots.update(new)
                 self.taken.extend(new)
+                self.taken_slabs += m
                 budget.free -= m * k
                 gained.extend(range(new.start * bps, new.stop * bps))
                 short -= m * bps
@@ -286,14 +315,14 @@ class LayoutClass:
                 self.free.extend(ids)  # the common case
                 return
             hashed = prefix.hashed(ids)
-            self.cached.insert_many(hashed)
+            self.cached.insert_many(hashed, self.budget.tick())
             if len(hashed) < len(ids):
                 self.free.extend(prefix.unhashed(ids))
             return
         if len(set(ids)) == len(ids) and list(map(extra.get, ids)).count(1) == len(ids):
             deque(map(extra.__delitem__, ids), 0)  # one holder fewer of blocks held twice (a batch's holds)
             return
-        cached, free = self.cached, self.free
+        cached, free, stamp = self.cached, self.free, self.budget.tick()
         for b in ids:
             c = extra.get(b)
             if c:
@@ -302,7 +331,7 @@ class LayoutClass:
                 else:
                     extra[b] = c - 1
             elif prefix.is_hashed(b):
-                cached.insert(b)
+                cached.insert(b, stamp)
             else:
                 free.append(b)
 
@@ -373,14 +402,25 @@ class LayoutClass:
         """Slabs with no held block (empty ones only unless ``evict``)."""
         return len(self._unheld_slots(evict))
 
-    def give_back_slabs(self, chunks: int, evict: bool) -> None:
-        """Return unheld slabs to the budget until ``chunks`` chunks were freed (high slots first)."""
+    def give_back_empty_slabs(self, chunks: int) -> None:
+        """Return empty slabs to the budget until ``chunks`` chunks were freed (high slots first)."""
         if chunks <= 0:
             return
         want = -(-chunks // self.slab_chunks)
-        chosen = set(self._unheld_slots(evict)[:want].tolist())
+        chosen = set(self._unheld_slots(evict=False)[:want].tolist())
         if chosen:
             self.give_back(chosen)
+
+    def cached_only_slots(self) -> tuple[np.ndarray, np.ndarray]:
+        """(owned slots holding cached blocks and no held one, the stamp of each one's newest cached block)."""
+        if not self.slots:
+            return np.empty(0, np.int64), np.empty(0, np.int64)
+        slots, free, cached = self._slot_usage()
+        slots = slots[(cached > 0) & (free + cached == self.blocks_per_slab)]
+        keys = np.fromiter(self.cached, np.int64, len(self.cached))
+        newest = np.zeros(self.max_slabs, np.int64)
+        np.maximum.at(newest, keys // self.blocks_per_slab, np.fromiter(self.cached.stamps(), np.int64, len(keys)))
+        return slots, newest[slots]
 
     def give_back(self, slots: set[int]) -> None:
         """Return these owned slabs, which hold no held block, to the budget (their cached blocks are evicted)."""
@@ -432,4 +472,8 @@ class LayoutClass:
         assert not (self.slots & unowned), "a slot both owned and unowned"
         assert len(self.slots) + len(unowned) == self.max_slabs, "slots lost"
         assert len(set(self._returned)) == len(self._returned)
+        assert self.taken_slabs - self.released_slabs == len(self.slots), "slabs taken and given back are miscounted"
+        stamps = list(self.cached.stamps())
+        assert stamps == sorted(stamps) and all(0 < t <= self.budget.clock for t in stamps), (
+            "the eviction order and the cached blocks' stamps disagree")
         return {b: 1 + self.extra.get(b, 0) for b in held}

@@ -72,9 +72,6 @@ class VacantClass:
     def slabs_to_give(self, evict: bool) -> int:
         return 0
 
-    def give_back_slabs(self, chunks: int, evict: bool) -> None:
-        return None
-
     def check(self) -> dict[int, int]:
         assert not (self.free or len(self.cached) or self.extra or len(self.prefix) or self.slots), (
             f"vacant class {self.class_id} holds blocks")

@@ -4,7 +4,9 @@ A policy never owns memory; the pool or tier index asks it which key to give
 up next.  New policies (LFU, ARC, ...) implement the same methods.  The
 ``*_many`` ones act on a batch (an eviction pass, a swap, a promotion is
 thousands of keys) with one C-level call each, and mean exactly the same as
-the single-key methods applied in order.
+the single-key methods applied in order.  A key may carry a *stamp* (the
+caller's clock when it became evictable, ``stamps``), so that keys of
+different policies can be compared by age.
 """
 
 from __future__ import annotations
@@ -27,17 +29,21 @@ class LRUPolicy(Generic[K]):
     def __init__(self) -> None:
         self._order: OrderedDict[K, None] = OrderedDict()
 
-    def insert(self, key: K) -> None:
+    def insert(self, key: K, stamp: int | None = None) -> None:
         """A key becomes evictable; it is the most recently used."""
-        self._order[key] = None
+        self._order[key] = stamp
 
     def remove(self, key: K) -> None:
         """A key stops being evictable (reused, or dropped by its owner)."""
         del self._order[key]
 
-    def insert_many(self, keys) -> None:
+    def insert_many(self, keys, stamp: int | None = None) -> None:
         """``insert`` of each key, in order (keys not present yet)."""
-        deque(map(self._order.__setitem__, keys, repeat(None)), 0)  # faster than update() for an OrderedDict
+        deque(map(self._order.__setitem__, keys, repeat(stamp)), 0)  # faster than update() for an OrderedDict
+
+    def stamps(self) -> Iterator[int | None]:
+        """Each key's stamp, in the order of ``iter``."""
+        return iter(self._order.values())
 
     def present(self, keys) -> list[K]:
         """The keys that are evictable here, in the given order."""
@@ -103,9 +109,10 @@ class DictLRU(LRUPolicy[K]):
         self._order: dict = {}  # type: ignore[assignment]
         self._pops = 0  # single pops from the front since the dict was last rebuilt
 
-    def insert_many(self, keys) -> None:
-        """``insert`` of each key, in order (keys not present yet); a dict's stored hashes are reused."""
-        self._order.update(keys if isinstance(keys, dict) else dict.fromkeys(keys))
+    def insert_many(self, keys, stamp: int | None = None) -> None:
+        """``insert`` of each key, in order (keys not present yet); a dict's stored hashes are reused (and its
+        values are the stamps)."""
+        self._order.update(keys if isinstance(keys, dict) else dict.fromkeys(keys, stamp))
 
     def touch(self, key: K) -> None:
         self._order[key] = self._order.pop(key)

@@ -48,6 +48,7 @@ class Statistics(ManagerState):
                     released_bytes=pool.released_slabs * pool.slab_bytes,
                     remote_hit_blocks=c.remote_hit_blocks,
                     tenant=pool.geometry.tenant,
+                    taken_bytes=pool.taken_slabs * pool.slab_bytes,
                 )
             )
         tiers = tuple(

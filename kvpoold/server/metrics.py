@@ -22,7 +22,8 @@ kvpool_tier_used_bytes{device,tier}                gauge
 kvpool_tier_blocks{device,tier}                    gauge
 kvpool_tier_<figure>_total{device,tier}            counter   transfers from the tiers' stats: blocks_in,
                                                              blocks_out, bytes_written, bytes_read, ...
-kvpool_class_<figure>_total{device,class_id}       counter   promoted/demoted/swapped blocks, ...
+kvpool_class_<figure>_total{device,class_id}       counter   promoted/demoted/swapped blocks, memory
+                                                             taken and released, commit/release seconds, ...
 kvpool_tier_pinned_bytes{device,tier},
 kvpool_class_swapped_sequences{device,class_id}    gauge
 kvpool_prefix_queries_total{device,class_id}       counter   lookups and creates
@@ -112,6 +113,8 @@ def pool_families(service) -> list:
           ("device",), [((label,), d.draining_bytes) for label, d in devices])
     counter("kvpool_pool_freed_bytes", "vmm: memory given back to the GPU", ("device",),
             [((label,), d.freed_bytes) for label, d in devices])
+    counter("kvpool_pool_free_seconds", "vmm: the daemon's time giving memory back to the GPU", ("device",),
+            [((label,), d.free_seconds) for label, d in devices])
     # (device label, class id label, ClassStats) and (device label, TierStats) over every pool
     classes = [(label, str(c.class_id), c) for label, d in devices for c in d.classes]
     gauge("kvpool_class_blocks", "device blocks of a layout class by state", ("device", "class_id", "state"), [

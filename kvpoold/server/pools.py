@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import logging
 import os
+import time
+from collections import defaultdict
 from dataclasses import dataclass, replace
 
 from kvpoold.config import Config
@@ -125,6 +127,9 @@ class DevicePool:
         if events is not None:
             self.tiers.on_moves = self._report
         self.arenas: dict[int, Arena] = {}
+        #: class id -> {"commit": s, "release": s}: the time its slabs took to back and to let go (stats)
+        self.slab_seconds: dict[int, dict[str, float]] = defaultdict(lambda: {"commit": 0.0, "release": 0.0})
+        self.free_seconds = 0.0  # giving memory no class uses back (vmm: to the GPU), for the stats
         self.models: dict[int, set[str]] = {}
         self.quotas = Quotas(self)  # per-session quota, per-user share (access.py), checked before the core allocates
         self.limits = Limits(self)  # sequences per session, tokens per call
@@ -166,11 +171,17 @@ class DevicePool:
         # releases first: the memory a class gives up backs what another takes in the same round
         for kind, cls, offset, nbytes in changes:
             if kind == "release":
+                t0 = time.perf_counter()
                 self.arenas[cls].release(offset, nbytes)
+                self.slab_seconds[cls]["release"] += time.perf_counter() - t0
         for kind, cls, offset, nbytes in changes:
             if kind == "take":
+                t0 = time.perf_counter()
                 self.arenas[cls].commit(offset, nbytes)
+                self.slab_seconds[cls]["commit"] += time.perf_counter() - t0
+        t0 = time.perf_counter()
         self.backend.settle()
+        self.free_seconds += time.perf_counter() - t0
 
     def _report(self, plan) -> None:
         """The moves the core planned, as KV events (the journal follows in ``sync_memory``)."""
@@ -237,6 +248,7 @@ class DevicePool:
         if arena is not None:
             self.backend.close_arena(arena)
         self.models.pop(class_id, None)
+        self.slab_seconds.pop(class_id, None)
         log.debug("%s: class %d reclaimed", self.name, class_id)
 
     # -- sessions -------------------------------------------------------------------
@@ -272,9 +284,14 @@ class DevicePool:
             index=self.index, device=self.device, bus_id=self.bus_id, pool_bytes=st.pool_bytes,
             free_bytes=st.free_chunks * st.chunk_bytes, sequences=st.sequences, clients=self.sessions,
             classes=tuple(replace(c, models=tuple(sorted(self.models.get(c.class_id, ()))),
-                                  reserved_bytes=self._reserved_bytes(c.class_id)) for c in st.classes),
+                                  reserved_bytes=self._reserved_bytes(c.class_id),
+                                  **self._slab_figures(c.class_id)) for c in st.classes),
             tiers=st.tiers, max_pool_bytes=st.max_pool_bytes, **self._memory_figures(st),
         )
+
+    def _slab_figures(self, class_id: int) -> dict:
+        took = self.slab_seconds.get(class_id)
+        return {"commit_seconds": took["commit"], "release_seconds": took["release"]} if took else {}
 
     def _reserved_bytes(self, class_id: int) -> int:
         arena = self.arenas.get(class_id)
@@ -284,7 +301,7 @@ class DevicePool:
         b = self.backend
         if hasattr(b, "ledger"):  # vmm: what the GPU holds for us, chunk by chunk
             return {"memory": b.memory, "physical_bytes": b.physical_bytes, "draining_bytes": b.draining_bytes,
-                    "freed_bytes": b.freed_bytes}
+                    "freed_bytes": b.freed_bytes, "free_seconds": self.free_seconds}
         held = sum(c.mapped_bytes for c in st.classes) if b.supports_many_classes else st.pool_bytes
         return {"memory": b.memory, "physical_bytes": held}
 

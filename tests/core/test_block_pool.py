@@ -1,6 +1,10 @@
 """LayoutClass and ChunkBudget: exact behaviour of ids, holders, eviction and slabs."""
 
+import itertools
+
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvpoold.core import ChunkBudget, LayoutClass, Geometry, LayoutDoesNotFit, OutOfBlocks
 from kvpoold.core.block_pool import choose_slab_chunks
@@ -130,6 +134,32 @@ def test_reclaim_evicts_other_class_cached_slab_last():
     assert sorted(evicted) == [(0, 4), (0, 5), (0, 6), (0, 7)]
     assert a.total_blocks == 4 and len(a.cached) == 0
     a.check(), b.check()
+
+
+@given(st.data())
+def test_reclaim_takes_the_slabs_cached_longest_ago_whatever_their_class(data):
+    budget = ChunkBudget(12, 1024)  # 4 blocks of 256 bytes per slab
+    givers = [LayoutClass(i, G, budget) for i in range(2)]
+    taker = LayoutClass(2, G, budget)
+    names = itertools.count()
+    for _ in range(data.draw(st.integers(1, 10))):  # the givers hold and cache blocks, in turns
+        c = givers[data.draw(st.integers(0, 1))]
+        n = data.draw(st.integers(1, 8))
+        if c.obtainable(n) < n:
+            continue
+        ids = c.allocate(n)
+        for b in ids:
+            c.prefix.register(b, next(names).to_bytes(16, "little"))
+        c.release(ids[data.draw(st.integers(0, n)):])  # the others stay held
+    before = [dict(zip(*(a.tolist() for a in c.cached_only_slots()))) for c in givers]
+    want = data.draw(st.integers(0, taker.obtainable()))
+    taker.allocate(want)
+    taken = [age for c, ages in zip(givers, before) for slot, age in ages.items() if slot not in c.slots]
+    kept = [age for c, ages in zip(givers, before) for slot, age in ages.items() if slot in c.slots]
+    if taken and kept:
+        assert max(taken) <= min(kept)
+    for c in (*givers, taker):
+        c.check()
 
 
 def test_out_of_blocks_when_nothing_can_be_obtained():

@@ -277,6 +277,20 @@ def test_release_idle_keeps_cached_and_held_slabs_and_feeds_other_classes():
     m.check_invariants()
 
 
+def test_a_class_short_of_memory_takes_the_oldest_cached_slabs_whatever_their_class():
+    """Not class order: a model that stopped for a while keeps what it cached last, others' older blocks go."""
+    m = KVCacheManager(6 * 512, chunk_bytes=512)
+    newer, older, taker = (m.register_class(Geometry(1, 1, 8, "float16", 4, model)) for model in ("n", "o", "t"))
+    for cls in (older, newer):  # the older class caches first: two slabs of four 4-token blocks each
+        s = m.create(1, cls, "m", range(cls * 1000, cls * 1000 + 32))
+        m.free(1, [s.seq_id])
+    assert [len(m.classes[c].cached) for c in (newer, older)] == [8, 8]
+    m.create(2, taker, "m", range(5000, 5000 + 4 * 4 * 3))  # three slabs: two unassigned or empty, one cached
+    assert len(m.classes[newer].cached) == 8 and len(m.classes[older].cached) == 4
+    assert m.lookup(newer, "m", range(1000 * newer, 1000 * newer + 32)).device_tokens == 32
+    m.check_invariants()
+
+
 def test_release_idle_validates_its_clock():
     m, c = elastic()
     m.create(1, c, "m", range(4))
@@ -288,19 +302,23 @@ def test_release_idle_validates_its_clock():
 
 
 # -- figures --------------------------------------------------------------------------------
-def test_mapped_and_released_bytes():
+def test_mapped_released_and_taken_bytes():
     m, c = elastic()
     a = m.create(1, c, "m", range(4))
     st = m.stats().classes[0]
-    assert st.mapped_bytes == 8 * 512 and st.released_bytes == 0
+    assert st.mapped_bytes == 8 * 512 and st.released_bytes == 0 and st.taken_bytes == 8 * 512
     m.release_idle(0.0, 0)
     st = m.stats().classes[0]
-    assert st.mapped_bytes == 512 and st.released_bytes == 7 * 512
+    assert st.mapped_bytes == 512 and st.released_bytes == 7 * 512 and st.taken_bytes == 8 * 512
     m.free(1, [a.seq_id], written=False)
     m.resize(0)
     st = m.stats()
     assert st.classes[0].mapped_bytes == 0 and st.classes[0].released_bytes == 8 * 512
     assert st.pool_bytes == 0 and st.max_pool_bytes == 16 * 512
+    m.resize(16 * 512)
+    m.create(1, c, "m", range(4))  # given-back slots are taken again: counted again
+    st = m.stats().classes[0]
+    assert st.taken_bytes - st.released_bytes == st.mapped_bytes == 8 * 512
 
 
 def test_a_slab_may_need_the_limit_but_never_more():

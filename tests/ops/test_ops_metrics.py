@@ -56,6 +56,8 @@ def test_metrics_endpoint(daemon_factory):
                          ("cached", st.cached_blocks), ("free", st.free_blocks)):
             assert value(f, "kvpool_class_blocks", class_id="0", state=state) == n
         assert value(f, "kvpool_class_block_bytes", class_id="0") == st.block_bytes
+        assert value(f, "kvpool_class_taken_bytes_total", class_id="0") == st.taken_bytes > 0
+        assert value(f, "kvpool_class_commit_seconds_total", class_id="0") == st.commit_seconds > 0
         assert value(f, "kvpool_tier_capacity_bytes", tier="device") == 64 << 20
         assert value(f, "kvpool_tier_blocks", tier="device") == st.used_blocks + st.cached_blocks
         assert value(f, "kvpool_sessions", state="connected") == 1

@@ -45,8 +45,8 @@ def test_resize_shrinks_down_to_held_blocks_and_grows_back(daemon_factory):
             c.free(seqs[:15])  # cached now: a shrink may evict them
             (r,) = admin.resize(MiB)
             assert r["met"] and r["pool_bytes"] == MiB and r["evicted_blocks"] > 0
-            with pytest.raises(kvpool.OutOfBlocks):
-                c.create_sequences([[7] * (16 * 64)] * 20)
+            with pytest.raises(kvpool.OutOfBlocks):  # 20 distinct prompts of 256 KiB: five times the pool
+                c.create_sequences([[7 + n] * (16 * 64) for n in range(20)])
             (r,) = admin.resize(8 * MiB)
             assert r["met"] and r["max_pool_bytes"] == 8 * MiB
             c.create_sequences([[9] * (16 * 64)] * 20)
@@ -93,3 +93,20 @@ def test_empty_slabs_are_given_back_after_release_after_seconds(daemon_factory):
         assert sum(cl.mapped_bytes for cl in st.classes) <= 4 * 65536
         assert sum(cl.released_bytes for cl in st.classes) >= mapped - 4 * 65536
         assert st.memory == "shm"
+
+
+def test_memory_moving_between_classes_is_counted_with_its_time(daemon_factory):
+    d = daemon_factory("--pool-bytes", "1MiB", "--chunk-bytes", "64KiB", "--release-after-seconds", "3600")
+    other = kvpool.Layout("ops-other", num_layers=2, num_kv_heads=1, head_dim=8, dtype="float16", block_size=4)
+    with kvpool.connect(d.socket, name="a", layout=LAYOUT) as a, kvpool.connect(d.socket, name="b", layout=other) as b:
+        a.free(a.create_sequences([[n] * 4000 for n in range(7)]))  # about the whole pool, cached
+        first = min(device(d).classes, key=lambda c: c.class_id)
+        assert first.taken_bytes >= 12 * 65536 and first.commit_seconds > 0 and first.release_seconds == 0
+        b.create_sequences([[n] * 2000 for n in range(7)])  # takes the cached slabs of the first class
+        giver, taker = sorted(device(d).classes, key=lambda c: c.class_id)
+        assert giver.released_bytes > 0 and giver.release_seconds > 0
+        assert taker.taken_bytes >= giver.released_bytes and taker.commit_seconds > 0
+        for c in (giver, taker):
+            assert c.taken_bytes - c.released_bytes == c.mapped_bytes
+        out = run_ctl(d.socket, "stats")
+        assert out.returncode == 0 and "memory taken (commit / release time)" in out.stdout

@@ -31,6 +31,26 @@ def test_steady_decode_calls_the_daemon_at_most_once_every_8_steps(daemon):
         assert st.used_blocks == 256 * 5 + st.reserved_blocks
 
 
+def test_reserve_shrinks_with_the_batch_and_goes_back_when_idle(daemon):
+    """A reserve is held memory: an idle model's would keep slabs other models need."""
+    with kvpool.connect(daemon.socket, name="shrinking", layout=LAYOUT) as c:
+        seqs = c.create_sequences([[i] for i in range(128)])
+        for step in range(40):  # at least one call after the first flush: the reserve grows to its target
+            c.extend({s: [step] for s in seqs})
+        assert c.reserve_size >= 128  # the target: two blocks per sequence for each flush (32 steps, 16 tokens)
+        c.free(seqs[8:])
+        assert 0 < c.reserve_size <= 2 * 2 * 2 * 8  # at most twice the target of 8 sequences
+        assert c.stats().classes[0].reserved_blocks == c.reserve_size
+        c.free(seqs[:8])
+        st = c.stats().classes[0]
+        assert c.reserve_size == 0 and st.reserved_blocks == 0 and st.used_blocks == 0
+        again = c.create_sequence([1, 2, 3])
+        for step in range(40):  # a new batch gets a reserve again
+            c.extend({again: [step]})
+        c.flush()
+        assert c.reserve_size > 0 and c.stats().classes[0].reserved_blocks == c.reserve_size
+
+
 def test_random_workload_keeps_mirror_and_daemon_equal(daemon):
     rng = np.random.default_rng(7)
     with kvpool.connect(daemon.socket, name="random", layout=LAYOUT, flush_every=5) as c:
@@ -113,6 +133,20 @@ def test_same_model_shares_blocks_across_clients(daemon):
         st = a.stats().classes[0]
         # two creates and two lookups were queries; the second create and the last lookup hit 64 each
         assert (st.prefix_queries, st.prefix_hits, st.prefix_hit_tokens) == (4, 2, 128)
+
+
+def test_mark_written_confirms_tokens_queued_from_the_reserve(daemon):
+    """An engine's last prefill chunk is often queued locally; its blocks must become hits once it says so
+    (for other processes, and for this model's successor should it die before its next call)."""
+    with kvpool.connect(daemon.socket, name="writer", layout=LAYOUT) as a, \
+            kvpool.connect(daemon.socket, name="reader", layout=LAYOUT) as b:
+        seq = a.create_sequence(range(8))
+        a.flush()  # the reserve is topped up
+        calls = a.rpcs
+        a.extend({seq: list(range(8, 40))})  # two blocks filled from the reserve, no call
+        assert a.rpcs == calls
+        a.mark_written(seq)
+        assert b.lookup(range(40)) == 32
 
 
 def test_failed_step_leaves_the_mirror_as_it_was(daemon_factory):

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# On the GPU machine, from a copy of the checkout with the wheels the device image lacks in .whl/ (gRPC,
+# protobuf, sdnotify, redis, hiredis, and for kvpool serve fastapi, starlette, pydantic(-core), uvicorn,
+# annotated-types, typing-inspection, typing-extensions, opentelemetry-api: benchmarks/NOTES-engine.md):
+#
+#   bash scripts/device/multimodel.sh        # carry: [".whl"]; about 8-9 minutes
+#
+# 1. benchmarks/bench_multimodel.py --backend cuda (the elastic pool, a static split and the elastic pool with a
+#    host tier under bursts and a steady mix; a crash and a rolling redeploy of one server; about 6 minutes), then
+# 2. the warm-restart tests on the GPU (tests/serve/test_warm_restart.py, marked gpu).
+# Extra arguments go to the benchmark (--quick, --configs elastic,static, ...).
+# Logs, the benchmark's JSON and PNG, and the daemons' and servers' logs go to $OUT.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-$(mktemp -d)}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site || exit 1
+python3 -m pip install -q -e . --no-deps --no-build-isolation || exit 1
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee "$OUT/gpu.txt"
+python3 -c "import matplotlib" 2>/dev/null || echo "matplotlib is missing: the benchmark writes no picture" | tee -a "$OUT/gpu.txt"
+
+# each configuration's figures are in the JSON as soon as it is done: a run stopped by the timeout keeps them
+# (SIGTERM stops the daemons and servers it started)
+timeout --kill-after=30 380 python3 benchmarks/bench_multimodel.py --backend cuda "$@" 2>&1 \
+    | tee "$OUT/bench_multimodel.log"
+cp benchmarks/results/multimodel_cuda_*.json benchmarks/results/multimodel_cuda_*.png "$OUT"/ 2>/dev/null
+logs=$(sed -n 's/^run logs: \(.*\)$/\1/p' "$OUT/bench_multimodel.log" | tail -1)
+[ -n "$logs" ] && tar -czf "$OUT/bench_multimodel_logs.tgz" -C "$logs" . 2>/dev/null
+
+timeout --kill-after=10 150 bash scripts/gpu_tests.sh tests/serve/test_warm_restart.py -rs --durations=0 2>&1 \
+    | tee "$OUT/gpu_tests_warm_restart.log"
+ls -la "$OUT"
