@@ -30,6 +30,7 @@ Prints a table and writes JSON to benchmarks/results/offline_<device>_<time>.jso
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import os
 import statistics
@@ -37,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -134,8 +136,6 @@ def device_ceilings(device: str) -> dict:
     copy_s = timed(lambda: dst.copy_(src), 20)
     mm_s = timed(lambda: a @ b, 20)
     out = {"copy_tbps": 2 * src.numel() * 2 / copy_s / 1e12, "matmul_tflops": 2 * 8192**3 / mm_s / 1e12}
-    del src, dst, a, b
-    torch.cuda.empty_cache()
     return out
 
 
@@ -248,6 +248,19 @@ def run_decode_steps(model, sock: str, tag: str, args, fused, batch: int, figs: 
     return row
 
 
+def guarded(fn, *args):
+    """``fn(*args)``, or ``None`` after printing its traceback: one failed run leaves the others' figures."""
+    try:
+        return fn(*args)
+    except Exception:  # noqa: BLE001 - reported, and the benchmark goes on with the next run
+        traceback.print_exc()
+        return None
+
+
+def run_tag(model: str, fused: bool | None) -> str:
+    return f"{model}-{'fused' if fused else 'unfused' if fused is False else 'default'}"
+
+
 def fused_choices(arg: str) -> list:
     return {"off": [False], "on": [True], "both": [False, True], "default": [None]}[arg]
 
@@ -282,6 +295,8 @@ def main() -> None:
     import torch
 
     ceil = device_ceilings(device)
+    if not cpu:
+        torch.cuda.empty_cache()  # the ceilings' buffers
     dev_name = torch.cuda.get_device_name() if not cpu else "cpu"
     print(f"# {dev_name}: copy {ceil['copy_tbps']} TB/s, bf16 matmul {ceil['matmul_tflops']} TFLOP/s", flush=True)
     inp, out = sample_lengths(args.num_requests, args.max_model_len, args.seed)
@@ -301,19 +316,25 @@ def main() -> None:
             figs = model_figures(model)
             limit = throughput_limit(figs, ceil, inp, out, args.max_num_seqs)
             entry = report["models"][name] = {"figures": figs, "limit": limit, "offline": {}, "steps": {}}
-            for fused in fused_choices(args.fused):
-                tag = f"{name}-{'fused' if fused else 'unfused' if fused is False else 'default'}"
-                if not args.skip_offline:
-                    r = entry["offline"][tag] = run_offline(model, sock, tag, args, fused, inp, out)
-                    of_limit = f"{r['output_tok_s'] / limit['limit_tok_s']:.2f}" if limit else "-"
-                    yard = (f"{r['output_tok_s'] / PUBLISHED_8B_H100['vLLM']:.2f}" if name == "8b" else "-")
-                    offline_rows.append([tag, f"{r['output_tok_s']:.0f}", f"{r['seconds']:.1f}", r["steps"],
-                                         r["preemptions"], f"{limit.get('limit_tok_s', 0):.0f}", of_limit, yard])
-                    print(f"{tag}: {r['output_tok_s']:.0f} output tok/s in {r['seconds']:.1f} s", flush=True)
-                    write_json(f"offline_{device}_{stamp}", report)
-                for batch in [int(b) for b in args.step_batches.split(",") if b]:
-                    s = entry["steps"][f"{tag}-b{batch}"] = run_decode_steps(model, sock, tag, args, fused, batch,
-                                                                            figs, ceil)
+            # every offline run first (the headline figure), then the decode-step breakdowns
+            for fused in fused_choices(args.fused) if not args.skip_offline else []:
+                tag = run_tag(name, fused)
+                r = entry["offline"][tag] = guarded(run_offline, model, sock, tag, args, fused, inp, out)
+                if r is None:
+                    continue
+                of_limit = f"{r['output_tok_s'] / limit['limit_tok_s']:.2f}" if limit else "-"
+                yard = f"{r['output_tok_s'] / PUBLISHED_8B_H100['vLLM']:.2f}" if name == "8b" else "-"
+                offline_rows.append([tag, f"{r['output_tok_s']:.0f}", f"{r['seconds']:.1f}", r["steps"],
+                                     r["preemptions"], f"{limit.get('limit_tok_s', 0):.0f}", of_limit, yard])
+                print(f"{tag}: {r['output_tok_s']:.0f} output tok/s in {r['seconds']:.1f} s", flush=True)
+                write_json(f"offline_{device}_{stamp}", report)
+            for batch in [int(b) for b in args.step_batches.split(",") if b]:
+                for fused in fused_choices(args.fused):
+                    tag = run_tag(name, fused)
+                    s = entry["steps"][f"{tag}-b{batch}"] = guarded(run_decode_steps, model, sock, tag, args, fused,
+                                                                   batch, figs, ceil)
+                    if s is None:
+                        continue
                     fmt = lambda v: f"{v:.2f}" if v else "-"  # noqa: E731
                     step_rows.append([tag, batch, f"{s['wall_ms']:.2f}", fmt(s["gpu_ms"]), fmt(s.get("floor_ms")),
                                       fmt(s.get("gpu_over_floor")), fmt(s.get("wall_over_gpu")),
@@ -321,6 +342,7 @@ def main() -> None:
                     print(f"{tag} B{batch}: wall {s['wall_ms']:.2f} ms, GPU {fmt(s['gpu_ms'])} ms", flush=True)
                     write_json(f"offline_{device}_{stamp}", report)
             del model
+            gc.collect()  # the engines' references to the weights go with their cycles
             if not cpu:
                 torch.cuda.empty_cache()
     finally:
