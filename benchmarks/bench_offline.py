@@ -191,7 +191,8 @@ def run_offline(model, sock: str, tag: str, args, fused, inp: np.ndarray, out: n
     made = sum(len(r.token_ids) for r in results)
     if made != int(out.sum()):
         raise SystemExit(f"{tag}: {made} output tokens, expected {int(out.sum())}: a request stopped early")
-    return {"seconds": elapsed, "output_tokens": made, "output_tok_s": made / elapsed,
+    firsts = [list(r.token_ids[:8]) for r in results]
+    return {"seconds": elapsed, "output_tokens": made, "first_tokens": firsts, "output_tok_s": made / elapsed,
             "total_tok_s": (made + int(inp.sum())) / elapsed, "capture_s": capture_s,
             "steps": after.steps - before.steps, "preemptions": after.preemptions - before.preemptions,
             "phases_s": phases}
@@ -328,6 +329,11 @@ def main() -> None:
                                      r["preemptions"], f"{limit.get('limit_tok_s', 0):.0f}", of_limit, yard])
                 print(f"{tag}: {r['output_tok_s']:.0f} output tok/s in {r['seconds']:.1f} s", flush=True)
                 write_json(f"offline_{device}_{stamp}", report)
+            runs = [r for r in entry["offline"].values() if r]
+            if len(runs) == 2:  # bf16 near-ties may part some greedy continuations; most should agree
+                same = sum(a == b for a, b in zip(runs[0].pop("first_tokens"), runs[1].pop("first_tokens")))
+                entry["same_first_8_tokens"] = same
+                print(f"{name}: the first 8 greedy tokens agree for {same} of {len(inp)} requests", flush=True)
             for batch in [int(b) for b in args.step_batches.split(",") if b]:
                 for fused in fused_choices(args.fused):
                     tag = run_tag(name, fused)

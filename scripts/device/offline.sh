@@ -19,7 +19,7 @@ python3 -m pip install -q -e . --no-deps --no-build-isolation || exit 1
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv 2>&1 | tee "$OUT/gpu.txt"
 
-timeout --kill-after=10 ${TESTS_TIMEOUT:-150} bash scripts/gpu_tests.sh tests/hf/test_fused_gpu.py -rs -s 2>&1 \
+timeout --kill-after=10 ${TESTS_TIMEOUT:-150} bash scripts/gpu_tests.sh tests/hf/test_fused_gpu.py -rs -s ${TESTS_K:+-k "$TESTS_K"} 2>&1 \
     | grep -v "^$" | tee "$OUT/gpu_tests_fused.log" | tail -15
 
 args=("$@")
