@@ -278,7 +278,8 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--fused", default="default", choices=("default", "off", "on", "both"),
                    help="EngineConfig.fused_layers: the engine's default, off, on, or both in turn")
-    p.add_argument("--step-batches", default="32,64,128", help="decode-step breakdown batch sizes ('' skips it)")
+    p.add_argument("--step-batches", default=None,
+                   help="decode-step breakdown batch sizes (default 32,64,128; 4,8 with --quick on the CPU; '' skips it)")
     p.add_argument("--step-len", type=int, default=1024)
     p.add_argument("--step-new-tokens", type=int, default=24)
     p.add_argument("--skip-offline", action="store_true", help="only the decode-step breakdown")
@@ -289,7 +290,8 @@ def main() -> None:
     if args.quick:
         args.num_requests, args.max_num_seqs, args.max_model_len = min(args.num_requests, 16), 8, 256
         args.step_len, args.step_new_tokens, args.max_batched_tokens = 128, 8, 512
-        args.step_batches = "4,8" if cpu else args.step_batches
+    if args.step_batches is None:
+        args.step_batches = "4,8" if cpu and args.quick else "32,64,128"
     pool = args.pool_bytes or ("512MiB" if cpu else "40GiB")
     device = "cpu" if cpu else "cuda"
 

@@ -72,7 +72,7 @@ def test_engine_with_fused_layers_matches_without(pool):
     assert outs[True] == outs[False]
 
 
-def test_fused_default_is_off_on_the_cpu_and_refuses_what_it_cannot_run(pool):
+def test_fused_auto_is_off_on_the_cpu_and_on_refuses_what_it_cannot_run(pool):
     with paged(make_model("llama"), pool, "fused-default") as pm:
         assert not kvpool.fused.install(pm, max_positions=64, mode=None)
         assert pm.fused is None
