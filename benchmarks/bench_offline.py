@@ -5,7 +5,8 @@
     python3 benchmarks/bench_offline.py --backend cpu --quick    # the tiny test Llama on the CPU backend (a check)
 
 Workload (fixed seed): prompt and output lengths log-normal (sigma 1.0) with the
-ShareGPT means of the vLLM paper (161.31 / 337.99 tokens), prompts of random
+ShareGPT means of the vLLM paper (161.31 / 337.99 tokens), cut like vLLM's
+ShareGPT sampler (prompt <= 1024, prompt + output <= 2048), prompts of random
 token ids, every request runs to its ``max_tokens`` (``ignore_eos``), greedy.
 All requests are added before the first step; the engine is stepped by hand
 until every one has finished.  Models: random bf16 weights of the published
@@ -17,7 +18,8 @@ own trace: ``max(FLOPs / matmul rate, bytes / copy bandwidth)`` with the rate
 and bandwidth measured on this GPU (a bf16 8192^3 matmul; a 2 GiB device copy,
 read + write), FLOPs = 2 x parameters x (prompt + output tokens) plus the
 attention's QK and PV, bytes = the weights read once per step for the fewest
-decode steps ``max_num_seqs`` allows plus every output token's K/V context.
+decode steps ``max_num_seqs`` and the longest output allow plus every output
+token's K/V context.
 
 Decode steps: for each batch size of ``--step-batches`` with sequences of
 ``--step-len`` tokens, the step's wall time (``StepTimings.total``, median)
@@ -87,7 +89,8 @@ def build_model(name: str, device: str):
 
 
 def sample_lengths(n: int, max_len: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """(prompt lengths, output lengths): log-normal with ShareGPT's means, prompt + output <= ``max_len``."""
+    """(prompt lengths, output lengths): log-normal with ShareGPT's means, cut as vLLM's ShareGPT sampler cuts
+    the real set (prompts <= ``max_len / 2``, prompt + output <= ``max_len``, 2048 there)."""
     rng = np.random.default_rng(seed)
     inp = rng.lognormal(math.log(MEAN_INPUT) - SIGMA**2 / 2, SIGMA, n)
     out = rng.lognormal(math.log(MEAN_OUTPUT) - SIGMA**2 / 2, SIGMA, n)
@@ -147,7 +150,8 @@ def throughput_limit(figs: dict, ceil: dict, inp: np.ndarray, out: np.ndarray, m
     # a token at position p attends to p + 1 keys (causal): prompts' and outputs' sums in closed form
     ctx = float((inp * (inp + 1) / 2).sum() + (out * inp + out * (out + 1) / 2).sum())
     flops = 2 * figs["matmul_params"] * tokens + figs["attn_flops_per_context_token"] * ctx
-    decode_steps = int(out.max()) if len(out) <= max_seqs else math.ceil(out.sum() / max_seqs)
+    # every decode step reads all the weights; there are at least as many as the longest output's tokens
+    decode_steps = max(int(out.max()) - 1, math.ceil(out.sum() / max_seqs))
     kv_read = float((out * inp + out * (out + 1) / 2).sum()) * figs["kv_bytes_per_token"]
     moved = decode_steps * figs["weight_bytes"] + kv_read
     compute_s, memory_s = flops / (ceil["matmul_tflops"] * 1e12), moved / (ceil["copy_tbps"] * 1e12)
@@ -275,7 +279,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-batched-tokens", type=int, default=8192)
-    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--max-model-len", type=int, default=2048, help="also the trace's longest prompt + output")
     p.add_argument("--fused", default="default", choices=("default", "off", "on", "both"),
                    help="EngineConfig.fused_layers: the engine's default, off, on, or both in turn")
     p.add_argument("--step-batches", default=None,
