@@ -8,6 +8,7 @@ import uuid
 from typing import Callable, Iterable, Sequence as Seq
 
 from ..errors import InvalidArgument
+from ..fused import install as install_fused
 from ..hf import PagedModel
 from .detok import TextTracker
 from .graphs import GraphRunner
@@ -52,6 +53,7 @@ class Engine(StepLoop):
         self.eos_token_ids = frozenset(cfg.eos_token_ids or eos_token_ids(model.model, tokenizer))
         self.swap = has_host_tier(self.client)
         self.scheduler = Scheduler(self.client, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.swap)
+        install_fused(model, max_positions=self.max_model_len, mode=cfg.fused_layers)
         bs = model.layout.block_size
         runner = GraphRunner if cfg.cuda_graphs and model.device.type == "cuda" else StepRunner
         self.runner = runner(model, cfg.max_num_batched_tokens, cfg.max_num_seqs, -(-self.max_model_len // bs))
