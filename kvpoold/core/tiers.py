@@ -133,6 +133,13 @@ class MovePlan:
             plan.add(mv.key, int(mv.src), DROP if mv.dst is None else int(mv.dst), mv.block, mv.nbytes)
         return plan
 
+    def drain(self) -> "MovePlan":
+        """The rows so far, as a plan of their own; this plan (which its planners keep) starts over empty."""
+        out = MovePlan()
+        out.keys, out._nums = self.keys, self._nums
+        self.keys, self._nums = [], array("q")
+        return out
+
     def columns(self) -> tuple[list, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(keys, src, dst, block, nbytes), the four numeric columns as int64 arrays."""
         nums = np.frombuffer(self._nums, np.int64).reshape(-1, 4) if self.keys else np.zeros((0, 4), np.int64)
