@@ -42,19 +42,10 @@ class Elastic:
     """``resize`` the pool within its limit, and ``release_idle`` slabs that stay empty."""
 
     def __init__(self, budget: ChunkBudget, classes: list[LayoutClass]) -> None:
-        self.budget = budget
+        self._budget = budget  # this part writes its size (``total``)
         self._classes = classes  # the registry's list, by class id (read only here)
         #: per class, slot -> when a ``release_idle`` call first saw it empty (and every call since)
         self.empty_since: dict[LayoutClass, dict[int, float]] = {}
-
-    @property
-    def chunk_bytes(self) -> int:
-        return self.budget.chunk_bytes
-
-    @property
-    def max_pool_bytes(self) -> int:
-        """The most ``resize`` may grow the pool to."""
-        return self.budget.limit * self.budget.chunk_bytes
 
     def resize(self, pool_bytes: int) -> ResizeResult:
         """Grow or shrink the pool to ``pool_bytes`` (whole chunks), never past its limit.
@@ -73,7 +64,7 @@ class Elastic:
         Raises:
             InvalidArgument: ``pool_bytes`` is not a non-negative integer, or exceeds the limit.
         """
-        budget = self.budget
+        budget = self._budget
         if type(pool_bytes) is not int or pool_bytes < 0:
             raise InvalidArgument(f"pool_bytes must be a non-negative integer, got {pool_bytes!r}")
         target = pool_bytes // budget.chunk_bytes

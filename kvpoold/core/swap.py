@@ -64,7 +64,7 @@ class Swapping:
             pool.release(blocks[::-1])
             t.blocks[slot] = []
             t.unflag_shared(np.array([slot]))
-            t.set_swapped(slot, True)
+            t.set_swapped(slot, swapped=True)
             self._registry.counters[c].swapped_out_blocks += len(blocks)
         return per_tier[0], per_tier[1]
 
@@ -125,7 +125,7 @@ class Swapping:
                 named = [(b, h) for b, h in zip(copied, hashes) if h is not None]
                 pool.prefix.register_many([b for b, _ in named], [h for _, h in named])
             t.blocks[slot] = blocks
-            t.set_swapped(slot, False)
+            t.set_swapped(slot, swapped=False)
             self._registry.counters[c].swapped_in_blocks += len(blocks)
             out.append(page_table(t, slot))
         return out
