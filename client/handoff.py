@@ -38,7 +38,12 @@ def _ask(address: str, request: bytes, timeout: float) -> tuple[bytes, list[int]
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.settimeout(timeout)
             s.connect(path)
-            s.sendall(request + b"\n")
+            try:
+                s.sendall(request + b"\n")
+            except (BrokenPipeError, ConnectionResetError) as exc:
+                sent = exc  # a daemon that refuses at accept answers and closes first: its reason is still queued
+            else:
+                sent = None
             reply = b""
             while not reply.endswith(b"\n") and len(reply) < MAX_REPLY:
                 part, got, _flags, _addr = socket.recv_fds(s, MAX_REPLY - len(reply), 1)
@@ -46,6 +51,8 @@ def _ask(address: str, request: bytes, timeout: float) -> tuple[bytes, list[int]
                 if not part:
                     break
                 reply += part
+            if sent is not None and not reply:
+                raise sent
     except PermissionError as exc:
         for fd in fds:
             os.close(fd)
