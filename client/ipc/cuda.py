@@ -10,7 +10,7 @@ lazily: the CPU path never needs it.
 
 Ordering between the processes needs no CUDA event: the client synchronizes its
 device before every call that lets the daemon read its blocks, and the daemon
-replies only once its own copies are complete (``kvpool.client.Client._sync_device``).
+replies only once its own copies are complete (``kvpool.mapping.PoolMapping.sync_device``).
 """
 
 from __future__ import annotations
