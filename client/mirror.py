@@ -6,6 +6,7 @@ from typing import Callable
 
 import numpy as np
 
+from .batch import slot_mapping
 from .errors import FailedPrecondition, InvalidArgument, NotFound
 from .protocol.wire import I32, unpack
 from .step_wire import StepReply
@@ -81,9 +82,7 @@ class Mirror:
         st = self.state(seq_id)
         if start < 0 or count < 0 or start + count > st.num_tokens:
             raise InvalidArgument(f"tokens {start}..{start + count} are outside the sequence's {st.num_tokens}")
-        bs = self.block_size
-        pos = np.arange(start, start + count)
-        return np.asarray(st.blocks, np.int64)[pos // bs] * bs + pos % bs
+        return slot_mapping(np.asarray(st.blocks, np.int64), np.arange(start, start + count), self.block_size)
 
     def pending(self) -> list[tuple[int, SeqState]]:
         """The sequences with tokens the daemon has not heard of yet."""
