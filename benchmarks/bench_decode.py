@@ -388,6 +388,18 @@ GRIDS = {
 }
 
 
+def parse_sweep(text: str) -> list[tuple[int | None, int | None, int | None]]:
+    """``"a:256,1:0,::8"`` -> [(None, 256, None), (1, 0, None), (None, None, 8)]: CTAs per SM
+    planned (a: the planner's rule), an item's overhead in keys and the size classes of the item
+    order, per page-aware configuration to time; an empty field keeps the planner's."""
+    out = []
+    for part in filter(None, text.split(",")):
+        per_sm, overhead, classes = (part.split(":") + ["", ""])[:3]
+        out.append((None if per_sm in ("a", "") else int(per_sm), int(overhead) if overhead else None,
+                    int(classes) if classes else None))  # fmt: skip
+    return out
+
+
 def main() -> None:
     import kernel_variants
 
@@ -410,7 +422,6 @@ def main() -> None:
     p.add_argument("--division", default="", help="page-aware knobs for every call, PER_SM:OVERHEAD:CLASSES "
                    "(bench_mixed_decode.py --sweep's fields; default: the planner's)")
     args = p.parse_args()
-    from bench_mixed_decode import parse_sweep
 
     bench(args, kernel_variants.tuning(*(parse_sweep(args.division) or [()])[0]))
 

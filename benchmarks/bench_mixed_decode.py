@@ -46,7 +46,8 @@ import torch
 import torch.nn.functional as F
 
 from bench_decode import (
-    BS, COPY_TBPS, D, HKV, HQ, L2_BYTES, _finite, fi_workspace, flashinfer_or_none, graph_time_us, time_in_turn,
+    BS, COPY_TBPS, D, HKV, HQ, L2_BYTES, _finite, fi_workspace, flashinfer_or_none, graph_time_us, parse_sweep,
+    time_in_turn,
 )
 
 
@@ -192,18 +193,6 @@ def bench_case(name, lens, variants, fi, gen, dtype=torch.bfloat16, with_sdpa=Tr
     del pool
     torch.cuda.empty_cache()
     return rows
-
-
-def parse_sweep(text: str) -> list[tuple[int | None, int | None, int | None]]:
-    """``"a:256,1:0,::8"`` -> [(None, 256, None), (1, 0, None), (None, None, 8)]: CTAs per SM
-    planned (a: the planner's rule), an item's overhead in keys and the size classes of the item
-    order, per page-aware configuration to time; an empty field keeps the planner's."""
-    out = []
-    for part in filter(None, text.split(",")):
-        per_sm, overhead, classes = (part.split(":") + ["", ""])[:3]
-        out.append((None if per_sm in ("a", "") else int(per_sm), int(overhead) if overhead else None,
-                    int(classes) if classes else None))  # fmt: skip
-    return out
 
 
 def gather_tb_per_s(row_bytes: int, total: int = 1 << 31) -> float:

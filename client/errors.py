@@ -1,109 +1,46 @@
-"""Typed errors of the client library, one per gRPC status the daemon answers with."""
+"""Typed errors of the client library, one per gRPC status the daemon answers with.
+
+The classes are the shared vocabulary (``kvpool.protocol.errors``, which the
+daemon raises too); this module turns a gRPC status back into one of them.
+"""
 
 from __future__ import annotations
 
 import grpc
 
-
-class KvpoolError(Exception):
-    """Base of every error the client raises; ``code`` is the gRPC status name."""
-
-    code = "UNKNOWN"
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.message = message
-
-
-class InvalidArgument(KvpoolError, ValueError):
-    code = "INVALID_ARGUMENT"
-
-
-class NotFound(KvpoolError, KeyError):
-    """Unknown or already freed sequence."""
-
-    code = "NOT_FOUND"
-
-    def __str__(self) -> str:
-        return self.message
-
-
-class OutOfBlocks(KvpoolError, MemoryError):
-    """The pool (or a quota) cannot hold the request; nothing was changed."""
-
-    code = "RESOURCE_EXHAUSTED"
-
-
-class PermissionDenied(KvpoolError, PermissionError):
-    """The sequence belongs to another session, the call needs more rights, or the
-    socket refuses this user (not in the daemon's ``socket_group``)."""
-
-    code = "PERMISSION_DENIED"
-
-
-class TooManySessions(KvpoolError):
-    """The daemon serves ``max_sessions`` sessions already; attach later or raise the limit.
-
-    Not an ``OutOfBlocks``: the pool may have plenty of room.
-    """
-
-    code = "RESOURCE_EXHAUSTED"
-
-
-# The daemon's TooManySessions message starts with this; RESOURCE_EXHAUSTED
-# alone cannot tell it from a full pool.
-TOO_MANY_SESSIONS_PREFIX = "too many sessions:"
-
-
-class TooManyClasses(KvpoolError):
-    """A new layout (geometry) would exceed the daemon's ``max_classes`` or ``max_classes_per_tenant`` and
-    no idle class could be reclaimed; detach a model of another geometry or ask for a higher cap.
-
-    Not an ``OutOfBlocks``: the pool may have plenty of room.
-    """
-
-    code = "RESOURCE_EXHAUSTED"
-
-
-# The daemon's TooManyClasses message starts with this (kvpoold.core.errors)
-TOO_MANY_CLASSES_PREFIX = "too many layout classes:"
-
+from .protocol.errors import (
+    BY_CODE,
+    TOO_MANY_CLASSES_PREFIX,
+    TOO_MANY_SESSIONS_PREFIX,
+    DaemonError,
+    FailedPrecondition,
+    InvalidArgument,
+    KvpoolError,
+    NotFound,
+    OutOfBlocks,
+    PermissionDenied,
+    SessionExpired,
+    TooManyClasses,
+    TooManySessions,
+    Unavailable,
+)
 
 # gRPC's own words when a message exceeds the receiving side's limit (the daemon's max_message_bytes):
 # the caller's call is too large, not the pool too full.
 MESSAGE_TOO_LARGE = "Received message larger than max"
 
-
-class FailedPrecondition(KvpoolError, RuntimeError):
-    code = "FAILED_PRECONDITION"
-
-
-class SessionExpired(KvpoolError, RuntimeError):
-    """The daemon no longer knows this session (it was dropped); attach again."""
-
-    code = "UNAUTHENTICATED"
-
-
-class Unavailable(KvpoolError, ConnectionError):
-    """The daemon is not running or not reachable on the socket."""
-
-    code = "UNAVAILABLE"
-
-
-class DaemonError(KvpoolError, RuntimeError):
-    """Anything else the daemon answered (INTERNAL, ...)."""
-
-
-_BY_CODE = {cls.code: cls for cls in (
-    InvalidArgument, NotFound, OutOfBlocks, PermissionDenied, FailedPrecondition, SessionExpired, Unavailable,
-)}
+__all__ = [
+    "KvpoolError", "InvalidArgument", "NotFound", "OutOfBlocks", "PermissionDenied", "FailedPrecondition",
+    "SessionExpired", "Unavailable", "DaemonError", "TooManySessions", "TooManyClasses", "TOO_MANY_SESSIONS_PREFIX",
+    "TOO_MANY_CLASSES_PREFIX", "MESSAGE_TOO_LARGE", "from_rpc_error",
+]
 
 
 def from_rpc_error(exc: grpc.RpcError, address: str) -> KvpoolError:
     code = exc.code() if hasattr(exc, "code") else None
     name = code.name if code is not None else "UNKNOWN"
     details = exc.details() if hasattr(exc, "details") else str(exc)
-    kind = _BY_CODE.get(name, DaemonError)
+    kind = BY_CODE.get(name, DaemonError)
     if name == "UNAVAILABLE" and "permission denied" in (details or "").lower():
         # connect() failed with EACCES: the socket exists but this user may not use it
         name, kind = "PERMISSION_DENIED", PermissionDenied

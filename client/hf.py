@@ -170,12 +170,20 @@ def kvpool_attention(
         raise NotImplementedError("kvpool.hf does not support attention sinks (s_aux)")
     if query.shape[0] != 1:
         raise ValueError(f"kvpool.hf packs a batch into one row; got query batch {query.shape[0]}")
-    layer = module.layer_idx
-    k_cache, v_cache = b.kv[:, layer, 0], b.kv[:, layer, 1]
-    k_scale, v_scale = (1.0, 1.0) if b.kv_scales is None else b.kv_scales[layer]
     q = query[0].transpose(0, 1).contiguous()  # [T, Hq, D]
     k = key[0].transpose(0, 1).contiguous()
     v = value[0].transpose(0, 1).contiguous()
+    out = paged_attention(b, module.layer_idx, q, k, v, scaling=scaling, sliding_window=sliding_window,
+                          softcap=softcap)
+    return out.unsqueeze(0), None
+
+
+def paged_attention(b: PagedBatch, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                    scaling: float | None, sliding_window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
+    """Write layer ``layer``'s new K/V (``[T, Hkv, D]``) into the pool and attend: ``q [T, Hq, D]`` -> ``[T, Hq, D]``."""
+    k_cache, v_cache = b.kv[:, layer, 0], b.kv[:, layer, 1]
+    k_scale, v_scale = (1.0, 1.0) if b.kv_scales is None else b.kv_scales[layer]
     # an fp8 pool: write_kv quantizes (x / scale); attention dequantizes with q in the model's dtype
     write_kv(k, v, k_cache, v_cache, b.slot_mapping, k_scale=k_scale, v_scale=v_scale)
     if sliding_window is not None and sliding_window >= b.max_seq_len:
@@ -188,7 +196,7 @@ def kvpool_attention(
                                min_seq_len=b.min_seq_len or None, **extra)
     else:
         paged_prefill_attention(q, k_cache, v_cache, b.block_tables, b.seq_lens, b.cu_seqlens_q, out=out, **extra)
-    return out.unsqueeze(0), None
+    return out
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, kvpool_attention)
@@ -305,6 +313,8 @@ class PagedModel:
         if device.type == "cuda":
             check_gpu_kernels(model, self.layout.head_dim, self.layout.dtype)
         self.device = device
+        #: a replacement forward with fused layers (``kvpool.fused.install``), ``None``: transformers' own
+        self.fused = None
         if hasattr(model, "set_attn_implementation"):
             model.set_attn_implementation(ATTN_IMPLEMENTATION)
         else:  # older transformers
@@ -406,6 +416,8 @@ class PagedModel:
         """
         if batch.kv_scales is None and self.kv_scales is not None:
             batch = replace(batch, kv_scales=self.kv_scales)
+        if self.fused is not None:
+            return self.fused(input_ids, positions, batch, logits_index)
         token = _CURRENT_BATCH.set(batch)
         try:
             out = self.model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import InvalidArgument
-
-DTYPES = ("float16", "bfloat16", "float32", "float8_e4m3fn")
+from .protocol import layout as rules
+from .protocol.errors import InvalidArgument
 
 
 @dataclass(frozen=True)
@@ -16,6 +15,7 @@ class Layout:
     Blocks are shared between processes only when ``model_id`` and
     ``revision`` are equal (and the geometry, which follows from them).
     One block holds K and V of every layer for ``block_size`` tokens.
+    ``dtype`` is one a kernel takes (``kvpool.protocol.layout.KV_DTYPE_ITEMSIZE``).
     """
 
     model_id: str
@@ -29,25 +29,17 @@ class Layout:
     def __post_init__(self) -> None:
         if not isinstance(self.model_id, str) or not self.model_id:
             raise InvalidArgument("Layout.model_id must be a non-empty string")
-        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
-            value = getattr(self, name)
-            if type(value) is not int or value <= 0:
-                raise InvalidArgument(f"Layout.{name} must be a positive integer, got {value!r}")
-        if self.dtype not in DTYPES:
-            raise InvalidArgument(f"Layout.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        rules.check_layout(self, where="Layout.")
 
     @property
     def itemsize(self) -> int:
-        return 1 if self.dtype.startswith("float8") else 4 if self.dtype == "float32" else 2
+        return rules.KV_DTYPE_ITEMSIZE[self.dtype]
 
     @property
     def block_shape(self) -> tuple[int, int, int, int, int]:
         """[layer][k|v][kv head][token][dim]: the byte order inside a block."""
-        return (self.num_layers, 2, self.num_kv_heads, self.block_size, self.head_dim)
+        return rules.block_shape(self)
 
     @property
     def block_bytes(self) -> int:
-        n = self.itemsize
-        for d in self.block_shape:
-            n *= d
-        return n
+        return rules.block_bytes(self)

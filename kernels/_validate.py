@@ -23,9 +23,12 @@ from dataclasses import dataclass
 
 import torch
 
+from kvpool.protocol.layout import KV_DTYPE_ITEMSIZE
+
 FP8 = torch.float8_e4m3fn
 COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-CACHE_DTYPES = (*COMPUTE_DTYPES, FP8)
+#: the dtypes a layout may name are exactly those the kernels take: one table, the protocol's
+CACHE_DTYPES = tuple(getattr(torch, name) for name in KV_DTYPE_ITEMSIZE)
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn; write_kv clamps to +-FP8_MAX
 INT32_MAX = 2**31 - 1
 

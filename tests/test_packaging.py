@@ -72,6 +72,43 @@ def test_core_imports_nothing_heavy():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
+def _protocol_sources():
+    """The hand-written modules of kvpool.protocol (the generated ``*_pb2*`` ones are gRPC's by design)."""
+    return [p for p in sorted((ROOT / "client" / "protocol").glob("*.py")) if "_pb2" not in p.name]
+
+
+def test_protocol_imports_neither_side_nor_grpc_nor_numba():
+    """kvpool.protocol is the vocabulary both sides import: it imports neither of them, nor gRPC or Numba."""
+    offenders = []
+    sources = _protocol_sources()
+    for path in sources:
+        tree = ast.parse(path.read_text(), str(path))
+        for lineno, module in _imported_modules(tree, "kvpool.protocol"):
+            top = module.split(".")[0]
+            other_client_module = top == "kvpool" and not (module + ".").startswith("kvpool.protocol.")
+            if top in {"grpc", "kvpoold", "numba"} or other_client_module:
+                offenders.append(f"{path.relative_to(ROOT)}:{lineno} imports {module}")
+    assert {"errors.py", "layout.py", "sizes.py"} <= {p.name for p in sources}
+    assert not offenders, "\n".join(offenders)
+    modules = ", ".join(f"kvpool.protocol.{p.stem}" for p in sources if p.stem != "__init__")
+    code = (
+        f"import sys, {modules}; pulled = {{m.split('.')[0] for m in sys.modules}} & {{'grpc', 'kvpoold', 'numba'}};"
+        "assert not pulled, f'importing kvpool.protocol imported {pulled}'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_core_imports_only_the_protocol_from_the_client():
+    """The daemon's core shares the protocol's vocabulary and nothing else of the client package."""
+    offenders = []
+    for path in (ROOT / "kvpoold" / "core").glob("*.py"):
+        tree = ast.parse(path.read_text(), str(path))
+        for lineno, module in _imported_modules(tree, "kvpoold.core"):
+            if module.split(".")[0] == "kvpool" and not (module + ".").startswith("kvpool.protocol."):
+                offenders.append(f"{path.relative_to(ROOT)}:{lineno} imports {module}")
+    assert not offenders, "\n".join(offenders)
+
+
 def test_cpu_path_never_imports_cupy():
     code = (
         "import sys, kvpool, kvpoold.server.app, kvpool.kernels, kvpoold.memory.cpu_shm;"

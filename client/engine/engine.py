@@ -8,6 +8,7 @@ import uuid
 from typing import Callable, Iterable, Sequence as Seq
 
 from ..errors import InvalidArgument
+from ..fused import install as install_fused
 from ..hf import PagedModel
 from ..protocol.sizes import cdiv
 from .detok import TextTracker
@@ -58,6 +59,7 @@ class Engine:
         self.vocab_size = model._vocab()
         self.eos_token_ids = frozenset(cfg.eos_token_ids or eos_token_ids(model.model, tokenizer))
         self.swap = has_host_tier(self.client)
+        install_fused(model, max_positions=self.max_model_len, mode=cfg.fused_layers)
         runner = GraphRunner if cfg.cuda_graphs and model.device.type == "cuda" else StepRunner
         self.timings = TimingLog()
         self._inbox = Inbox()

@@ -61,7 +61,13 @@ class EngineConfig:
     ``flush_every``: the client's steps between daemon calls (see
     ``kvpool.Client``).  ``cuda_graphs``: on a GPU, decode steps replay CUDA
     graphs captured per batch-size bucket (``GraphRunner``); off, every step
-    runs eagerly.  No effect on the CPU.
+    runs eagerly.  No effect on the CPU.  ``fused_layers``: run a
+    Llama-family model (Llama, Mistral, Qwen2) through ``kvpool.fused``
+    (merged QKV and gate/up matmuls, RMSNorm with the residual add, RoPE and
+    SiLU-gate each one kernel); ``True``: always, refusing a model it cannot
+    run; ``None``: on a GPU where the model is one it computes, off elsewhere;
+    ``False`` (the default until a GPU run has timed it against transformers'
+    layers: benchmarks/NOTES-offline.md): off.
     """
 
     max_num_seqs: int = 64
@@ -70,6 +76,7 @@ class EngineConfig:
     flush_every: int = 32
     eos_token_ids: tuple[int, ...] = field(default=())
     cuda_graphs: bool = True
+    fused_layers: bool | None = False
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

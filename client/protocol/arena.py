@@ -10,15 +10,11 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-#: dtype names a layout may use -> bytes per element.  The names are torch's
-#: (``torch.<name>``); the core needs only the sizes to compute block bytes.
-DTYPE_ITEMSIZE: dict[str, int] = {
-    "float16": 2,
-    "bfloat16": 2,
-    "float32": 4,
-    "float8_e4m3fn": 1,
-    "uint8": 1,
-}
+from .layout import KV_DTYPE_ITEMSIZE
+
+#: dtype names a view of an arena may use -> bytes per element: a KV cache's (the names are torch's,
+#: ``torch.<name>``) and raw bytes
+DTYPE_ITEMSIZE: dict[str, int] = {**KV_DTYPE_ITEMSIZE, "uint8": 1}
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="prompt + output (default: the model's)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="run decode steps eagerly (default on a GPU: CUDA graphs, one per batch-size bucket)")
+    p.add_argument("--fused-layers", choices=("auto", "on", "off"), default="off",
+                   help="run Llama / Mistral / Qwen2 layers through kvpool.fused (merged matmuls, one kernel per "
+                        "norm, RoPE and SiLU-gate); auto: on a GPU where the model is one of them")
     p.add_argument("--model-id", default=None,
                    help="the pool layout's model id (default: the directory's name; its files make the revision)")
     p.add_argument("--name", default=None, help="this process's name in kvpoolctl clients")
@@ -63,7 +66,8 @@ def serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or Path(path).name
     model, tokenizer = load_model(path, dtype=args.dtype, device=args.device)
     config = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                          max_model_len=args.max_model_len, cuda_graphs=not args.enforce_eager)
+                          max_model_len=args.max_model_len, cuda_graphs=not args.enforce_eager,
+                          fused_layers={"auto": None, "on": True, "off": False}[args.fused_layers])
     engine = Engine.connect(model, args.socket, name=args.name or f"kvpool-serve-{name}-{os.getpid()}",
                             model_id=args.model_id or Path(path).name, revision=weights_fingerprint(path),
                             block_size=args.block_size, tokenizer=tokenizer, config=config)

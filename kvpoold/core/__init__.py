@@ -15,7 +15,7 @@ from .errors import (
     UnknownSequence,
     WrongState,
 )
-from .layout import DTYPE_SIZES, Geometry
+from .layout import Geometry
 from .manager import KVCacheManager
 from .results import (
     BlockCopy,
@@ -33,7 +33,7 @@ from .tiers import Move, Tier, TierPlacement
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES", "ChunkBudget", "LayoutClass", "InvalidArgument", "KvpoolError",
-    "LayoutDoesNotFit", "NotOwner", "OutOfBlocks", "TooManyClasses", "UnknownSequence", "WrongState", "DTYPE_SIZES",
+    "LayoutDoesNotFit", "NotOwner", "OutOfBlocks", "TooManyClasses", "UnknownSequence", "WrongState",
     "Geometry", "KVCacheManager", "BlockCopy", "ClassStats", "ExtendItem", "ExtendDeltas",
     "LookupResult", "ManagerStats", "SeqDelta", "PageTable", "ResizeResult", "TierStats", "Move", "Tier",
     "TierPlacement",

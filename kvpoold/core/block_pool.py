@@ -28,6 +28,8 @@ from typing import Callable, Iterable
 
 import numpy as np
 
+from kvpool.protocol.sizes import cdiv
+
 from .errors import LayoutDoesNotFit, OutOfBlocks
 from .layout import Geometry
 from .policy import make_policy
@@ -61,7 +63,7 @@ def choose_slab_chunks(
                 f"them exactly, but the pool may hold only {limit * chunk_bytes} bytes"
             )
         return k
-    k_min = -(-block_bytes // chunk_bytes)
+    k_min = cdiv(block_bytes, chunk_bytes)
     if k_min > limit:
         raise LayoutDoesNotFit(
             f"one block needs {block_bytes} bytes but the pool has only {limit * chunk_bytes}"
@@ -106,7 +108,7 @@ class ChunkBudget:
 
     def reclaimable(self, requester: "LayoutClass", evict: bool) -> int:
         """Chunks the other classes could give back (empty slabs, or unheld ones if ``evict``)."""
-        return sum(c.slabs_to_give(evict) * c.slab_chunks for c in self.classes if c is not requester)
+        return sum(c.slabs_to_give(evict=evict) * c.slab_chunks for c in self.classes if c is not requester)
 
     def reclaim(self, requester: "LayoutClass | None", chunks: int, evict: bool) -> None:
         """Make at least ``chunks`` chunks free by taking slabs back from other classes (None: from any).
@@ -227,14 +229,14 @@ class LayoutClass:
         ahead = max(short, self.SLABS_AHEAD * bps)
         short -= ahead - self._take_slabs(ahead, gained)
         if short > 0:  # other classes' empty slabs cost nothing to take
-            budget.reclaim(self, -(-short // bps) * k, evict=False)
+            budget.reclaim(self, cdiv(short, bps) * k, evict=False)
             short = self._take_slabs(short, gained)
         if short > 0 and len(self.cached):  # then our own least useful cached blocks
             evicted = self._evict_many(short)
             gained.extend(evicted)
             short -= len(evicted)
         if short > 0:  # last, other classes' cached-only slabs
-            budget.reclaim(self, -(-short // bps) * k, evict=True)
+            budget.reclaim(self, cdiv(short, bps) * k, evict=True)
             short = self._take_slabs(short, gained)
         # below what is already free, in the order gained: low ids of a new slab first
         self.free[:0] = gained[::-1]
@@ -265,7 +267,7 @@ class LayoutClass:
             gained.extend(range(slot * bps, (slot + 1) * bps))
             short -= bps
         if short > 0:
-            m = min(-(-short // bps), budget.free // k, self.max_slabs - self._fresh)
+            m = min(cdiv(short, bps), budget.free // k, self.max_slabs - self._fresh)
             if m > 0:
                 new = range(self._fresh, self._fresh + m)
                 self._fresh += m
@@ -400,13 +402,13 @@ class LayoutClass:
 
     def slabs_to_give(self, evict: bool) -> int:
         """Slabs with no held block (empty ones only unless ``evict``)."""
-        return len(self._unheld_slots(evict))
+        return len(self._unheld_slots(evict=evict))
 
     def give_back_empty_slabs(self, chunks: int) -> None:
         """Return empty slabs to the budget until ``chunks`` chunks were freed (high slots first)."""
         if chunks <= 0:
             return
-        want = -(-chunks // self.slab_chunks)
+        want = cdiv(chunks, self.slab_chunks)
         chosen = set(self._unheld_slots(evict=False)[:want].tolist())
         if chosen:
             self.give_back(chosen)

@@ -18,14 +18,19 @@ drained, so a release of the old class is never applied to the new one's memory.
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 
-from .block_pool import LayoutClass
-from .errors import WrongState
+from .block_pool import ChunkBudget, LayoutClass
+from .errors import InvalidArgument, WrongState
+from .events import PoolEvents
 from .layout import Geometry
 from .prefix_index import PrefixIndex
 from .policy import make_policy
-from .state import Counters, ManagerState
+from .seq_table import SeqTable
+from .state import Counters, Owners
+from .tiers import MovePlan, TierPlacement
 
 
 class VacantClass:
@@ -78,10 +83,24 @@ class VacantClass:
         return {}
 
 
-class ClassLifecycle(ManagerState):
-    """``can_drop_class`` / ``drop_class``, ``evict_class``, and reuse of vacant ids by ``register_class``."""
+class ClassRegistry:
+    """The layout classes by id: the one writer of ``classes``, their counters, ids and block sizes.
 
-    def register_class(self, geometry: Geometry) -> int:
+    A new geometry takes the lowest drained vacant id, else the next one; ``vacate`` leaves a
+    ``VacantClass`` in a dropped class's place.
+    """
+
+    def __init__(self, budget: ChunkBudget, policy: str, seqs: SeqTable, events: PoolEvents) -> None:
+        self._budget = budget
+        self._policy = policy
+        self._seqs = seqs
+        self._events = events
+        self.classes: list[LayoutClass] = []
+        self.counters: list[Counters] = []
+        self._ids: dict[Geometry, int] = {}
+        self.block_size = np.zeros(0, np.int64)  # class id -> block size
+
+    def register(self, geometry: Geometry) -> int:
         """The class id of ``geometry``, creating the class on first use (in the lowest drained vacant id).
 
         Args:
@@ -89,33 +108,91 @@ class ClassLifecycle(ManagerState):
         Returns:
             The class id.
         """
-        if not isinstance(geometry, Geometry) or geometry in self._class_ids:
-            return super().register_class(geometry)
+        if not isinstance(geometry, Geometry):
+            raise InvalidArgument(f"expected a Geometry, got {type(geometry).__name__}")
+        cid = self._ids.get(geometry)
+        if cid is not None:
+            return cid
         cid = self._reusable_id()
-        if cid is None:
-            return super().register_class(geometry)
-        pool = LayoutClass(cid, geometry, self.budget, self.policy, self._on_evict)  # may refuse: nothing changed
-        self.classes[cid] = pool
-        self._counters[cid] = Counters()
-        self._holds[cid] = {}
-        self._class_ids[geometry] = cid
-        self._block_size[cid] = geometry.block_size
-        self.seqs.ensure_tail_width(geometry.block_size)
+        new_id = cid is None
+        if new_id:
+            cid = len(self.classes)
+        pool = LayoutClass(cid, geometry, self._budget, self._policy, self._evicted)  # may refuse: nothing changed
+        if self._events.follows_confirmations:
+            pool.prefix.on_confirm = partial(self._events.confirmed, pool)
+        if new_id:
+            self.classes.append(pool)
+            self.counters.append(Counters())
+            self.block_size = np.append(self.block_size, geometry.block_size)
+        else:
+            self.classes[cid] = pool
+            self.counters[cid] = Counters()
+            self.block_size[cid] = geometry.block_size
+        self._ids[geometry] = cid
+        self._seqs.ensure_tail_width(geometry.block_size)
         return cid
+
+    def _evicted(self, class_id: int, blocks: list[int], digests: list[bytes]) -> None:
+        self._events.evicted(self.classes[class_id], self.counters[class_id], blocks, digests)
 
     def _reusable_id(self) -> int | None:
         ids = [c for c, pool in enumerate(self.classes) if isinstance(pool, VacantClass) and pool.drained]
         return ids[0] if ids else None
 
+    def vacate(self, class_id: int) -> None:
+        """Drop the class: its slabs go back to the budget, its id becomes vacant (reused once drained)."""
+        pool = self.classes[class_id]
+        released = pool.released + sorted(pool.slots)  # slabs taken and not yet committed need no release
+        self._budget.free += len(pool.slots) * pool.slab_chunks
+        self._budget.classes.remove(pool)
+        del self._ids[pool.geometry]
+        self.classes[class_id] = VacantClass(class_id, released, pool)
+        self.counters[class_id] = Counters()
+
     # -- queries -------------------------------------------------------------------------------
-    def live_classes(self) -> list[int]:
+    def class_of(self, geometry: Geometry) -> int | None:
+        """The class id of ``geometry`` if registered, else None."""
+        return self._ids.get(geometry)
+
+    def pool(self, class_id: int) -> LayoutClass:
+        """The live class ``class_id``; ``InvalidArgument`` for any other id."""
+        if type(class_id) is not int or not 0 <= class_id < len(self.classes) \
+                or self.classes[class_id].geometry is None:  # a dropped class's placeholder (``VacantClass``)
+            raise InvalidArgument(f"unknown layout class {class_id!r}")
+        return self.classes[class_id]
+
+    def live(self) -> list[int]:
         """The ids of the classes that exist (not dropped), in order."""
         return [c for c, pool in enumerate(self.classes) if not isinstance(pool, VacantClass)]
 
-    def has_class(self, class_id: int) -> bool:
+    def has(self, class_id: int) -> bool:
         """Whether ``class_id`` names a live class (not dropped, not never made)."""
         return type(class_id) is int and 0 <= class_id < len(self.classes) and \
             not isinstance(self.classes[class_id], VacantClass)
+
+    def check(self) -> None:
+        """Assert that ids, geometries and vacancies agree."""
+        live = self.live()
+        assert sorted(self._ids.values()) == live, "class ids and live classes differ"
+        for cid in live:
+            pool = self.classes[cid]
+            assert pool.class_id == cid and self._ids[pool.geometry] == cid, f"class {cid} is misfiled"
+        assert len(self.classes) == len(self.counters) == len(self.block_size)
+        assert sorted(map(id, self._budget.classes)) == sorted(id(self.classes[c]) for c in live), (
+            "the budget's classes differ from the live ones")
+
+
+class ClassLifecycle:
+    """``can_drop_class`` / ``drop_class`` and ``evict_class``: when a class may go, and its going."""
+
+    def __init__(self, registry: ClassRegistry, *, seqs: SeqTable, owners: Owners, holds, placement: TierPlacement,
+                 moves: MovePlan) -> None:
+        self._registry = registry
+        self._seqs = seqs
+        self._owners = owners
+        self._holds = holds  # ``holds.TransferHolds``: whether the daemon holds blocks of a class
+        self._placement = placement
+        self._moves = moves
 
     def holds_nothing_in(self, class_id: int) -> bool:
         """Whether no owner holds anything in class ``class_id``: no sequence (swapped out or not), reserve
@@ -126,12 +203,12 @@ class ClassLifecycle(ManagerState):
         Returns:
             True if the class is idle.
         """
-        pool = self.class_pool(class_id)
-        if pool.held_blocks or self._holds[class_id]:
+        pool = self._registry.pool(class_id)
+        if pool.held_blocks or self._holds.held_in(class_id):
             return False
         if any(state.reserves.get(class_id) for state in self._owners.values()):
             return False
-        t = self.seqs
+        t = self._seqs
         return not (t.live and bool(np.any(t.cls[t.live_slots()] == class_id)))
 
     def can_drop_class(self, class_id: int) -> bool:
@@ -142,12 +219,11 @@ class ClassLifecycle(ManagerState):
         Returns:
             True if ``drop_class`` would succeed.
         """
-        pool = self.class_pool(class_id)
-        if len(pool.prefix) or len(pool.cached) or self.placement.entries_of(class_id):
+        pool = self._registry.pool(class_id)
+        if len(pool.prefix) or len(pool.cached) or self._placement.entries_of(class_id):
             return False
         return self.holds_nothing_in(class_id)
 
-    # -- changes ---------------------------------------------------------------------------------
     def drop_class(self, class_id: int) -> None:
         """Drop class ``class_id``: its slabs go back to the budget, its id becomes vacant.
 
@@ -160,16 +236,8 @@ class ClassLifecycle(ManagerState):
         """
         if not self.can_drop_class(class_id):
             raise WrongState(f"layout class {class_id} is still in use (sequences, reserves or cached blocks)")
-        pool = self.classes[class_id]
-        released = pool.released + sorted(pool.slots)  # slabs taken and not yet committed need no release
-        self.budget.free += len(pool.slots) * pool.slab_chunks
-        self.budget.classes.remove(pool)
-        for state in self._owners.values():
-            state.reserves.pop(class_id, None)  # empty ones left by returns
-        del self._class_ids[pool.geometry]
-        self.classes[class_id] = VacantClass(class_id, released, pool)
-        self._counters[class_id] = Counters()
-        self._holds[class_id] = {}
+        self._owners.forget_class(class_id)
+        self._registry.vacate(class_id)
 
     def evict_class(self, class_id: int) -> int:
         """Drop every cached block of an idle class, on the device and in the lower tiers (no demotion):
@@ -184,33 +252,26 @@ class ClassLifecycle(ManagerState):
         """
         if not self.holds_nothing_in(class_id):
             raise WrongState(f"layout class {class_id} is in use: only an idle class's cache is dropped whole")
-        pool = self.classes[class_id]
+        pool = self._registry.classes[class_id]
         blocks = pool.cached.victims(len(pool.cached))
         pool.prefix.forget_many(blocks)
         pool.evictions += len(blocks)
         pool.free.extend(blocks)
         dropped = len(blocks)
-        for index in self.placement.lower:
+        for index in self._placement.lower:
             keys = index.keys_of(class_id)
             if keys:
-                self.placement.drop_many(self._moves, keys)
+                self._placement.drop_many(self._moves, keys)
                 index.dropped += len(keys)
                 dropped += len(keys)
         return dropped
 
-    def check_class_registry(self) -> None:
-        """Assert that ids, geometries and vacancies agree (part of ``check_invariants``)."""
-        live = self.live_classes()
-        assert sorted(self._class_ids.values()) == live, "class ids and live classes differ"
-        for cid in live:
-            pool = self.classes[cid]
-            assert pool.class_id == cid and self._class_ids[pool.geometry] == cid, f"class {cid} is misfiled"
-        assert len(self.classes) == len(self._counters) == len(self._holds) == len(self._block_size)
-        assert sorted(map(id, self.budget.classes)) == sorted(id(self.classes[c]) for c in live), (
-            "the budget's classes differ from the live ones")
-        for cid, pool in enumerate(self.classes):
+    def check(self) -> None:
+        """Assert that no vacant class is held or cached (part of ``check_invariants``)."""
+        for cid, pool in enumerate(self._registry.classes):
             if isinstance(pool, VacantClass):
-                assert not self._holds[cid] and not self.placement.entries_of(cid), f"vacant class {cid} is used"
+                assert not self._holds.held_in(cid) and not self._placement.entries_of(cid), (
+                    f"vacant class {cid} is used")
 
 
-__all__ = ["ClassLifecycle", "VacantClass"]
+__all__ = ["ClassLifecycle", "ClassRegistry", "VacantClass"]

@@ -17,10 +17,9 @@ import math
 
 import numpy as np
 
-from .block_pool import LayoutClass
+from .block_pool import ChunkBudget, LayoutClass
 from .errors import InvalidArgument
 from .results import ResizeResult
-from .state import ManagerState
 
 
 def empty_slots(pool: LayoutClass) -> list[int]:
@@ -39,22 +38,14 @@ def _seconds(name: str, value, minimum: float | None = None) -> float:
     return float(value)
 
 
-class Elastic(ManagerState):
+class Elastic:
     """``resize`` the pool within its limit, and ``release_idle`` slabs that stay empty."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, budget: ChunkBudget, classes: list[LayoutClass]) -> None:
+        self._budget = budget  # this part writes its size (``total``)
+        self._classes = classes  # the registry's list, by class id (read only here)
         #: per class, slot -> when a ``release_idle`` call first saw it empty (and every call since)
-        self._empty_since: dict[LayoutClass, dict[int, float]] = {}
-
-    @property
-    def chunk_bytes(self) -> int:
-        return self.budget.chunk_bytes
-
-    @property
-    def max_pool_bytes(self) -> int:
-        """The most ``resize`` may grow the pool to."""
-        return self.budget.limit * self.budget.chunk_bytes
+        self.empty_since: dict[LayoutClass, dict[int, float]] = {}
 
     def resize(self, pool_bytes: int) -> ResizeResult:
         """Grow or shrink the pool to ``pool_bytes`` (whole chunks), never past its limit.
@@ -73,7 +64,7 @@ class Elastic(ManagerState):
         Raises:
             InvalidArgument: ``pool_bytes`` is not a non-negative integer, or exceeds the limit.
         """
-        budget = self.budget
+        budget = self._budget
         if type(pool_bytes) is not int or pool_bytes < 0:
             raise InvalidArgument(f"pool_bytes must be a non-negative integer, got {pool_bytes!r}")
         target = pool_bytes // budget.chunk_bytes
@@ -86,13 +77,13 @@ class Elastic(ManagerState):
         freed = evicted = 0
         if target < budget.total:
             released_before = self._released_chunks()
-            evictions_before = sum(pool.evictions for pool in self.classes)
+            evictions_before = sum(pool.evictions for pool in self._classes)
             excess = budget.total - target
             for evict in (False, True):  # empty slabs cost nothing; cached ones cost their cache
                 if budget.free < excess:
-                    budget.reclaim(None, excess, evict)
+                    budget.reclaim(None, excess, evict=evict)
             freed = self._released_chunks() - released_before
-            evicted = sum(pool.evictions for pool in self.classes) - evictions_before
+            evicted = sum(pool.evictions for pool in self._classes) - evictions_before
             target = budget.total - min(excess, budget.free)
         budget.free += target - budget.total
         budget.total = target
@@ -100,7 +91,7 @@ class Elastic(ManagerState):
         return ResizeResult(pool_bytes, target * budget.chunk_bytes, freed, evicted, met)
 
     def _released_chunks(self) -> int:
-        return sum(pool.released_slabs * pool.slab_chunks for pool in self.classes)
+        return sum(pool.released_slabs * pool.slab_chunks for pool in self._classes)
 
     def release_idle(self, now: float, after_seconds: float) -> int:
         """Give back every slab that has been empty since at least ``after_seconds`` before ``now``.
@@ -125,11 +116,11 @@ class Elastic(ManagerState):
         # -- apply --
         chunks = 0
         still_empty: dict[LayoutClass, dict[int, float]] = {}
-        for pool in self.classes:
+        for pool in self._classes:
             empty = empty_slots(pool)
             if not empty:
                 continue
-            seen = self._empty_since.get(pool, {})
+            seen = self.empty_since.get(pool, {})
             since = {slot: seen.get(slot, now) for slot in empty}
             due = {slot for slot, t in since.items() if now - t >= after_seconds}
             if due:
@@ -138,5 +129,5 @@ class Elastic(ManagerState):
             waiting = {slot: t for slot, t in since.items() if slot not in due}
             if waiting:
                 still_empty[pool] = waiting
-        self._empty_since = still_empty
+        self.empty_since = still_empty
         return chunks

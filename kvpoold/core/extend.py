@@ -14,11 +14,14 @@ from typing import Iterable, Mapping
 
 import numpy as np
 
+from kvpool.protocol.sizes import cdiv
+
 from .block_pool import LayoutClass
 from .errors import InvalidArgument, OutOfBlocks, WrongState
 from .hashing import _digest, pack_tokens
 from .results import BlockCopy, ExtendItem, ExtendDeltas, SeqDelta
-from .state import ManagerState
+from .seq_table import SeqTable
+from .state import Owners, check_owner, refuse_swapped
 
 _NO_CHANGE = ExtendDeltas()  # immutable, so one instance serves every unchanged step
 
@@ -42,8 +45,13 @@ def _as_array(values, dtype, name: str) -> np.ndarray:
 
 
 
-class Extending(ManagerState):
+class Extending:
     """``extend``: appending tokens to sequences, copy-on-write and reserve claims."""
+
+    def __init__(self, registry, seqs: SeqTable, owners: Owners) -> None:
+        self._registry = registry  # ``classes.ClassRegistry``
+        self._seqs = seqs
+        self._owners = owners
 
     def extend(self, owner: int, items: Mapping[int, object] | Iterable[ExtendItem]) -> ExtendDeltas:
         """Append tokens to many sequences in one call; returns only what changed.
@@ -88,7 +96,7 @@ class Extending(ManagerState):
         holds ``claim_counts[i]`` reserved blocks for it.  All the sequences
         must be of one layout class (a session has one layout).
         """
-        self._check_owner(owner)
+        check_owner(owner)
         seq_ids = _as_array(seq_ids, np.int64, "sequence ids")
         tokens = _as_array(tokens, np.uint32, "token ids")
         n = len(seq_ids)
@@ -107,15 +115,15 @@ class Extending(ManagerState):
             if len(tokens):
                 raise InvalidArgument(f"no sequences but {len(tokens)} tokens were sent")
             return ExtendDeltas()
-        t = self.seqs
+        t = self._seqs
         slots = t.slots_of(owner, seq_ids)
         if t.nswapped and t.swapped[slots].any():
-            self._refuse_swapped(seq_ids[np.flatnonzero(t.swapped[slots])[0]], "extended")
+            refuse_swapped(seq_ids[np.flatnonzero(t.swapped[slots])[0]], "extended")
         c0 = int(t.cls[slots[0]])
-        if len(self.classes) > 1 and not (t.cls[slots] == c0).all():
+        if len(self._registry.classes) > 1 and not (t.cls[slots] == c0).all():
             # one layout class per call keeps the capacity check exact (a session has one layout)
             raise InvalidArgument("one extend call takes sequences of one layout class only")
-        pool = self.classes[c0]
+        pool = self._registry.classes[c0]
         bs = pool.block_size
         nt = t.ntok[slots]
         if one_each and claim_counts is None and claims is None \
@@ -128,7 +136,7 @@ class Extending(ManagerState):
         if int(counts.sum()) != len(tokens):
             raise InvalidArgument(f"token counts add up to {int(counts.sum())} but {len(tokens)} tokens were sent")
         new_nt = nt + counts
-        grow = -(-new_nt // bs) + (nt // -bs)  # new blocks: ceil(new/bs) - ceil(old/bs)
+        grow = cdiv(new_nt, bs) - cdiv(nt, bs)  # new blocks
         cow = self._plan_copy_on_write(pool, slots, nt, counts)
         has = None
         if claim_counts is not None or claims is not None:
@@ -156,14 +164,12 @@ class Extending(ManagerState):
                 pool.release([src])
                 blocks[-1] = dst
                 copies.append(BlockCopy(c0, src, dst))
-                self._counters[c0].cow_copies += 1
+                self._registry.counters[c0].cow_copies += 1
                 first -= 1
             g = int(grow[i])
             if has is not None and has[i]:
                 mine = claims[claimed_at[i]:claimed_at[i + 1]].tolist()
-                reserve = self._owners[owner].reserves[c0]
-                for b in mine:
-                    del reserve[b]
+                self._owners.take_reserved(owner, c0, mine)
                 blocks.extend(mine)
                 g -= len(mine)
             blocks.extend(next(fresh) for _ in range(g))
@@ -179,7 +185,7 @@ class Extending(ManagerState):
         When every holder of such a block appends in this one call, the last
         of them keeps the block and the others copy it (one copy fewer).
         """
-        t = self.seqs
+        t = self._seqs
         cow = np.zeros(len(slots), np.bool_)
         sharers: dict[int, list[int]] = {}
         for i in np.flatnonzero((counts > 0) & (nt % pool.block_size != 0) & t.maybe_shared[slots]).tolist():
@@ -194,12 +200,12 @@ class Extending(ManagerState):
 
     def _confirm_written(self, owner: int, pool: LayoutClass, slots) -> None:
         """A call on these sequences says the KV of the tokens they had before is written."""
-        if self.seqs.n_unconfirmed:
-            pool.prefix.confirm(self.seqs.take_unconfirmed_many(slots), owner)
+        if self._seqs.n_unconfirmed:
+            pool.prefix.confirm(self._seqs.take_unconfirmed_many(slots), owner)
 
     def _extend_one_each(self, owner: int, pool: LayoutClass, slots, seq_ids, nt, tokens) -> ExtendDeltas:
         """Steady decode: one token for each sequence, none of them sharing its last block."""
-        t = self.seqs
+        t = self._seqs
         bs = pool.block_size
         pos = nt % bs
         starts = (pos == 0).nonzero()[0]  # these need a new block
@@ -257,8 +263,7 @@ class Extending(ManagerState):
                 f"sequence {int(seq_ids[i])} needs {int(grow[i])} new blocks for {int(counts[i])} tokens, "
                 f"{int(claim_counts[i])} were claimed (claims may cover part of them, not more)"
             )
-        state = self._owners.get(owner)
-        reserve = state.reserves.get(c0, {}) if state else {}
+        reserve = self._owners.reserve(owner, c0)
         starts = np.concatenate(([0], np.cumsum(claim_counts)))
         seen: set[int] = set()
         for b in claims.tolist():
@@ -268,7 +273,7 @@ class Extending(ManagerState):
         return has, claims, starts
 
     def _append_general(self, owner: int, pool: LayoutClass, slots, nt, counts, tokens) -> None:
-        t = self.seqs
+        t = self._seqs
         bs = pool.block_size
         offsets = np.concatenate(([0], np.cumsum(counts)))
         for i in np.flatnonzero(counts).tolist():

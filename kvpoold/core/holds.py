@@ -9,12 +9,27 @@ import numpy as np
 
 from .block_pool import LayoutClass
 from .errors import InvalidArgument
-from .state import ManagerState
-from .tiers import Key, Tier
+from .seq_table import SeqTable
+from .tiers import Key, Tier, TierPlacement
 
 
-class TransferHolds(ManagerState):
+class TransferHolds:
     """Transfer holds on device blocks, and the bytes that were lost (``invalidate_block``, ``forget_lower``) or found."""
+
+    def __init__(self, registry, seqs: SeqTable, placement: TierPlacement) -> None:
+        self._registry = registry  # ``classes.ClassRegistry``
+        self._seqs = seqs
+        self._placement = placement
+        #: class id -> (block -> holds taken by the daemon while bytes are in flight into the block)
+        self._by_class: dict[int, dict[int, int]] = {}
+
+    def held_in(self, class_id: int) -> bool:
+        """Whether the daemon holds any block of class ``class_id``."""
+        return bool(self._by_class.get(class_id))
+
+    def items(self):
+        """(class id, block -> holds) of the classes with holds."""
+        return ((c, holds) for c, holds in self._by_class.items() if holds)
 
     def hold_blocks(self, class_id: int, blocks: Iterable[int]) -> None:
         """One more holder on each (held) block while bytes are copied into it.
@@ -22,13 +37,13 @@ class TransferHolds(ManagerState):
         A block with a hold is never freed, evicted or handed out again, even
         if its sequence is freed meanwhile; ``release_holds`` ends the hold.
         """
-        pool = self.class_pool(class_id)
+        pool = self._registry.pool(class_id)
         blocks = list(blocks)
         if not self._all_held(pool, blocks):
             for b in blocks:
                 if b in pool.cached or not pool.owns(b):
                     raise InvalidArgument(f"block {b} is not held: only held blocks take a transfer hold")
-        holds = self._holds[class_id]
+        holds = self._by_class.setdefault(class_id, {})
         pool.share(blocks)
         if holds.keys().isdisjoint(blocks) and len(set(blocks)) == len(blocks):
             holds.update(dict.fromkeys(blocks, 1))  # a batch's holds, in C
@@ -47,9 +62,9 @@ class TransferHolds(ManagerState):
         return bool((arr >= 0).all()) and bool(np.isin(arr // pool.blocks_per_slab, list(pool.slots)).all())
 
     def release_holds(self, class_id: int, blocks: Iterable[int]) -> None:
-        pool = self.class_pool(class_id)
+        pool = self._registry.pool(class_id)
         blocks = list(blocks)
-        holds = self._holds[class_id]
+        holds = self._by_class.get(class_id, {})
         if len(set(blocks)) == len(blocks) and list(map(holds.get, blocks)).count(1) == len(blocks):
             deque(map(holds.__delitem__, blocks), 0)  # a batch's holds, one each: in C
             pool.release(blocks)
@@ -73,8 +88,8 @@ class TransferHolds(ManagerState):
         with its holders, whose owners rewrite it (``register_block`` gives
         the hash back once an owner was told to).  Returns the forgotten hash.
         """
-        pool = self.class_pool(class_id)
-        self._counters[class_id].lost_blocks += 1
+        pool = self._registry.pool(class_id)
+        self._registry.counters[class_id].lost_blocks += 1
         return pool.invalidate(block)
 
     def register_block(self, owner: int, seq_id: int, block: int, digest: bytes) -> bool:
@@ -84,13 +99,13 @@ class TransferHolds(ManagerState):
         moment its owner is to write it.  False (nothing changes) if the
         sequence does not hold it or another block has that hash.
         """
-        info = self.sequence(owner, seq_id)
-        pool = self.classes[info.class_id]
-        if block not in info.block_table or pool.prefix.is_hashed(block):
+        slot = self._seqs.slot_of(owner, seq_id)
+        pool = self._registry.classes[int(self._seqs.cls[slot])]
+        if block not in self._seqs.blocks[slot] or pool.prefix.is_hashed(block):
             return False
         if not pool.prefix.register(block, digest, writer=owner):
             return False
-        self.seqs.add_unconfirmed(self.seqs.slot_of(owner, seq_id), block)
+        self._seqs.add_unconfirmed(slot, block)
         return True
 
     def forget_lower(self, key: Key) -> bool:
@@ -98,10 +113,10 @@ class TransferHolds(ManagerState):
 
         A swapped-out sequence's copy stays recorded: its swap-in reports the loss.
         """
-        return self.placement.forget(key)
+        return self._placement.forget(key)
 
     def load_lower(self, tier: Tier, class_id: int, digest: bytes, nbytes: int) -> bool:
         """Record a prefix block found in a lower tier at start (a restart); False if it has no room."""
-        self.class_pool(class_id)
-        return self.placement.index(tier).load((class_id, digest), nbytes)
+        self._registry.pool(class_id)
+        return self._placement.index(tier).load((class_id, digest), nbytes)
 

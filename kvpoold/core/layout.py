@@ -2,25 +2,16 @@
 
 A *layout class* is everything that decides a block's size and byte order.
 Models with the same geometry share one class (one arena, one id space) but
-never blocks: the model id is part of every block hash.
+never blocks: the model id is part of every block hash.  What makes one valid
+is the client's rule too (``kvpool.protocol.layout``): a dtype no kernel takes
+is refused here, not when a kernel first meets the pool.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import InvalidArgument
-
-#: bytes per element of each dtype the pool can hold
-DTYPE_SIZES = {
-    "float16": 2,
-    "bfloat16": 2,
-    "float32": 4,
-    "float8_e4m3fn": 1,
-    "float8_e5m2": 1,
-}
-
-_LIMIT = 1 << 20  # any single dimension above this is certainly a mistake
+from kvpool.protocol import layout as rules
 
 
 @dataclass(frozen=True)
@@ -37,26 +28,21 @@ class Geometry:
     tenant: str = ""
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
-            value = getattr(self, name)
-            if type(value) is not int or not 0 < value <= _LIMIT:
-                raise InvalidArgument(f"{name} must be a positive integer up to {_LIMIT}, got {value!r}")
-        if self.dtype not in DTYPE_SIZES:
-            raise InvalidArgument(f"dtype must be one of {sorted(DTYPE_SIZES)}, got {self.dtype!r}")
+        rules.check_layout(self)
 
     @property
     def itemsize(self) -> int:
-        return DTYPE_SIZES[self.dtype]
+        return rules.KV_DTYPE_ITEMSIZE[self.dtype]
 
     @property
     def block_bytes(self) -> int:
         """K and V of every layer for ``block_size`` tokens."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.block_size * self.itemsize
+        return rules.block_bytes(self)
 
     @property
     def block_shape(self) -> tuple[int, int, int, int, int]:
         """Element shape of one block: [layer][k|v][head][token][dim] (head-major)."""
-        return (self.num_layers, 2, self.num_kv_heads, self.block_size, self.head_dim)
+        return rules.block_shape(self)
 
     def describe(self) -> str:
         return (

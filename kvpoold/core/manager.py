@@ -12,51 +12,162 @@ table: the client assigns them to its sequences locally and reports the
 assignment with its next ``extend`` (claims), which is how a decode loop
 calls the daemon far less than once per step.
 
-Each concern lives in its own module (``extend``, ``swap``, ``holds``, ``elastic``,
-``reserves``, ``stats``, ``invariants``) as a class over the shared fields of
-``state.ManagerState``; this module assembles them and holds sequences'
-lifecycle (create, fork, free), prefix lookups and the queries for quotas.
+The manager owns one part per concern and delegates each public call to it:
+
+* ``classes.ClassRegistry``: the layout classes by id (the one writer of ``classes``);
+  ``classes.ClassLifecycle``: dropping an idle class;
+* ``sequences.Sequences``: create, fork, free, prefix lookups;
+* ``extend.Extending``: appending tokens, copy-on-write, reserve claims;
+* ``swap.Swapping``: whole sequences to the lower tiers and back (owns the swap records);
+* ``holds.TransferHolds``: the daemon's holds while bytes are in flight (owns the holds);
+* ``reserves.Reserves``; ``elastic.Elastic``: the pool's size (owns the idle-slab clocks);
+* ``events.PoolEvents``: evictions and confirmations as tier moves and journal entries;
+* ``quotas.Quotas``: what owners hold (read only);
+* ``stats.collect`` and ``invariants.check_all``: read only, over the parts.
+
+The tables parts share (page tables, owners, the tier placement, the move plan)
+are objects handed to each part that needs them; ``state`` says who writes what.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from itertools import repeat
-from typing import Iterable
+from typing import Iterable, Mapping
 
-import numpy as np
-
-from .block_pool import LayoutClass
+from . import invariants, stats
+from .block_pool import DEFAULT_CHUNK_BYTES, ChunkBudget, LayoutClass
+from .classes import ClassLifecycle, ClassRegistry
 from .elastic import Elastic
-from .classes import ClassLifecycle
-from .errors import InvalidArgument, OutOfBlocks
+from .errors import InvalidArgument
+from .events import PoolEvents
 from .extend import Extending
-from .hashing import chain_hashes, pack_tokens, root_hash
 from .holds import TransferHolds
-from .invariants import InvariantChecks
 from .layout import Geometry
-from .results import LookupResult, PageTable
+from .quotas import Quotas
 from .reserves import Reserves
-from .state import ManagerState
-from .stats import Statistics
+from .results import ExtendDeltas, ExtendItem, LookupResult, ManagerStats, PageTable, ResizeResult
+from .seq_table import SeqTable
+from .sequences import Sequences
+from .state import REMOTE_WRITES, Owners, distinct_slots, page_table
 from .swap import Swapping
-from .tiers import MovePlan, Tier
+from .tiers import Key, MovePlan, Tier, TierPlacement
 
 
-class KVCacheManager(
-    Extending, Swapping, TransferHolds, Reserves, Elastic, Statistics, InvariantChecks, ClassLifecycle, ManagerState
-):
+def _check_settings(pool_bytes, chunk_bytes, max_reserve_blocks, max_pool_bytes, exact_slabs, remote_write) -> int:
+    """Validate the manager's settings; returns the pool's limit in bytes."""
+    for name, value in (("pool_bytes", pool_bytes), ("chunk_bytes", chunk_bytes)):
+        if type(value) is not int or value <= 0:
+            raise InvalidArgument(f"{name} must be a positive integer, got {value!r}")
+    if pool_bytes < chunk_bytes:
+        raise InvalidArgument(f"pool_bytes ({pool_bytes}) is smaller than one chunk ({chunk_bytes})")
+    if remote_write not in REMOTE_WRITES:
+        raise InvalidArgument(f"remote_write must be one of {sorted(REMOTE_WRITES)}, got {remote_write!r}")
+    if type(max_reserve_blocks) is not int or max_reserve_blocks < 0:
+        raise InvalidArgument(f"max_reserve_blocks must be >= 0, got {max_reserve_blocks!r}")
+    limit = pool_bytes if max_pool_bytes is None else max_pool_bytes
+    if type(limit) is not int or limit < pool_bytes:
+        raise InvalidArgument(f"max_pool_bytes must be an integer >= pool_bytes ({pool_bytes}), got {limit!r}")
+    if type(exact_slabs) is not bool:
+        raise InvalidArgument(f"exact_slabs must be a bool, got {exact_slabs!r}")
+    return limit
+
+
+class KVCacheManager:
     """Block bookkeeping for a whole pool of several layout classes."""
 
+    def __init__(
+        self,
+        pool_bytes: int,
+        *,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        host_bytes: int = 0,
+        disk_bytes: int = 0,
+        policy: str = "lru",
+        max_reserve_blocks: int = 1024,
+        tier_align: int = 1,
+        max_pool_bytes: int | None = None,
+        exact_slabs: bool = False,
+        remote_write: str = "",
+        journal: bool = False,
+    ) -> None:
+        limit = _check_settings(pool_bytes, chunk_bytes, max_reserve_blocks, max_pool_bytes, exact_slabs,
+                                remote_write)
+        self.budget = ChunkBudget(pool_bytes // chunk_bytes, chunk_bytes, limit=limit // chunk_bytes,
+                                  exact_slabs=exact_slabs)
+        self.remote_write = remote_write
+        self.placement = TierPlacement(host_bytes, disk_bytes, policy, tier_align,
+                                       spill_remote=remote_write == "evict")
+        self.policy = policy
+        self.seqs = SeqTable()
+        self._owners = Owners()
+        self._moves = MovePlan()  # planned tier moves, as columns (drained by the daemon after each call)
+        self._events = PoolEvents(self.placement, self._moves, remote_write=remote_write, journal=journal,
+                                  track_moves=host_bytes > 0 or disk_bytes > 0 or remote_write == "evict")
+        self._registry = ClassRegistry(self.budget, policy, self.seqs, self._events)
+        self.classes: list[LayoutClass] = self._registry.classes
+        self._holds = TransferHolds(self._registry, self.seqs, self.placement)
+        self._swaps = Swapping(self._registry, self.seqs, self.placement, self._moves)
+        self._reserves = Reserves(self._registry, self._owners, max_reserve_blocks)
+        self._lifecycle = ClassLifecycle(self._registry, seqs=self.seqs, owners=self._owners, holds=self._holds,
+                                         placement=self.placement, moves=self._moves)
+        self._sequences = Sequences(self._registry, seqs=self.seqs, owners=self._owners, placement=self.placement,
+                                    moves=self._moves, events=self._events, swaps=self._swaps,
+                                    reserves=self._reserves)
+        self._extending = Extending(self._registry, self.seqs, self._owners)
+        self._elastic = Elastic(self.budget, self.classes)
+        self._quotas = Quotas(self._registry, self.seqs, self._owners)
+
+    @property
+    def max_reserve_blocks(self) -> int:
+        return self._reserves.max_blocks
+
+    @max_reserve_blocks.setter
+    def max_reserve_blocks(self, blocks: int) -> None:  # the daemon's config, applied to a running pool
+        self._reserves.max_blocks = blocks
+
     # -- classes ----------------------------------------------------------------
+    def register_class(self, geometry: Geometry) -> int:
+        """The class id of ``geometry``, creating the class on first use (in the lowest drained vacant id)."""
+        return self._registry.register(geometry)
+
     def class_of(self, geometry: Geometry) -> int | None:
         """The class id of ``geometry`` if registered, else None."""
-        return self._class_ids.get(geometry)
+        return self._registry.class_of(geometry)
+
+    def class_pool(self, class_id: int) -> LayoutClass:
+        return self._registry.pool(class_id)
+
+    def live_classes(self) -> list[int]:
+        """The ids of the classes that exist (not dropped), in order."""
+        return self._registry.live()
+
+    def has_class(self, class_id: int) -> bool:
+        """Whether ``class_id`` names a live class (not dropped, not never made)."""
+        return self._registry.has(class_id)
+
+    def holds_nothing_in(self, class_id: int) -> bool:
+        """Whether no owner holds anything in class ``class_id`` (sequence, reserve or transfer hold)."""
+        return self._lifecycle.holds_nothing_in(class_id)
+
+    def can_drop_class(self, class_id: int) -> bool:
+        """Whether class ``class_id`` is idle and nothing of it is cached in any tier."""
+        return self._lifecycle.can_drop_class(class_id)
+
+    def drop_class(self, class_id: int) -> None:
+        """Drop an idle, uncached class: its slabs go back to the budget, its id becomes vacant."""
+        self._lifecycle.drop_class(class_id)
+
+    def evict_class(self, class_id: int) -> int:
+        """Drop every cached block of an idle class on every tier; returns how many."""
+        return self._lifecycle.evict_class(class_id)
 
     def drain_moves(self) -> MovePlan:
         """Tier moves planned since the last call, as columns (for the transfer engine)."""
-        out, self._moves = self._moves, MovePlan()
-        return out
+        return self._moves.drain()
+
+    def drain_journal(self) -> list:
+        """(kind, tier, class id, hashes) since the last call: device blocks "stored" and "removed"."""
+        return self._events.drain_journal()
 
     def drain_slab_changes(self) -> list[tuple[str, int, int, int]]:
         """("take" | "release", class id, byte offset, bytes) of slabs since the last call.
@@ -81,6 +192,9 @@ class KVCacheManager(
         return out
 
     # -- owners and sequence lookups ----------------------------------------------
+    def sequence(self, owner: int, seq_id: int) -> PageTable:
+        return page_table(self.seqs, self.seqs.slot_of(owner, seq_id))
+
     def sequences(self, owner: int) -> list[PageTable]:
         state = self._owners.get(owner)
         return [self.sequence(owner, i) for i in sorted(state.seqs)] if state else []
@@ -92,324 +206,156 @@ class KVCacheManager(
         }
 
     def reserve(self, owner: int, class_id: int) -> tuple[int, ...]:
-        state = self._owners.get(owner)
-        return tuple(state.reserves.get(class_id, ())) if state else ()
+        return tuple(self._owners.reserve(owner, class_id))
+
+    def check_free(self, owner: int, seq_ids) -> list[int]:
+        """Validate a free (or another call on whole sequences) without doing it; returns the slots."""
+        return distinct_slots(self.seqs, owner, list(seq_ids)).tolist()
 
     # -- sequences --------------------------------------------------------------
     def create(
         self, owner: int, class_id: int, model_id: str, tokens, extra_key: str = "", remote=None,
         counted: bool = True,
     ) -> PageTable:
-        """A new sequence holding ``tokens``; reuses the longest cached prefix.
-
-        Args:
-            remote: block hashes whose bytes the remote tier fetched for this call (``remote_candidates``);
-                they extend the prefix past the local tiers and are promoted from there.
-            counted: a prefix query in the statistics (False: the caller counted it with ``lookup``).
-        Returns:
-            The sequence's page table.
-        """
-        pool = self.class_pool(class_id)
-        packed = pack_tokens(tokens)
-        root = root_hash(model_id, extra_key)
-        self._check_owner(owner)
-        bs = pool.block_size
-        hashes = chain_hashes(root, packed, bs)
-        # the longest cached prefix over every tier: a device block, or -1 for a lower-tier hit
-        matched, lower, lower_keys, holder, from_remote = self._match(pool, owner, hashes, remote)
-        if not lower:
-            on_device = matched
-        else:  # none on the device when every hit is on a lower tier (a promotion): no pass
-            on_device = [b for b in matched if b >= 0] if len(lower) < len(matched) else []
-        need = -(-len(packed) // bs) - len(on_device)
-        revived = len(pool.cached.present(on_device))
-        avail = pool.obtainable(need + revived) - revived
-        if avail < need:
-            raise OutOfBlocks(need, avail)
-        # -- apply --
-        pool.acquire_many(on_device)
-        placement = self.placement
-        # pinned: no victim of the demotions that the allocation may cause
-        local_keys = lower_keys if from_remote is None else [k for k, r in zip(lower_keys, from_remote) if not r]
-        runs = placement.pin_many(local_keys, holder)
-        fresh = pool.allocate(need)
-        c = self._counters[class_id]
-        if lower:
-            promoted = fresh[:len(lower)]
-            if from_remote is None:
-                placement.take_many(self._moves, lower_keys, promoted, pinned=True, runs=runs)
-            else:
-                placement.take_many(self._moves, local_keys, [b for b, r in zip(promoted, from_remote) if not r],
-                                    pinned=True, runs=runs)
-                remote_keys = [k for k, r in zip(lower_keys, from_remote) if r]
-                self._moves.add_many(remote_keys, Tier.REMOTE, Tier.DEVICE,
-                                     [b for b, r in zip(promoted, from_remote) if r], pool.block_bytes)
-                c.remote_hit_blocks += len(remote_keys)
-            pool.prefix.register_many(promoted, lower)
-            if len(lower) == len(matched):
-                matched = promoted
-            else:
-                arr = np.asarray(matched, np.int64)
-                arr[arr < 0] = promoted
-                matched = arr.tolist()
-            fresh = fresh[len(lower):]
-        unconfirmed = pool.prefix.register_many(fresh[:len(hashes) - len(matched)], hashes[len(matched):],
-                                                writer=owner)
-        if counted:
-            c.count_prefix_query(len(packed), len(matched) * bs)
-        c.promoted_blocks += len(lower)
-        state = self._owner(owner)
-        t = self.seqs
-        seq_id = t.add(owner, class_id, matched + fresh, len(packed),
-                       hashes[-1] if hashes else root, len(matched) * bs)
-        rest = packed[len(hashes) * bs:]
-        slot = self._slot(seq_id)
-        t.tail[slot, : len(rest)] = rest
-        t.add_unconfirmed_many(slot, unconfirmed)
-        state.seqs.add(seq_id)
-        return self._info(slot)
-
-    def _match(self, pool: LayoutClass, owner: int, hashes: list[bytes], remote=None):
-        """The longest prefix of ``hashes`` cached on some tier that ``owner`` may use.
-
-        Returns its device blocks (-1 where a lower tier holds the block), the hashes of those
-        lower-tier blocks and their tier keys, in order, the one local lower tier that holds all of
-        the local ones (None: several, or none), and which of them come from the remote tier (None:
-        none does).  ``remote`` holds the hashes the remote tier has bytes for.  One C-level lookup
-        per tier for the whole prompt.
-        """
-        n = len(hashes)
-        on_dev = pool.prefix.lookup_many(hashes)
-        hit = pool.prefix.hit_mask(hashes)
-        holders = []  # (lower tier, its hits)
-        keys = None
-        if self._track_moves:
-            for index in self.placement.lower:
-                if len(index):
-                    if keys is None:
-                        keys = list(zip(repeat(pool.class_id), hashes))
-                    mine = index.has_many(keys)
-                    holders.append((index, mine))
-                    hit |= mine
-        remote_hit = None
-        if remote:
-            remote_hit = np.fromiter(map(remote.__contains__, hashes), np.bool_, n) & ~hit
-            hit |= remote_hit
-            if keys is None:
-                keys = list(zip(repeat(pool.class_id), hashes))
-        miss = np.flatnonzero(~hit)
-        length = int(miss[0]) if len(miss) else n
-        matched = pool.prefix.visible_prefix(on_dev[:length], owner)
-        on_lower = matched.count(None)
-        if on_lower == 0:
-            return matched, [], [], None, None
-        if on_lower == len(matched):  # all from the lower tiers (a promotion): slices, no pass
-            lower, lower_keys = hashes[:on_lower], keys[:on_lower]
-            lower_at = np.arange(on_lower)
-            matched = [-1] * on_lower
-        else:
-            lower = [h for h, b in zip(hashes, matched) if b is None]
-            lower_keys = [k for k, b in zip(keys, matched) if b is None]
-            lower_at = np.flatnonzero(np.fromiter((b is None for b in matched), np.bool_, len(matched)))
-            matched = [-1 if b is None else b for b in matched]
-        holder = None
-        if len(holders) == 1:
-            holder = holders[0][0]  # the only local lower tier with entries: it holds every local lower hit
-        from_remote = None
-        if remote_hit is not None and remote_hit[lower_at].any():
-            from_remote = remote_hit[lower_at].tolist()
-        return matched, lower, lower_keys, holder, from_remote
+        """A new sequence holding ``tokens``; reuses the longest cached prefix (``Sequences.create``)."""
+        return self._sequences.create(owner, class_id, model_id, tokens, extra_key, remote, counted=counted)
 
     def remote_candidates(self, class_id: int, model_id: str, tokens, extra_key: str = "",
                           owner: int | None = None) -> list[bytes]:
-        """The hashes of the full blocks of ``tokens`` past its longest prefix cached on the local tiers.
-
-        What a create or lookup asks the remote tier for; allocates and counts nothing.
-
-        Returns:
-            The block hashes, in chain order (empty when every full block is cached here).
-        """
-        pool = self.class_pool(class_id)
-        hashes = chain_hashes(root_hash(model_id, extra_key), pack_tokens(tokens), pool.block_size)
-        matched = self._match(pool, owner, hashes)[0]
-        return hashes[len(matched):]
+        """The hashes of the full blocks of ``tokens`` past its longest prefix cached on the local tiers."""
+        return self._sequences.remote_candidates(class_id, model_id, tokens, extra_key, owner)
 
     def lookup(
         self, class_id: int, model_id: str, tokens, extra_key: str = "", owner: int | None = None, remote=None,
         known: int = 0,
     ) -> LookupResult:
-        """Longest cached prefix of ``tokens`` over every tier that ``owner`` may use; allocates nothing.
-
-        ``remote``: the block hashes the remote tier holds (the chain past the local tiers).
-        ``known``: leading tokens the caller holds itself; the statistics count the query and the hit
-        from there (the caller asks the pool only for the rest).
-        """
-        pool = self.class_pool(class_id)
-        packed = pack_tokens(tokens)
-        hashes = chain_hashes(root_hash(model_id, extra_key), packed, pool.block_size)
-        per_tier = [0, 0, 0, 0]
-        for h in hashes:
-            b = pool.prefix.lookup(h)
-            if b is not None:
-                if not pool.prefix.visible(b, owner):
-                    break  # another session is still writing it
-                per_tier[0] += 1
-                continue
-            tier = self.placement.locate((class_id, h))
-            if tier is None:
-                if remote and h in remote:
-                    tier = Tier.REMOTE
-                else:
-                    break
-            per_tier[tier] += 1
-        bs = pool.block_size
-        known = min(max(known, 0), len(packed))
-        self._counters[class_id].count_prefix_query(len(packed) - known, max(sum(per_tier) * bs - known, 0))
-        return LookupResult(sum(per_tier) * bs, per_tier[0] * bs, per_tier[1] * bs, per_tier[2] * bs,
-                            per_tier[3] * bs)
+        """Longest cached prefix of ``tokens`` over every tier that ``owner`` may use; allocates nothing."""
+        return self._sequences.lookup(class_id, model_id, tokens, extra_key, owner, remote, known)
 
     def fork(self, owner: int, seq_id: int) -> PageTable:
         """A new sequence sharing every block of ``seq_id`` (copy-on-write later)."""
-        t = self.seqs
-        slot = t.slot_of(owner, seq_id)
-        if t.swapped[slot]:
-            self._refuse_swapped(seq_id, "forked")
-        c = int(t.cls[slot])
-        pool = self.classes[c]
-        pool.share(t.blocks[slot])
-        ntok = int(t.ntok[slot])
-        child_id = t.add(owner, c, list(t.blocks[slot]), ntok, t.last_hash[slot], int(t.num_cached[slot]))
-        child = self._slot(child_id)
-        t.tail[child] = t.tail[slot]
-        if ntok % pool.block_size:
-            t.flag_shared(slot)
-            t.flag_shared(child)
-        self._owners[owner].seqs.add(child_id)
-        return self._info(child)
+        return self._sequences.fork(owner, seq_id)
 
     def mark_written(self, owner: int, seq_ids: Iterable[int]) -> None:
-        """The owner says these sequences' KV is written: their full blocks become everyone's hits.
-
-        Any later call on a sequence (extend, free, swap-out) says the same of
-        the tokens it had before; this is for a sequence that has no next call
-        soon (a prefill-only process, a prompt other sessions are waiting on).
-        """
-        t = self.seqs
-        for slot in self.check_free(owner, list(seq_ids)):
-            self.classes[int(t.cls[slot])].prefix.confirm(t.take_unconfirmed(slot), owner)
+        """The owner says these sequences' KV is written: their full blocks become everyone's hits."""
+        self._sequences.mark_written(owner, seq_ids)
 
     def free(self, owner: int, seq_ids: Iterable[int], *, written: bool = True) -> int:
-        """Free sequences (tail blocks first); returns how many blocks were released.
-
-        Freeing says the sequences' KV is written (their full blocks become
-        every session's prefix hits); ``written=False`` (a session that died)
-        drops the hashes of blocks it had not confirmed instead.
-        """
-        seq_ids = list(seq_ids)
-        slots = self._slots(owner, seq_ids)
-        if not len(slots):
-            return 0
-        t = self.seqs
-        classes = t.cls[slots]
-        released = 0
-        for c in np.unique(classes).tolist() if len(self.classes) > 1 else [int(classes[0])]:
-            mine = slots if len(self.classes) == 1 else slots[classes == c]
-            pool = self.classes[c]
-            unconfirmed = t.take_unconfirmed_many(mine)
-            if written:
-                pool.prefix.confirm(unconfirmed, owner)
-            else:
-                pool.prefix.forget_unwritten(unconfirmed, owner)
-            blocks = t.blocks_tail_first(mine.tolist())
-            pool.release(blocks)
-            released += len(blocks)
-        if t.nswapped:
-            self._drop_swap_copies(slots[t.swapped[slots]].tolist())
-        t.remove_many(slots)
-        self._owners[owner].seqs.difference_update(map(int, seq_ids))
-        return released
+        """Free sequences (tail blocks first); returns how many blocks were released."""
+        return self._sequences.free(owner, seq_ids, written=written)
 
     def drop_owner(self, owner: int) -> int:
         """Free everything an owner holds (a session ended); returns blocks released."""
-        state = self._owners.get(owner)
-        if state is None:
-            return 0
-        released = self.free(owner, sorted(state.seqs), written=False)
-        for cls in list(state.reserves):
-            released += self.return_reserve(owner, cls)
-        del self._owners[owner]
-        return released
+        return self._sequences.drop_owner(owner)
+
+    def extend(self, owner: int, items: Mapping[int, object] | Iterable[ExtendItem]) -> ExtendDeltas:
+        """Append tokens to many sequences in one call; returns only what changed."""
+        return self._extending.extend(owner, items)
+
+    def extend_columns(self, owner: int, seq_ids, counts, tokens, claim_counts=None, claims=None) -> ExtendDeltas:
+        """``extend`` for a batch given as flat arrays (the wire format)."""
+        return self._extending.extend_columns(owner, seq_ids, counts, tokens, claim_counts, claims)
+
+    def swap_out(self, owner: int, seq_ids: Iterable[int]) -> tuple[int, int]:
+        """Copy the sequences' blocks into the lower tiers and give their device blocks back."""
+        return self._swaps.swap_out(owner, seq_ids)
+
+    def swap_in(self, owner: int, seq_ids: Iterable[int]) -> list[PageTable]:
+        """Bring swapped-out sequences back onto the device, possibly into other blocks."""
+        return self._swaps.swap_in(owner, seq_ids)
+
+    # -- reserves -----------------------------------------------------------------
+    def grant_reserve(self, owner: int, class_id: int, target: int) -> tuple[int, ...]:
+        """Top the owner's reserve up towards ``target`` blocks; returns the blocks added."""
+        return self._reserves.grant_reserve(owner, class_id, target)
+
+    def check_reserve_return(self, owner: int, class_id: int, blocks: Iterable[int] | None = None) -> list[int]:
+        """Validate a reserve return without doing it; returns the blocks."""
+        return self._reserves.check_reserve_return(owner, class_id, blocks)
+
+    def return_reserve(self, owner: int, class_id: int, blocks: Iterable[int] | None = None) -> int:
+        """Give reserved blocks back (all of them when ``blocks`` is None)."""
+        return self._reserves.return_reserve(owner, class_id, blocks)
+
+    # -- transfers ------------------------------------------------------------------
+    def hold_blocks(self, class_id: int, blocks: Iterable[int]) -> None:
+        """One more holder on each (held) block while bytes are copied into it."""
+        self._holds.hold_blocks(class_id, blocks)
+
+    def release_holds(self, class_id: int, blocks: Iterable[int]) -> None:
+        self._holds.release_holds(class_id, blocks)
+
+    def invalidate_block(self, class_id: int, block: int) -> bytes | None:
+        """The bytes meant for ``block`` never arrived: its hash is forgotten; returns it."""
+        return self._holds.invalidate_block(class_id, block)
+
+    def register_block(self, owner: int, seq_id: int, block: int, digest: bytes) -> bool:
+        """Give a block of ``seq_id`` its hash back: its owner was told to rewrite it."""
+        return self._holds.register_block(owner, seq_id, block, digest)
+
+    def forget_lower(self, key: Key) -> bool:
+        """A lower-tier copy was lost (its write failed): forget it unless it is pinned."""
+        return self._holds.forget_lower(key)
+
+    def load_lower(self, tier: Tier, class_id: int, digest: bytes, nbytes: int) -> bool:
+        """Record a prefix block found in a lower tier at start (a restart); False if it has no room."""
+        return self._holds.load_lower(tier, class_id, digest, nbytes)
+
+    # -- the pool's size --------------------------------------------------------------
+    @property
+    def chunk_bytes(self) -> int:
+        return self.budget.chunk_bytes
+
+    @property
+    def max_pool_bytes(self) -> int:
+        """The most ``resize`` may grow the pool to."""
+        return self.budget.limit * self.budget.chunk_bytes
+
+    def resize(self, pool_bytes: int) -> ResizeResult:
+        """Grow or shrink the pool to ``pool_bytes`` (whole chunks), never past its limit."""
+        return self._elastic.resize(pool_bytes)
+
+    def release_idle(self, now: float, after_seconds: float) -> int:
+        """Give back every slab that has been empty since at least ``after_seconds`` before ``now``."""
+        return self._elastic.release_idle(now, after_seconds)
 
     # -- admin --------------------------------------------------------------------
     def evict_cached(self, class_id: int | None = None, max_blocks: int | None = None) -> int:
         """Drop cached (unheld) blocks, oldest first; returns how many."""
-        pools = self.classes if class_id is None else [self.class_pool(class_id)]
-        if max_blocks is not None and (type(max_blocks) is not int or max_blocks < 0):
-            raise InvalidArgument(f"max_blocks must be a non-negative integer, got {max_blocks!r}")
-        n = 0
-        for pool in pools:
-            n += pool.drop_cached(None if max_blocks is None else max_blocks - n)
-        return n
+        return self._sequences.evict_cached(class_id, max_blocks)
 
+    def stats(self) -> ManagerStats:
+        return stats.collect(registry=self._registry, seqs=self.seqs, owners=self._owners,
+                             swapped_slots=self._swaps.swapped, placement=self.placement, budget=self.budget)
+
+    def check_invariants(self) -> None:
+        """Assert every invariant of the bookkeeping (for tests and ``kvpoolctl check``)."""
+        invariants.check_all(seqs=self.seqs, classes=self.classes, owners=self._owners, swapped=self._swaps.swapped,
+                             holds=self._holds, placement=self.placement, budget=self.budget)
+        self.check_class_registry()
+
+    def check_class_registry(self) -> None:
+        """Assert that ids, geometries and vacancies agree (part of ``check_invariants``)."""
+        self._registry.check()
+        self._lifecycle.check()
 
     # -- queries for quotas ----------------------------------------------------------
     def block_size(self, class_id: int) -> int:
         """Tokens per block of a layout class."""
-        return self.class_pool(class_id).block_size
+        return self._quotas.block_size(class_id)
 
     def held_device_blocks(self, owner: int) -> int:
-        """Device blocks in ``owner``'s page tables (ceil(tokens / block size) per sequence).
-
-        A block two of its sequences share counts twice; swapped-out sequences hold none.
-        """
-        t = self.seqs
-        mine = t.owner == owner
-        if t.nswapped:
-            mine &= ~t.swapped
-        if not mine.any():
-            return 0
-        return int((-(-t.ntok[mine] // self._block_size[t.cls[mine]])).sum())
+        """Device blocks in ``owner``'s page tables (ceil(tokens / block size) per sequence)."""
+        return self._quotas.held_device_blocks(owner)
 
     def held_bytes(self, owners: Iterable[int]) -> int:
-        """Device bytes ``owners`` hold: their page tables' blocks (as ``held_device_blocks``) and reserves."""
-        owners = list(owners)
-        if not owners:
-            return 0
-        t = self.seqs
-        mine = t.owner == owners[0]  # a few compares beat np.isin's sort for the few sessions of a user
-        for owner in owners[1:]:
-            mine |= t.owner == owner
-        if t.nswapped:
-            mine &= ~t.swapped
-        slots = np.flatnonzero(mine)
-        held = 0
-        if len(slots):
-            cls = t.cls[slots]
-            block_bytes = np.fromiter((getattr(c, "block_bytes", 0) for c in self.classes), np.int64,
-                                      len(self.classes))  # a vacant class has none (and no sequence)
-            held = int((-(-t.ntok[slots] // self._block_size[cls]) * block_bytes[cls]).sum())
-        for owner in owners:
-            state = self._owners.get(owner)
-            if state is not None:
-                held += sum(len(r) * self.classes[c].block_bytes for c, r in state.reserves.items())
-        return held
+        """Device bytes ``owners`` hold: their page tables' blocks and reserves."""
+        return self._quotas.held_bytes(owners)
 
     def device_blocks_of(self, owner: int, seq_ids: Iterable[int]) -> int:
         """Device blocks the sequences' tokens fill (what a swap-in brings back, what a free gives back)."""
-        slots = [self.seqs.slot_of(owner, i) for i in seq_ids]
-        if not slots:
-            return 0
-        t = self.seqs
-        return int((-(-t.ntok[slots] // self._block_size[t.cls[slots]])).sum())
+        return self._quotas.device_blocks_of(owner, seq_ids)
 
     def extend_growth(self, owner: int, seq_ids, counts) -> int | None:
-        """New blocks that appending ``counts[i]`` tokens (None: one each) to ``seq_ids[i]`` takes, before any
-        copy-on-write; None if the counts do not fit the ids (``extend`` rejects them with the precise error)."""
-        t = self.seqs
-        slots = t.slots_of(owner, np.asarray(seq_ids, np.int64))
-        counts = np.ones(len(slots), np.int64) if counts is None else np.asarray(counts)
-        if len(counts) != len(slots) or (len(counts) and counts.min() < 0):
-            return None
-        bs = self._block_size[t.cls[slots]]
-        nt = t.ntok[slots]
-        return int((-(-(nt + counts) // bs) + (nt // -bs)).sum())
+        """New blocks that appending ``counts[i]`` tokens to ``seq_ids[i]`` takes, before any copy-on-write."""
+        return self._quotas.extend_growth(owner, seq_ids, counts)

@@ -193,7 +193,7 @@ class SeqTable:
     def remove(self, slot: int) -> None:
         self.take_unconfirmed(slot)  # the manager confirmed or forgot them first
         self.unflag_shared(np.array([slot]))
-        self.set_swapped(slot, False)
+        self.set_swapped(slot, swapped=False)
         self.owner[slot] = NO_OWNER
         self.current[slot] = -1
         self.gen[slot] += 1

@@ -9,11 +9,22 @@ import numpy as np
 
 from .errors import InvalidArgument, OutOfBlocks, WrongState
 from .results import PageTable
-from .state import ManagerState
+from .seq_table import SeqTable
+from .state import distinct_slots, page_table
+from .tiers import Key, MovePlan, TierPlacement
 
 
-class Swapping(ManagerState):
+class Swapping:
     """``swap_out`` / ``swap_in``: whole sequences to the lower tiers (pinned copies) and back."""
+
+    def __init__(self, registry, seqs: SeqTable, placement: TierPlacement, moves: MovePlan) -> None:
+        self._registry = registry  # ``classes.ClassRegistry``
+        self._seqs = seqs
+        self._placement = placement
+        self._moves = moves
+        #: swapped-out sequences: slot -> (tier keys, block hashes or None), one each per logical block
+        self.swapped: dict[int, tuple[list[Key], list[bytes | None]]] = {}
+        self.next_key = 0  # swap copies' keys are (class id, a number no other copy had)
 
     def swap_out(self, owner: int, seq_ids: Iterable[int]) -> tuple[int, int]:
         """Copy the sequences' blocks into the lower tiers and give their device blocks back.
@@ -27,34 +38,34 @@ class Swapping(ManagerState):
         block before it can be handed out again (``drain_moves``).
         """
         seq_ids = list(seq_ids)
-        t = self.seqs
-        slots = self.check_free(owner, seq_ids)
+        t = self._seqs
+        slots = distinct_slots(t, owner, seq_ids).tolist()
         for seq_id, slot in zip(seq_ids, slots):
             if t.swapped[slot]:
                 raise WrongState(f"sequence {int(seq_id)} is already swapped out")
-        if not self.placement.enabled:
+        if not self._placement.enabled:
             raise WrongState("no host or disk tier to swap to: start kvpoold with --host-bytes or --disk-bytes")
-        runs = self.placement.runs(self.classes[int(t.cls[s])].block_bytes for s in slots for _ in t.blocks[s])
-        if not self.placement.can_pin_runs(runs):
-            raise OutOfBlocks(self.placement.charge_pinned_runs(runs), self.placement.pinned_room(),
+        runs = self._placement.runs(self._registry.classes[int(t.cls[s])].block_bytes for s in slots for _ in t.blocks[s])
+        if not self._placement.can_pin_runs(runs):
+            raise OutOfBlocks(self._placement.charge_pinned_runs(runs), self._placement.pinned_room(),
                               "lower-tier bytes to swap to")
         # -- apply --
         per_tier = [0, 0]
         for slot in slots:
             c = int(t.cls[slot])
-            pool = self.classes[c]
+            pool = self._registry.classes[c]
             blocks = t.blocks[slot]
             pool.prefix.confirm(t.take_unconfirmed(slot), owner)  # a swap-out comes after the sequence ran
-            keys = list(zip(repeat(c), range(self._next_swap, self._next_swap + len(blocks))))
-            self._next_swap += len(blocks)
-            for i, n in enumerate(self.placement.place_pinned_many(self._moves, keys, pool.block_bytes, blocks)):
+            keys = list(zip(repeat(c), range(self.next_key, self.next_key + len(blocks))))
+            self.next_key += len(blocks)
+            for i, n in enumerate(self._placement.place_pinned_many(self._moves, keys, pool.block_bytes, blocks)):
                 per_tier[i] += n
-            self._swapped[slot] = (keys, pool.prefix.digests_of(blocks))
+            self.swapped[slot] = (keys, pool.prefix.digests_of(blocks))
             pool.release(blocks[::-1])
             t.blocks[slot] = []
             t.unflag_shared(np.array([slot]))
-            t.set_swapped(slot, True)
-            self._counters[c].swapped_out_blocks += len(blocks)
+            t.set_swapped(slot, swapped=True)
+            self._registry.counters[c].swapped_out_blocks += len(blocks)
         return per_tier[0], per_tier[1]
 
     def swap_in(self, owner: int, seq_ids: Iterable[int]) -> list[PageTable]:
@@ -65,8 +76,8 @@ class Swapping(ManagerState):
         moves fill.  All or nothing; one layout class per call.
         """
         seq_ids = list(seq_ids)
-        t = self.seqs
-        slots = self.check_free(owner, seq_ids)
+        t = self._seqs
+        slots = distinct_slots(t, owner, seq_ids).tolist()
         for seq_id, slot in zip(seq_ids, slots):
             if not t.swapped[slot]:
                 raise WrongState(f"sequence {int(seq_id)} is not swapped out")
@@ -76,11 +87,11 @@ class Swapping(ManagerState):
         if len(classes) > 1:
             raise InvalidArgument("one swap-in call takes sequences of one layout class only")
         c = classes.pop()
-        pool = self.classes[c]
+        pool = self._registry.classes[c]
         plan: list[list[int]] = []  # per sequence, the device block of each hash found there, else -1
         on_device: list[int] = []
         for slot in slots:
-            row = pool.prefix.lookup_many(self._swapped[slot][1], -1)  # None is no hash: -1
+            row = pool.prefix.lookup_many(self.swapped[slot][1], -1)  # None is no hash: -1
             if row.count(-1) < len(row):
                 on_device.extend(b for b in row if b >= 0)
             plan.append(row)
@@ -96,17 +107,17 @@ class Swapping(ManagerState):
         used = 0
         out = []
         for slot, row in zip(slots, plan):
-            keys, hashes = self._swapped.pop(slot)
+            keys, hashes = self.swapped.pop(slot)
             if row.count(-1) == len(row):  # every block comes back from below
                 blocks = fresh[used:used + len(row)]
-                self.placement.take_many(self._moves, keys, blocks, pinned=True)
+                self._placement.take_many(self._moves, keys, blocks, pinned=True)
             else:
                 blocks = list(row)
                 copy = [i for i, b in enumerate(row) if b < 0]
                 for i, b in zip(copy, fresh[used:used + len(copy)]):
                     blocks[i] = b
-                self.placement.drop_many(self._moves, [k for k, b in zip(keys, row) if b >= 0], pinned=True)
-                self.placement.take_many(self._moves, [keys[i] for i in copy], [blocks[i] for i in copy], pinned=True)
+                self._placement.drop_many(self._moves, [k for k, b in zip(keys, row) if b >= 0], pinned=True)
+                self._placement.take_many(self._moves, [keys[i] for i in copy], [blocks[i] for i in copy], pinned=True)
                 hashes = [hashes[i] for i in copy]
             copied = blocks if len(hashes) == len(blocks) else [blocks[i] for i in copy]
             used += len(copied)
@@ -114,13 +125,13 @@ class Swapping(ManagerState):
                 named = [(b, h) for b, h in zip(copied, hashes) if h is not None]
                 pool.prefix.register_many([b for b, _ in named], [h for _, h in named])
             t.blocks[slot] = blocks
-            t.set_swapped(slot, False)
-            self._counters[c].swapped_in_blocks += len(blocks)
-            out.append(self._info(slot))
+            t.set_swapped(slot, swapped=False)
+            self._registry.counters[c].swapped_in_blocks += len(blocks)
+            out.append(page_table(t, slot))
         return out
 
-    def _drop_swap_copies(self, slots: list[int]) -> None:
+    def drop_copies(self, slots: list[int]) -> None:
         """Freed swapped-out sequences: their lower-tier copies go (in one plan, in order)."""
         if slots:
-            keys = list(chain.from_iterable(self._swapped.pop(slot)[0] for slot in slots))
-            self.placement.drop_many(self._moves, keys, pinned=True)
+            keys = list(chain.from_iterable(self.swapped.pop(slot)[0] for slot in slots))
+            self._placement.drop_many(self._moves, keys, pinned=True)

@@ -52,6 +52,8 @@ from operator import itemgetter
 
 import numpy as np
 
+from kvpool.protocol.sizes import cdiv
+
 from .policy import DictLRU, make_policy
 
 Key = tuple  # (class id, block hash) or (class id, swap entry number)
@@ -133,6 +135,13 @@ class MovePlan:
             plan.add(mv.key, int(mv.src), DROP if mv.dst is None else int(mv.dst), mv.block, mv.nbytes)
         return plan
 
+    def drain(self) -> "MovePlan":
+        """The rows so far, as a plan of their own; this plan (which its planners keep) starts over empty."""
+        out = MovePlan()
+        out.keys, out._nums = self.keys, self._nums
+        self.keys, self._nums = [], array("q")
+        return out
+
     def columns(self) -> tuple[list, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(keys, src, dst, block, nbytes), the four numeric columns as int64 arrays."""
         nums = np.frombuffer(self._nums, np.int64).reshape(-1, 4) if self.keys else np.zeros((0, 4), np.int64)
@@ -198,7 +207,7 @@ class TierIndex:
 
     def charge(self, nbytes: int) -> int:
         """Bytes a block of ``nbytes`` takes here."""
-        return -(-nbytes // self.align) * self.align
+        return cdiv(nbytes, self.align) * self.align
 
     def _one_size(self) -> int | None:
         """The size every entry has, if they all have one."""
@@ -353,7 +362,7 @@ class TierIndex:
         got = count = 0
         one = self._one_size()
         if one is not None:  # one size: no pass over the keys to count them
-            count = min(len(self._order), -(-need // charge(one)))
+            count = min(len(self._order), cdiv(need, charge(one)))
             got = count * charge(one)
         else:
             for key in self._order:
@@ -500,7 +509,7 @@ class TierPlacement:
                     self._place_many(plan, vkeys[i:i + count], vbytes, index.tier, level + 1, -1, pinned=False)
                     i += count
             chunk = keys if k == m else keys[start:start + k]
-            index.add_many(chunk, nbytes, pinned)
+            index.add_many(chunk, nbytes, pinned=pinned)
             plan.add_many(chunk, src, index.tier, blocks if one or k == m else blocks[start:start + k], nbytes)
             if tally is not None:
                 tally[level] += k
@@ -545,7 +554,7 @@ class TierPlacement:
         """
         i = 0
         for index, run in self._by_index(keys) if runs is None else runs:
-            sizes = index.remove_many(run, pinned)
+            sizes = index.remove_many(run, pinned=pinned)
             index.blocks_out += len(run)
             plan.add_many(run, index.tier, Tier.DEVICE, blocks[i:i + len(run)], sizes)
             i += len(run)
@@ -553,7 +562,7 @@ class TierPlacement:
     def drop_many(self, plan: MovePlan | None, keys: list, pinned: bool | None = None) -> None:
         """``drop`` of each key (``pinned`` as for ``take_many``)."""
         for index, run in self._by_index(keys):
-            sizes = index.remove_many(run, pinned)
+            sizes = index.remove_many(run, pinned=pinned)
             if plan is not None:
                 plan.add_many(run, index.tier, DROP, -1, sizes)
 

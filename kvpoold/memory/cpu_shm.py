@@ -40,6 +40,7 @@ from kvpool.ipc.base import BackendUnavailable
 from kvpool.ipc.cpu_shm import flat_u8
 from kvpool.ipc.views import check_range, typed_view
 from kvpool.protocol import ArenaDescriptor
+from kvpool.protocol.sizes import cdiv
 
 from .base import Arena, Backend, PoolDoesNotFit
 
@@ -58,7 +59,7 @@ def instance_id(socket_path: str) -> str:
 
 def _page_inward(offset: int, nbytes: int) -> tuple[int, int]:
     """Largest page-aligned range inside [offset, offset+nbytes)."""
-    start = -(-offset // PAGE) * PAGE
+    start = cdiv(offset, PAGE) * PAGE
     end = (offset + nbytes) // PAGE * PAGE
     return start, max(0, end - start)
 
@@ -141,7 +142,7 @@ class CpuShmArena(Arena):
         _check_span(offset, nbytes, self.nbytes)
         fd = self.fileno()
         start = offset // PAGE * PAGE
-        end = min(self.nbytes, -(-(offset + nbytes) // PAGE) * PAGE)
+        end = min(self.nbytes, cdiv(offset + nbytes, PAGE) * PAGE)
         try:
             os.posix_fallocate(fd, start, end - start)
         except OSError as e:

@@ -25,6 +25,7 @@ from kvpool.ipc.base import BackendUnavailable
 from kvpool.ipc.cuda import DeviceBytes, DeviceViews, bus_id, probe_cuda
 from kvpool.ipc.vmm import DriverError, VirtualRange, allocation_prop, check, granularity, posix_fd_type, use_device
 from kvpool.protocol import ArenaDescriptor
+from kvpool.protocol.sizes import cdiv
 
 from .base import Arena, Backend, PoolDoesNotFit
 from .chunk_ledger import ChunkLedger
@@ -61,7 +62,7 @@ class VmmArena(DeviceViews, Arena):
         c = backend.chunk_bytes
         self.backend, self.class_id, self.tag, self.tenant = backend, class_id, tag, tenant
         self.closed_message = f"arena {tag} is closed"
-        self.nbytes = -(-nbytes // c) * c
+        self.nbytes = cdiv(nbytes, c) * c
         self.device = backend.device
         self._range = VirtualRange(backend.device, self.nbytes, c)
         backend.ledger.add_class(class_id, tenant)

@@ -1,4 +1,4 @@
-"""Who may do what: admin-only calls, drain, per-session quotas and per-user caps.
+"""Who may do what: admin-only calls, drain, per-user caps.
 
 * **Attach**: decided by the file system — the socket's mode and group
   (``socket_mode``, ``socket_group``).  Nothing to check here.
@@ -7,37 +7,22 @@
   on the admin socket (``admin_socket``, mode 0600 by default); the servicer
   bound to the normal socket raises :class:`AdminOnly`.
 * **Drain**: no new attaches and no new sequences; running ones go on.
-* **Quotas**: ``max_blocks_per_session`` bounds the device blocks a session's
-  sequences hold (a block two of its sequences share counts twice).  A call
-  that would cross it is refused *before* the core allocates anything
-  (:class:`QuotaExceeded`, RESOURCE_EXHAUSTED, naming the quota), so the core's
-  validate-then-apply rule holds: a refused call changed nothing.  The
-  session's reserve is not counted, but it is never topped up past the quota.
+* **Quotas and shares** of a pool's memory: ``quotas.py``; bounds on one
+  call or session (tokens, sequences, strings): ``limits.py``.
 * **Per-user caps**: what one user (the uid the kernel reported at attach,
   whatever ``tenant_by`` says) may hold at once is capped, so that one user
   cannot lock the others out: attach tickets, sessions and side-socket
   connections are counted with :class:`PerUser` where they are made
-  (``handoff.py``, ``sessions.py``).  A pool's memory is shared by
-  :class:`PoolShares`: with ``fair_share`` a user may hold at most the pool
-  divided by the users with a session on it, and never more than
-  ``max_pool_share_per_user`` of it; a call that would take the user past
-  that is refused like a quota (:class:`ShareExceeded`).  A user alone may use
-  the whole pool; once a second user attaches, a user above its share cannot
-  grow, so the memory it frees goes to the others.  Held bytes are the
-  user's sequences' blocks (counted as for the quota) and reserves; cached
-  blocks are not held: they are evicted for whoever needs the memory.
+  (``handoff.py``, ``sessions.py``).
 
-Every check here reads state only; the service calls them first, on the
-event loop, like everything else.
+Every check reads state only; the service calls them first, on the event
+loop, like everything else.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 
-import numpy as np
-
-from kvpoold.config import EXTRA_KEY_FACTOR
 from kvpoold.core.errors import KvpoolError
 
 
@@ -51,18 +36,6 @@ class AdminOnly(KvpoolError, PermissionError):
         super().__init__(f"{what} is an admin call: use {where}")
 
 
-class QuotaExceeded(KvpoolError, MemoryError):
-    """A session would hold more blocks than its quota allows; nothing was changed."""
-
-    code = "RESOURCE_EXHAUSTED"
-
-    def __init__(self, quota: str, limit: int, held: int, needed: int) -> None:
-        self.quota, self.limit, self.held, self.needed = quota, limit, held, needed
-        super().__init__(
-            f"quota {quota}={limit} exceeded: the session holds {held} blocks and this call needs {needed} more"
-        )
-
-
 class Draining(KvpoolError, RuntimeError):
     """The daemon is draining: existing sequences go on, nothing new starts."""
 
@@ -70,24 +43,6 @@ class Draining(KvpoolError, RuntimeError):
 
     def __init__(self, what: str) -> None:
         super().__init__(f"kvpoold is draining: no {what} (an operator can resume with `kvpoolctl drain --off`)")
-
-
-class ShareExceeded(KvpoolError, MemoryError):
-    """A user would hold more of a pool than its share (``fair_share``, ``max_pool_share_per_user``)."""
-
-    code = "RESOURCE_EXHAUSTED"
-
-    def __init__(self, uid: int, ceiling: int, held: int, needed: int, pool_bytes: int, users: int,
-                 fair: bool) -> None:
-        why = f"fair_share: a pool of {pool_bytes} bytes shared by {users} users" if fair else \
-            f"max_pool_share_per_user of a pool of {pool_bytes} bytes"
-        super().__init__(f"pool share of uid {uid} exceeded: it holds {held} bytes, may hold {ceiling} ({why}), "
-                         f"and this call needs {needed} more; free sequences and retry")
-
-
-def uid_of(session) -> int | None:
-    """The user of a session (its kernel credentials at attach); None for an in-process caller."""
-    return None if session.creds is None else session.creds.uid
 
 
 class PerUser:
@@ -112,198 +67,4 @@ class PerUser:
             del self._held[uid]
 
 
-class PoolShares:
-    """The users with a session on one pool, and the most device memory each may hold there."""
-
-    def __init__(self, pool) -> None:
-        self.pool = pool
-        self._sessions: dict[int, set[int]] = {}  # uid -> its sessions bound to this pool
-
-    def bind(self, session) -> None:
-        uid = uid_of(session)
-        if uid is not None:
-            self._sessions.setdefault(uid, set()).add(session.id)
-
-    def unbind(self, session) -> None:
-        mine = self._sessions.get(uid_of(session))
-        if mine is not None:
-            mine.discard(session.id)
-            if not mine:
-                del self._sessions[uid_of(session)]
-
-    @property
-    def users(self) -> int:
-        return len(self._sessions)
-
-    @property
-    def pool_bytes(self) -> int:
-        budget = self.pool.manager.budget
-        return budget.total * budget.chunk_bytes
-
-    def _fair(self) -> bool:
-        """Whether the fair share (pool / users) is what bounds a user, rather than max_pool_share_per_user."""
-        config = self.pool.config
-        return config.fair_share and len(self._sessions) > 1 and \
-            1 / len(self._sessions) <= config.max_pool_share_per_user
-
-    def ceiling(self, session) -> int | None:
-        """Bytes of this pool the session's user may hold; None when nothing bounds it below the pool."""
-        if uid_of(session) is None:
-            return None
-        share = 1 / len(self._sessions) if self._fair() else self.pool.config.max_pool_share_per_user
-        return int(self.pool_bytes * share) if share < 1 else None
-
-    def held(self, session) -> int:
-        """Bytes the session's user holds on this pool: its sequences' blocks and its reserves."""
-        return self.pool.manager.held_bytes(self._sessions.get(uid_of(session), ()))
-
-    def headroom(self, session, ceiling: int) -> int:
-        """Blocks of the session's class its user may still take under ``ceiling``."""
-        return max(0, (ceiling - self.held(session)) // self.block_bytes(session))
-
-    def block_bytes(self, session) -> int:
-        return self.pool.manager.classes[session.class_id].block_bytes
-
-    def check(self, session, needed_blocks: int) -> None:
-        """``ShareExceeded`` if ``needed_blocks`` more blocks of its class take the user past its share."""
-        ceiling = self.ceiling(session)
-        if ceiling is None or needed_blocks <= 0:
-            return
-        held, needed = self.held(session), needed_blocks * self.block_bytes(session)
-        if held + needed > ceiling:
-            raise ShareExceeded(uid_of(session), ceiling, held, needed, self.pool_bytes, self.users, self._fair())
-
-
-class Quotas:
-    """Per-session quota and per-user share of one pool, read from the live config (so SIGHUP changes them)."""
-
-    QUOTA = "max_blocks_per_session"
-
-    def __init__(self, pool) -> None:
-        self.service = pool
-        self.shares = PoolShares(pool)
-
-    @property
-    def limit(self) -> int:
-        return self.service.config.max_blocks_per_session
-
-    def held(self, session) -> int:
-        """Device blocks in the session's sequences' page tables (swapped-out ones hold none)."""
-        return self.service.manager.held_device_blocks(session.id)
-
-    def _bounded(self, session) -> bool:
-        """Whether a quota or a share bounds this session's growth now (else the calls skip counting)."""
-        return bool(self.limit) or self.shares.ceiling(session) is not None
-
-    def _check(self, session, needed: int, claimed: int = 0) -> None:
-        """``needed`` more blocks in the session's page tables, ``claimed`` of them from its own reserve."""
-        limit = self.limit
-        if limit and needed > 0:
-            held = self.held(session)
-            if held + needed > limit:
-                raise QuotaExceeded(self.QUOTA, limit, held, needed)
-        self.shares.check(session, needed - claimed)  # a claimed block was the user's already (its reserve)
-
-    # -- per call ---------------------------------------------------------------------
-    def check_create(self, session, token_counts: list[int]) -> None:
-        if self._bounded(session):
-            bs = self.service.manager.block_size(session.class_id)
-            self._check(session, sum(-(-n // bs) for n in token_counts))
-
-    def check_fork(self, session, seq_ids: list[int]) -> None:
-        if self._bounded(session):
-            m = self.service.manager
-            self._check(session, sum(len(m.sequence(session.id, i).block_table) for i in seq_ids))
-
-    def check_step(self, session, seq_ids: np.ndarray, counts: np.ndarray | None, ntokens: int,
-                   free_ids: list[int], claimed: int = 0) -> None:
-        """Blocks the extends add, less what the step's frees give back (frees run after the extends)."""
-        if not len(seq_ids) or not self._bounded(session):
-            return
-        m = self.service.manager
-        grow = m.extend_growth(session.id, seq_ids, counts)  # the core's own ownership errors first
-        sent = len(seq_ids) if counts is None else int(np.sum(counts))
-        if grow is None or sent != ntokens:
-            return  # malformed: the core rejects it with the precise message
-        self._check(session, grow - m.device_blocks_of(session.id, free_ids), claimed)
-
-    def check_swap_in(self, session, seq_ids: list[int]) -> None:
-        """Swapping in brings a sequence's blocks back onto the device: they count again."""
-        if self._bounded(session):
-            self._check(session, self.service.manager.device_blocks_of(session.id, seq_ids))
-
-    def reserve_target(self, session, target: int) -> int:
-        """The reserve top-up a step may ask for: never past the quota's headroom nor the user's share."""
-        if not target:
-            return target
-        limit, ceiling = self.limit, self.shares.ceiling(session)
-        if limit:
-            target = max(0, min(target, limit - self.held(session)))
-        if ceiling is not None:
-            reserve = len(self.service.manager.reserve(session.id, session.class_id))
-            target = min(target, reserve + self.shares.headroom(session, ceiling))
-        return target
-
-
-class LimitExceeded(KvpoolError, MemoryError):
-    """A session would hold more sequences than ``max_sequences_per_session``; nothing was changed."""
-
-    code = "RESOURCE_EXHAUSTED"
-
-    def __init__(self, limit_name: str, limit: int, held: int, needed: int) -> None:
-        self.limit_name, self.limit, self.held, self.needed = limit_name, limit, held, needed
-        super().__init__(
-            f"limit {limit_name}={limit} exceeded: the session holds {held} sequences and this call adds {needed}"
-        )
-
-
-class CallTooLarge(KvpoolError, ValueError):
-    """One call carries more tokens than ``max_tokens_per_call``; nothing was changed."""
-
-    code = "INVALID_ARGUMENT"
-
-    def __init__(self, limit_name: str, limit: int, ntokens: int) -> None:
-        self.limit_name, self.limit, self.ntokens = limit_name, limit, ntokens
-        super().__init__(f"limit {limit_name}={limit} exceeded: this call carries {ntokens} tokens "
-                         f"(split it into smaller calls)")
-
-
-class StringTooLong(KvpoolError, ValueError):
-    """A client string (name, model id, extra key...) longer than ``max_string_bytes`` allows."""
-
-    code = "INVALID_ARGUMENT"
-
-    def __init__(self, what: str, limit: int, nbytes: int) -> None:
-        super().__init__(f"{what} is {nbytes} bytes; at most {limit} are allowed (max_string_bytes)")
-
-
-def check_string(config, what: str, value: str, factor: int = 1) -> None:
-    """Refuse a client string over the limit before it reaches the core, a log or the stats."""
-    limit = config.max_string_bytes * factor
-    if limit and len(value) > limit // 4:  # a str's UTF-8 bytes are at most 4 per character
-        nbytes = len(value.encode("utf-8", "surrogatepass"))
-        if nbytes > limit:
-            raise StringTooLong(what, limit, nbytes)
-
-
-class Limits:
-    """Per-call and per-session bounds, read from the live config; checked before the core runs."""
-
-    def __init__(self, service) -> None:
-        self.service = service
-
-    def check_extra_key(self, extra_key: str) -> None:
-        check_string(self.service.config, "extra_key", extra_key, EXTRA_KEY_FACTOR)
-
-    def check_sequences(self, session, adding: int) -> None:
-        limit = self.service.config.max_sequences_per_session
-        if not limit or adding <= 0:
-            return
-        held = self.service.manager.owners().get(session.id, (0, 0))[0]
-        if held + adding > limit:
-            raise LimitExceeded("max_sequences_per_session", limit, held, adding)
-
-    def check_tokens(self, ntokens: int) -> None:
-        limit = self.service.config.max_tokens_per_call
-        if limit and ntokens > limit:
-            raise CallTooLarge("max_tokens_per_call", limit, ntokens)
+__all__ = ["AdminOnly", "Draining", "PerUser"]

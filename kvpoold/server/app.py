@@ -46,7 +46,7 @@ from kvpoold.config import LIVE_KEYS, MAX_MESSAGE_BYTES, Config, ConfigError, ch
 from kvpoold.memory import make_backend
 
 from .handoff import HandoffServer, handoff_path
-from .pools import check_disk_root, disk_dir_for
+from .devices import check_disk_root, disk_dir_for
 from .sd import Notifier
 from .service import Service
 from .sockpath import BoundSocket, PathRefused, SocketLock, clear_stale_socket
@@ -196,8 +196,8 @@ def raise_open_files_limit(config: Config) -> None:
 class _Listener:
     """One gRPC server on one Unix socket: the normal socket, or the admin socket."""
 
-    def __init__(self, path: str, mode: int, admin: bool, service: Service, shutdown: asyncio.Event,
-                 health, interceptors) -> None:
+    def __init__(self, path: str, mode: int, service: Service, shutdown: asyncio.Event, health, interceptors, *,
+                 admin: bool) -> None:
         self.path, self.mode, self.admin = path, mode, admin
         self.bound: BoundSocket | None = None  # once bound
         # kernel credentials, attach tickets, arena fds
@@ -281,7 +281,7 @@ async def serve(config: Config, ready=None, reload: Callable[[], Config] | None 
                                   (admin_path, config.admin_socket_mode, True)):
             if path:  # each server its own interceptor: handlers must never cross between the two
                 interceptors = [metrics.rpc.interceptor()] if metrics is not None else None
-                listeners.append(_Listener(path, mode, admin, service, shutdown, health, interceptors))
+                listeners.append(_Listener(path, mode, service, shutdown, health, interceptors, admin=admin))
         for listener in listeners:
             await listener.start(gid if not listener.admin else None)
         if metrics is not None:

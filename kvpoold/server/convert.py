@@ -20,8 +20,7 @@ from kvpoold.config import LIVE_KEYS, Config, config_as_dict
 from kvpoold.core import Geometry, InvalidArgument
 from kvpoold.core.results import LookupResult, PageTable
 
-from .service import AttachResult, DrainState
-from .session_pool import StepCall, StepResult
+from .calls import AttachResult, DrainState, PoolResize, StepCall, StepResult
 
 
 def tokens(data: bytes) -> np.ndarray:
@@ -55,7 +54,7 @@ def attach_reply(r: AttachResult, config: Config, version: str) -> pb.AttachRepl
         max_reserve_blocks=config.max_reserve_blocks,
         grace_seconds=config.grace_seconds,
         daemon_version=version,
-        backend=r.pool.backend.name,
+        backend=r.backend,
         max_blocks_per_session=config.max_blocks_per_session,
         lease_seconds=config.lease_seconds,
     )
@@ -110,7 +109,8 @@ def page_tables(tables: list[PageTable]) -> list[pb.SequenceTable]:
 
 
 def tracked_tables(tracked) -> list[pb.SequenceTable]:
-    """Tables with the tokens whose KV is there (or arriving) and the positions still arriving (``tiers.Tracked``)."""
+    """Tables with the tokens whose KV is there (or arriving) and the positions still arriving
+    (``tier_pending.Tracked``)."""
     out = []
     for t in tracked:
         table = page_table(t.info)
@@ -167,12 +167,14 @@ def resize_request(msg: pb.ResizeRequest) -> tuple[int, int | None]:
     return msg.pool_bytes, None if msg.device < 0 else msg.device
 
 
-def resize_reply(results) -> pb.ResizeReply:
+def resize_reply(results: list[PoolResize]) -> pb.ResizeReply:
     return pb.ResizeReply(pools=[
         pb.PoolResize(device=r.device, target_bytes=r.target_bytes, pool_bytes=r.pool_bytes, met=r.met,
                       freed_bytes=r.freed_bytes, evicted_blocks=r.evicted_blocks, max_pool_bytes=r.max_pool_bytes)
         for r in results
     ])
+
+
 def kv_event(ev) -> pb.KvEvent:
     """An ``events.KvEvent`` on the wire."""
     return pb.KvEvent(seq=ev.seq, kind=ev.kind, tier=ev.tier, from_tier=ev.from_tier, model_ids=ev.model_ids,

@@ -1,4 +1,4 @@
-"""One pool per device, and which pool each session uses.
+"""One device's memory: ``DevicePool``.
 
 A CUDA daemon started with ``--devices 0,1`` owns one ``DevicePool`` per
 GPU: its own backend (the device allocations on that GPU), its own
@@ -6,60 +6,42 @@ GPU: its own backend (the device allocations on that GPU), its own
 its own disk directory).  Pools share nothing but the session registry, so a
 prefix cached on GPU 0 is no hit on GPU 1: its bytes are on the other device.
 The CPU backend always has exactly one pool (``--devices`` means nothing there).
+Which pool a session uses, and the pools together: ``devices.py``.
 
-Sizes are per device: ``--pool-bytes`` / ``--gpu-memory-fraction``,
-``--host-bytes`` and ``--disk-bytes`` apply to each pool.  With one pool the
-disk tier is ``--disk-dir`` itself (as before there were several); with
-several, pool ``N`` keeps it in ``<disk-dir>/gpuN`` (``disk_dir_for``), the
-directory the ``kvpoold@N`` unit uses, so a restart finds each device's blocks.
-
-``DevicePools`` binds a session to one pool at attach, by the PCI bus id of
-the client's GPU (``choose``): CUDA ordinals differ between processes with
-different ``CUDA_VISIBLE_DEVICES``, the bus id does not.  Every later call
-of the session goes to that pool, through the ``PoolSession`` made at
-attach (``session_pool.py``; ``calls``).
+A pool is made of parts that each do one job and know only the core (and the
+live configuration, through a callable, where they read it): ``Quotas`` and
+``Limits`` (checked before the core allocates), ``ClassSessions`` (which
+classes are in use), and the tiers: ``Tiers`` (the transfer engine),
+``InFlight`` (blocks whose bytes are arriving), ``Pending`` (sequences
+waiting for them) and ``RemoteLookups`` (the remote tier).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import defaultdict
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from kvpoold.config import Config
 from kvpoold.core import Geometry, InvalidArgument, KVCacheManager
 from kvpoold.core.block_pool import choose_slab_chunks
-from kvpool.ipc import DeviceMismatch
 from kvpool.protocol import ArenaDescriptor
 from kvpool.protocol.stats import DeviceStats
 from kvpoold.memory import Arena, Backend
-from kvpoold.transfer import open_private_dir
+from kvpoold.transfer.remote import RemoteLink, RemoteStore
 
-from .access import Limits, Quotas
-from .events import EventBus
+from .calls import PoolResize
 from .classes import ClassSessions
-from .session_pool import PoolSession
-from .tiers import TIER_ALIGN, Tiers, resolve_disk_dir
+from .events import EventBus
+from .limits import Limits
+from .quotas import Quotas
+from .tier_inflight import InFlight
+from .tier_pending import Pending
+from .tier_remote import RemoteLookups
+from .tiers import TIER_ALIGN, Tiers, layout_dict
 
 log = logging.getLogger("kvpoold")
-
-
-def disk_dir_for(config: Config, device: int, npools: int) -> str:
-    """The disk tier's directory of the pool on ``device``: ``--disk-dir``, or ``<disk-dir>/gpuN`` with several pools."""
-    base = resolve_disk_dir(config.disk_dir)
-    if npools > 1 and base:
-        return os.path.join(base, f"gpu{device}")
-    return base
-
-
-def check_disk_root(config: Config, npools: int) -> None:
-    """With several pools ``--disk-dir`` holds their ``gpuN`` directories: it must be kvpoold's own too
-    (``transfer.disk.open_private_dir``; ``DiskTierError`` if not), checked before anything is made in it."""
-    base = resolve_disk_dir(config.disk_dir)
-    if npools > 1 and base and config.disk_bytes:
-        os.close(open_private_dir(base))
 
 
 def normalize_bus_id(bus: str) -> str:
@@ -76,20 +58,6 @@ def max_pool_bytes(backend: Backend, pool_bytes: int) -> int:
     return max(pool_bytes, most()) if most is not None else pool_bytes
 
 
-@dataclass(frozen=True)
-class PoolResize:
-    """What ``DevicePool.resize`` did to one pool."""
-
-    device: int
-    before_bytes: int
-    target_bytes: int
-    pool_bytes: int
-    met: bool
-    freed_bytes: int
-    evicted_blocks: int
-    max_pool_bytes: int
-
-
 class DevicePool:
     """One device's memory: backend, core, arenas per layout class, tiers.
 
@@ -98,8 +66,8 @@ class DevicePool:
     """
 
     def __init__(self, config: Config, backend: Backend, pool_bytes: int, *, index: int = 0,
-                 device: int = -1, bus_id: str | None = None, disk_dir: str | None = None, remote=None,
-                 events: EventBus | None = None) -> None:
+                 device: int = -1, bus_id: str | None = None, disk_dir: str | None = None,
+                 remote: RemoteStore | None = None, events: EventBus | None = None) -> None:
         """``remote``: the daemon's ``RemoteStore`` (tier 3, shared by its pools), or None; ``events``:
         the daemon's KV events, which this pool reports its blocks' changes to."""
         self.config = config
@@ -121,8 +89,12 @@ class DevicePool:
             remote_write=config.remote_write if remote is not None else "",
             journal=events is not None,
         )
-        self.tiers = Tiers(config, self.manager, backend.name, device=device if device >= 0 else None,
-                           disk_dir=disk_dir, remote=remote)  # host, disk and remote tiers, transfers
+        link = RemoteLink(remote) if remote is not None else None  # this pool's classes in the remote tier
+        inflight = InFlight(self.manager)  # device blocks whose bytes are still arriving
+        self.tiers = Tiers(config, self.manager, inflight, backend.name, device=device if device >= 0 else None,
+                           disk_dir=disk_dir, remote=link)  # host, disk and remote tiers, transfers
+        self.pending = Pending(self.manager, inflight)  # sequences returned while their bytes arrive
+        self.remote = RemoteLookups(self.manager, link)
         self.events = events
         if events is not None:
             self.tiers.on_moves = self._report
@@ -131,13 +103,20 @@ class DevicePool:
         self.slab_seconds: dict[int, dict[str, float]] = defaultdict(lambda: {"commit": 0.0, "release": 0.0})
         self.free_seconds = 0.0  # giving memory no class uses back (vmm: to the GPU), for the stats
         self.models: dict[int, set[str]] = {}
-        self.quotas = Quotas(self)  # per-session quota, per-user share (access.py), checked before the core allocates
-        self.limits = Limits(self)  # sequences per session, tokens per call
+        # per-session quota, per-user share, checked before the core allocates
+        self.quotas = Quotas(self.manager, self._live_config)
+        self.limits = Limits(self.manager, self._live_config)  # sequences per session, tokens per call
         self.sessions = 0  # bound to this pool now
-        self.classes = ClassSessions(self)  # sessions per class; reclaims unused classes, enforces the caps
+        # sessions per class; reclaims unused classes, enforces the caps
+        self.classes = ClassSessions(self.manager, self.name, close_class=self.close_class,
+                                     sync_memory=self.sync_memory)
         self.on_remap = lambda session_ids: None  # the service tells those clients to sync their chunks
         if hasattr(backend, "ledger"):
             backend.notify = lambda viewers: self.on_remap(viewers)
+
+    def _live_config(self) -> Config:
+        """The configuration now: SIGHUP replaces it, so the parts that check live settings ask each time."""
+        return self.config
 
     @property
     def name(self) -> str:
@@ -195,7 +174,9 @@ class DevicePool:
         """The layout class of ``geometry`` with its arena: (class id, descriptor, blocks, block bytes)."""
         if self.manager.class_of(geometry) is None:
             choose_slab_chunks(geometry.block_bytes, self.manager.budget.chunk_bytes, self.manager.budget.total)
-            self.classes.make_room(geometry.tenant)  # TooManyClasses, before anything changes
+            # TooManyClasses, before anything changes
+            self.classes.make_room(geometry.tenant, max_classes=self.config.max_classes,
+                                   max_classes_per_tenant=self.config.max_classes_per_tenant)
         known = self.manager.class_of(geometry) in self.arenas  # classes of the disk tier have no arena
         if not known and self.arenas and not self.backend.supports_many_classes:
             raise InvalidArgument(
@@ -210,6 +191,7 @@ class DevicePool:
             self.arenas[cid] = self.backend.create_arena(f"c{cid}", pool.num_block_ids * pool.block_bytes,
                                                          class_id=cid, tenant=geometry.tenant)
             self.tiers.add_arena(cid, self.arenas[cid], pool)
+            self.remote.bind(cid, layout_dict(pool.geometry))
         return cid, self.arenas[cid].descriptor, pool.num_block_ids, pool.block_bytes
 
     # -- the ceiling ---------------------------------------------------------------------
@@ -228,8 +210,9 @@ class DevicePool:
         r = self.manager.resize(pool_bytes)
         self.sync_memory()
         self.pool_bytes = r.pool_bytes
-        return PoolResize(self.device, before, r.target_bytes, r.pool_bytes, r.met,
-                          r.freed_chunks * self.manager.chunk_bytes, r.evicted_blocks, self.manager.max_pool_bytes)
+        return PoolResize(device=self.device, before_bytes=before, target_bytes=r.target_bytes,
+                          pool_bytes=r.pool_bytes, met=r.met, freed_bytes=r.freed_chunks * self.manager.chunk_bytes,
+                          evicted_blocks=r.evicted_blocks, max_pool_bytes=self.manager.max_pool_bytes)
 
     def release_idle(self, now: float) -> int:
         """Give back slabs empty for ``release_after_seconds`` (VMM: to the GPU); returns chunks."""
@@ -255,7 +238,7 @@ class DevicePool:
     def drop_owner(self, owner: int, class_id: int | None = None) -> int:
         """Free what a session held; ``class_id``: its class, whose arena loses the pages no slab owns."""
         released = self.manager.drop_owner(owner)
-        self.tiers.forget_owner(owner)
+        self.pending.forget_owner(owner)
         self.sync_memory()
         arena = self.arenas.get(class_id)
         if arena is not None and arena.client_writable:  # what the client wrote outside the class's slabs
@@ -327,80 +310,3 @@ class DevicePool:
             arena.close()
         self.arenas.clear()
         self.backend.close()
-
-
-class DevicePools:
-    """The daemon's pools, in ``--devices`` order, and the pool each session is bound to."""
-
-    def __init__(self) -> None:
-        self.pools: list[DevicePool] = []
-        self._of: dict[int, PoolSession] = {}  # session id -> its calls on its pool
-
-    def add(self, pool: DevicePool) -> DevicePool:
-        if pool.bus_id and any(p.bus_id == pool.bus_id for p in self.pools):
-            raise ValueError(f"GPU {pool.bus_id} is listed twice in --devices")
-        self.pools.append(pool)
-        return pool
-
-    def __iter__(self):
-        return iter(self.pools)
-
-    def __len__(self) -> int:
-        return len(self.pools)
-
-    def describe(self) -> str:
-        return ", ".join(p.name for p in self.pools)
-
-    def choose(self, bus_id: str) -> DevicePool:
-        """The pool of the client's GPU (its PCI bus id); ``""``: the only pool.
-
-        A client on a GPU no pool is on, or one that names no GPU while the
-        daemon serves several, gets ``DeviceMismatch`` (FAILED_PRECONDITION)
-        naming the devices served.
-        """
-        bus = normalize_bus_id(bus_id)
-        if len(self.pools) == 1 and (not bus or not self.pools[0].bus_id):
-            return self.pools[0]  # one pool (or the CPU backend): a client without a GPU is no ambiguity
-        if not bus:
-            raise DeviceMismatch(
-                f"this kvpoold serves several GPUs ({self.describe()}) and the client named none: "
-                "run it on one of them (kvpool.connect(device=...), or torch.cuda.set_device before connecting)"
-            )
-        for p in self.pools:
-            if p.bus_id == bus:
-                return p
-        raise DeviceMismatch(
-            f"the client runs on GPU {bus}, which this kvpoold does not serve; it serves {self.describe()}: "
-            "run the client on one of those GPUs, or attach to the daemon of its GPU"
-        )
-
-    def bind(self, calls: PoolSession) -> None:
-        self._of[calls.session.id] = calls
-        calls.pool.sessions += 1
-        calls.pool.quotas.shares.bind(calls.session)
-
-    def unbind(self, session_id: int) -> DevicePool | None:
-        calls = self._of.pop(session_id, None)
-        if calls is None:
-            return None
-        calls.pool.sessions -= 1
-        calls.pool.quotas.shares.unbind(calls.session)
-        return calls.pool
-
-    def of(self, session) -> DevicePool:
-        """The pool a session was bound to at attach."""
-        return self._of[session.id].pool
-
-    def calls(self, session) -> PoolSession:
-        """The session's calls on its pool (bound at attach)."""
-        return self._of[session.id]
-
-    def close(self) -> None:
-        """Close every pool (each releases its device memory even if another fails)."""
-        while self.pools:
-            pool = self.pools.pop()
-            try:
-                pool.close()
-            except Exception:  # noqa: BLE001 - the other pools must still be released
-                log.exception("%s: closing the pool failed", pool.name)
-        self._of.clear()

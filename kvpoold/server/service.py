@@ -4,30 +4,34 @@ Everything here is called from the event loop only (the daemon's single
 concurrency rule), so no locks are needed.  No gRPC types appear: the
 servicer converts messages into these calls and results back
 (``convert.py``).  The memory of each device (core, arenas, tiers) lives in
-a ``pools.DevicePool``; a session is bound to one pool at attach, and its
-calls are made on the ``PoolSession`` of that binding (``session_pool``).
+a ``pools.DevicePool``; a session is bound to one pool at attach
+(``devices.DevicePools``), and its calls are made on the ``PoolSession`` of
+that binding (``session_pool``), which needs of the service only what
+``session_pool.SessionKeeper`` names.  Call and result types: ``calls.py``.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import partial
 
 from kvpoold import __version__
 from kvpoold.config import Config
 from kvpoold.core import Geometry, InvalidArgument, WrongState
 from kvpoold.core.results import PageTable
-from kvpool.protocol import ArenaDescriptor
 from kvpool.protocol.stats import ClientInfo, PoolStats, RemoteStats
 from kvpoold.transfer.remote import RemoteSettings, RemoteStore
 
-from .access import AdminOnly, Draining, check_string
+from .access import AdminOnly, Draining
+from .calls import AttachResult, DrainState, PoolResize
+from .devices import DevicePools
 from .events import EventBus
-from .logsafe import printable
 from .handoff import Credentials, NoCredentials, TicketStore
-from .pools import DevicePool, DevicePools, PoolResize
+from .limits import check_string
+from .logsafe import printable
+from .pools import DevicePool
 from .session_pool import PoolSession
 from .sessions import Session, SessionRegistry
 
@@ -39,22 +43,6 @@ def tenant_of(tenant_by: str, creds: Credentials | None) -> str:
     if creds is None or tenant_by == "none":
         return ""
     return f"uid {creds.uid}" if tenant_by == "uid" else f"gid {creds.gid}"
-
-
-@dataclass(frozen=True)
-class AttachResult:
-    session: Session
-    descriptor: ArenaDescriptor
-    num_blocks: int
-    block_bytes: int
-    pool: DevicePool
-
-
-@dataclass(frozen=True)
-class DrainState:
-    draining: bool
-    sessions: int
-    sequences: int
 
 
 class Service:
@@ -153,7 +141,7 @@ class Service:
         pool.models.setdefault(cid, set()).add(model_key)
         log.info("attach: session %d (%s, pid %d) model %s on %s class %d %s", session.id, printable(session.name),
                  session.pid, printable(model_key), pool.name, cid, printable(geometry.describe()))
-        return AttachResult(session, descriptor, num_blocks, block_bytes, pool)
+        return AttachResult(session, descriptor, num_blocks, block_bytes, pool.backend.name)
 
     def arena_fd(self, token: bytes, creds: Credentials) -> tuple[int, int]:
         """(file descriptor, bytes) of the arena of ``token``'s session, for the process that attached it.
@@ -188,15 +176,15 @@ class Service:
         """The calls of the session of ``token`` on the pool it was bound to at attach."""
         return self.pools.calls(self.sessions.get(token))
 
-    def sequences_of(self, token: bytes, session_id: int, admin: bool) -> list[PageTable]:
+    def sequences_of(self, token: bytes, session_id: int, *, admin: bool) -> list[PageTable]:
         """The sequences of session ``session_id`` (0: of ``token``'s); another session's need ``admin``."""
         if not session_id:
             return self.session_pool(token).sequences()
         if not (token and self.session(token).id == session_id):
-            self.need_admin(admin, "another session's sequences")
+            self.need_admin("another session's sequences", admin=admin)
         return self.pools.calls(self.sessions.by_id(session_id)).sequences()
 
-    def need_admin(self, admin: bool, what: str) -> None:
+    def need_admin(self, what: str, *, admin: bool) -> None:
         """Refuse an admin call (``what``) that did not arrive on the admin socket."""
         if not admin:
             raise AdminOnly(what, self.config.admin_socket_path())
@@ -328,13 +316,13 @@ class Service:
         evicted = self.evict(None, None)
         return len(sessions), released, evicted
 
-    def drain(self, resume: bool) -> DrainState:
+    def drain(self, *, resume: bool) -> DrainState:
         """Stop taking new attaches and sequences (``resume``: take them again); running ones go on."""
         if self.draining == resume:
             self.draining = not resume
             log.info("%s: %d sessions, %d sequences", "draining" if self.draining else "drain ended",
                      len(self.sessions), self.live_sequences)
-        return DrainState(self.draining, len(self.sessions), self.live_sequences)
+        return DrainState(draining=self.draining, sessions=len(self.sessions), sequences=self.live_sequences)
 
     def check(self) -> tuple[bool, str]:
         """Run every pool's invariant checks and the session cross-checks."""

@@ -114,7 +114,7 @@ def _admin(what: str):
     def mark(fn):
         @functools.wraps(fn)
         def checked(self, request):
-            self.service.need_admin(self.admin, what)
+            self.service.need_admin(what, admin=self.admin)
             return fn(self, request)
 
         return checked
@@ -123,7 +123,7 @@ def _admin(what: str):
 
 
 class KVPoolServicer(pb_grpc.KVPoolServicer):
-    def __init__(self, service: Service, shutdown: asyncio.Event, admin: bool = False) -> None:
+    def __init__(self, service: Service, shutdown: asyncio.Event, *, admin: bool = False) -> None:
         self.service = service
         self._shutdown = shutdown
         self.admin = admin  # True on the admin socket's server: admin calls allowed
@@ -171,8 +171,8 @@ class KVPoolServicer(pb_grpc.KVPoolServicer):
     @_unary
     async def Create(self, request):
         calls = self.service.session_pool(request.session)
-        tracked = await _settled(calls.create(convert.prompts(request), request.no_wait,
-                                                counted=not request.uncounted))
+        tracked = await _settled(calls.create(convert.prompts(request), no_wait=request.no_wait,
+                                              counted=not request.uncounted))
         return pb.CreateReply(sequences=convert.tracked_tables(tracked))
 
     @_unary
@@ -194,7 +194,7 @@ class KVPoolServicer(pb_grpc.KVPoolServicer):
 
     @_unary
     def Sequences(self, request):
-        tables = self.service.sequences_of(request.session, request.session_id, self.admin)
+        tables = self.service.sequences_of(request.session, request.session_id, admin=self.admin)
         return pb.SequencesReply(sequences=convert.page_tables(tables))
 
     # -- tiers ---------------------------------------------------------------------------------
@@ -206,7 +206,7 @@ class KVPoolServicer(pb_grpc.KVPoolServicer):
     @_unary
     async def SwapIn(self, request):
         calls = self.service.session_pool(request.session)
-        tracked = await _settled(calls.swap_in(list(request.seq_ids), request.no_wait))
+        tracked = await _settled(calls.swap_in(list(request.seq_ids), no_wait=request.no_wait))
         return pb.SwapInReply(sequences=convert.tracked_tables(tracked))
 
     @_unary
@@ -220,7 +220,7 @@ class KVPoolServicer(pb_grpc.KVPoolServicer):
         try:
             if isinstance(request, Malformed):
                 raise InvalidArgument(request.error)
-            self.service.need_admin(self.admin, "events")
+            self.service.need_admin("events", admin=self.admin)
         except Exception as exc:  # noqa: BLE001
             code, message = status_for(exc)
             await context.abort(code, message)
@@ -268,7 +268,7 @@ class KVPoolServicer(pb_grpc.KVPoolServicer):
     @_unary
     @_admin("drain")
     def Drain(self, request):
-        return convert.drain_reply(self.service.drain(request.resume))
+        return convert.drain_reply(self.service.drain(resume=request.resume))
 
     @_unary
     @_admin("reset")

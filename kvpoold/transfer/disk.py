@@ -75,6 +75,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import xxhash
 
+from kvpool.protocol.sizes import cdiv
+
 from kvpoold import faults
 
 from .meter import Meters
@@ -433,7 +435,7 @@ class DiskStore:
     def _open_file(self, gid: int, block_bytes: int) -> _DataFile:
         f = self.files.get(gid)
         if f is None:
-            stride = -(-block_bytes // ALIGN) * ALIGN
+            stride = cdiv(block_bytes, ALIGN) * ALIGN
             f = self.files[gid] = _DataFile(self._dir_fd, self.directory, f"blocks-{gid}.dat", stride, self.direct)
         return f
 

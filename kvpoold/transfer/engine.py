@@ -419,7 +419,7 @@ class TransferEngine:
                     self.disk.drop(key)
             self.host.free_many(freed)
             if batch is not None:
-                batch.written(-1, True, None)  # submitted: the last write's completion ends the batch
+                batch.written(-1, ok=True, key=None)  # submitted: the last write's completion ends the batch
         if done_outs < len(outs):
             self._flush_out(keys, dst, block, outs[done_outs:])
         if len(to_remote):

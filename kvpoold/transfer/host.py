@@ -32,6 +32,8 @@ from itertools import repeat
 
 import numpy as np
 
+from kvpool.protocol.sizes import cdiv
+
 from .slots import SlotAllocator
 
 ALIGN = 4096
@@ -80,7 +82,7 @@ class HostStore:
         if capacity < 0 or staging < 0:
             raise ValueError("host capacity and staging must be >= 0")
         self.capacity = capacity
-        self.nbytes = -(-(capacity + staging) // ALIGN) * ALIGN
+        self.nbytes = cdiv(capacity + staging, ALIGN) * ALIGN
         self.cuda_device = cuda_device
         self._keep = None
         if self.nbytes == 0:
@@ -130,7 +132,7 @@ class HostStore:
     @staticmethod
     def temp(nbytes: int, n: int) -> tuple[np.ndarray, int]:
         """(buffer, stride): room for ``n`` blocks outside the store (it is full and nothing will free a slot)."""
-        stride = -(-max(1, nbytes) // ALIGN) * ALIGN
+        stride = cdiv(max(1, nbytes), ALIGN) * ALIGN
         return aligned_empty(stride * n), stride
 
     # -- keyed entries --------------------------------------------------------------------------

@@ -30,6 +30,8 @@ import heapq
 
 import numpy as np
 
+from kvpool.protocol.sizes import cdiv
+
 _EMPTY = np.zeros(0, np.int64)
 
 
@@ -65,7 +67,7 @@ class _FreeList:
     def take(self, n: int) -> np.ndarray:
         """The ``n`` lowest free offsets (fewer if there are fewer), removed from the list."""
         if self.pending or self.heap:
-            self._merge(True)
+            self._merge(with_heap=True)
         h = self.head
         out = self.sorted[h:h + n]
         self.head = h + len(out)
@@ -75,7 +77,7 @@ class _FreeList:
     def take_one(self) -> int:
         """The lowest free offset, removed (the list is not empty)."""
         if self.pending:
-            self._merge(False)
+            self._merge(with_heap=False)
         h, heap = self.head, self.heap
         if h < len(self.sorted) and (not heap or int(self.sorted[h]) < heap[0]):
             self.head = h + 1
@@ -100,7 +102,7 @@ class SlotAllocator:
         self.used = 0
 
     def round(self, nbytes: int) -> int:
-        return -(-nbytes // self.align) * self.align
+        return cdiv(nbytes, self.align) * self.align
 
     def _grow(self, end: int) -> None:
         """Room in the size array for slots up to byte ``end`` (a file that grows)."""

@@ -29,8 +29,9 @@ def snapshot(m: KVCacheManager):
         (tier_keys(index), dict(index._sizes), index.used, index.pinned, index.blocks_in, index.blocks_out, index.dropped)
         for index in m.placement.lower
     ]
-    swapped = ({s: tuple(e) for s, e in m._swapped.items()}, t.swapped.tobytes(), t.nswapped, m._next_swap,
-               [dict(h) for h in m._holds], len(m._moves))
-    elastic = (m.budget.total, {pool: dict(since) for pool, since in m._empty_since.items()})
-    return (seqs, pools, owners, m.budget.free, t.gen.tobytes(), t.live, [vars(c).copy() for c in m._counters],
+    swapped = ({s: tuple(e) for s, e in m._swaps.swapped.items()}, t.swapped.tobytes(), t.nswapped,
+               m._swaps.next_key, {c: dict(h) for c, h in m._holds.items()}, len(m._moves))
+    elastic = (m.budget.total, {pool: dict(since) for pool, since in m._elastic.empty_since.items()})
+    return (seqs, pools, owners, m.budget.free, t.gen.tobytes(), t.live,
+            [vars(c).copy() for c in m._registry.counters],
             tiers, swapped, elastic)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpoold.core import Geometry, InvalidArgument, KVCacheManager, WrongState
+from kvpoold.core import Geometry, InvalidArgument, KVCacheManager, Tier, WrongState
 
 from helpers import snapshot
 
@@ -69,6 +69,22 @@ def test_a_dropped_class_gives_its_slabs_back_and_its_id_to_the_next_geometry():
     c = m.register_class(geometry(2))
     assert c == a  # the lowest vacant id
     assert m.register_class(geometry(0)) == 2  # the dropped geometry is new again: a new id
+    m.check_invariants()
+
+
+@pytest.mark.parametrize("settings", [{"journal": True}, {"remote_write": "through"}])
+def test_a_class_in_a_reused_id_reports_its_confirmed_blocks_like_a_new_one(settings):
+    m = manager(**settings)
+    a = m.register_class(geometry(0))
+    m.drop_class(a)
+    m.drain_slab_changes()
+    assert m.register_class(geometry(1)) == a
+    seq = m.create(1, a, "m", [1, 2])  # one full block
+    m.free(1, [seq.seq_id])  # its KV is written: confirmed
+    if settings.get("journal"):
+        assert [(kind, cid) for kind, _, cid, _ in m.drain_journal()] == [("stored", a)]
+    else:
+        assert [(mv.src, mv.dst, mv.key[0]) for mv in m.drain_moves()] == [(Tier.DEVICE, Tier.REMOTE, a)]
     m.check_invariants()
 
 

@@ -294,11 +294,11 @@ def test_a_class_short_of_memory_takes_the_oldest_cached_slabs_whatever_their_cl
 def test_release_idle_validates_its_clock():
     m, c = elastic()
     m.create(1, c, "m", range(4))
-    before = snapshot(m), dict(m._empty_since)
+    before = snapshot(m), dict(m._elastic.empty_since)
     for now, after in ((float("nan"), 1), (1.0, -1), ("1", 0), (1.0, None), (True, 0)):
         with pytest.raises(InvalidArgument):
             m.release_idle(now, after)
-        assert (snapshot(m), dict(m._empty_since)) == before
+        assert (snapshot(m), dict(m._elastic.empty_since)) == before
 
 
 # -- figures --------------------------------------------------------------------------------

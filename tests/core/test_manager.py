@@ -8,6 +8,7 @@ from kvpoold.core import (
     Geometry,
     InvalidArgument,
     KVCacheManager,
+    KvpoolError,
     LayoutDoesNotFit,
     NotOwner,
     OutOfBlocks,
@@ -204,6 +205,31 @@ def test_layout_that_does_not_fit():
         Geometry(1, 1, 1, "int7")
     with pytest.raises(InvalidArgument):
         KVCacheManager(100, chunk_bytes=1024)
+
+
+@pytest.mark.parametrize("dtype", ["float8_e5m2", "int8", "uint8", "float64"])
+def test_a_dtype_no_kernel_takes_is_refused_by_both_sides_naming_the_accepted_ones(dtype):
+    import kvpool
+
+    for make in (lambda: Geometry(1, 1, 8, dtype), lambda: kvpool.Layout("m", 1, 1, 8, dtype=dtype)):
+        with pytest.raises(InvalidArgument, match=r"a kernel takes, \['bfloat16', 'float16', 'float32', "
+                                                  r"'float8_e4m3fn'\], got"):
+            make()
+
+
+def test_both_sides_raise_the_same_error_classes():
+    import kvpool
+    from kvpoold.core import TooManyClasses
+
+    assert InvalidArgument is kvpool.InvalidArgument and KvpoolError is kvpool.KvpoolError
+    m = KVCacheManager(4096, chunk_bytes=1024)
+    with pytest.raises(kvpool.NotFound, match="^sequence 7 does not exist$"):
+        m.free(1, [7])
+    for core, shared in ((UnknownSequence, kvpool.NotFound), (NotOwner, kvpool.PermissionDenied),
+                         (WrongState, kvpool.FailedPrecondition), (OutOfBlocks, kvpool.OutOfBlocks),
+                         (TooManyClasses, kvpool.TooManyClasses)):
+        assert issubclass(core, shared) and core.code == shared.code
+    assert str(TooManyClasses("max_classes 2")).startswith(kvpool.errors.TOO_MANY_CLASSES_PREFIX)
 
 
 def test_reserve_claims_move_blocks_into_sequences():

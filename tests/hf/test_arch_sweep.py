@@ -15,7 +15,7 @@ tiny random float32 model (``arch_sweep.build``) either
 
 ``EXCLUDED`` (not built, with the reason) and the twins ``arch_sweep.duplicate_of``
 names (the same model class on the same config class as another entry, swept
-there) are skipped.  Run as a script, this file prints the README's list of
+there) are skipped.  Run as a script, this file prints docs/hf.md's list of
 outcomes (the refusals as the probe gives them now, no daemon):
 
     .venv/bin/python tests/hf/test_arch_sweep.py
@@ -253,7 +253,7 @@ def test_a_window_no_sequence_reaches_needs_not_be_passed(pool):
     check_generates_like_transformers(model, pool, "moshi-long-window")
 
 
-# -- the README's list ---------------------------------------------------------------------------------------------
+# -- docs/hf.md's list -------------------------------------------------------------------------------------------------
 def outcomes() -> tuple[list[str], dict[str, list[str]], list[str]]:
     """What the connect-time check says of every architecture: (accepted, refused by reason, not swept).
 

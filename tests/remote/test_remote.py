@@ -170,7 +170,7 @@ def test_events_report_blocks_stored_moved_and_removed_to_readers_and_a_stream(r
     listening.wait(10)
     time.sleep(0.3)  # the stream is open
     with kvpool.connect(a.socket, name="a", layout=LAYOUT) as ca:
-        for i in range(80, 86):  # 18 blocks through a pool of 16 and a host tier of 2
+        for i in range(80, 88):  # 24 blocks through a pool of 16 and a host tier of 2
             write_prompt(ca, prompt(i, blocks=3))
     reader.join(30)
     assert ("stored", "device") in {(e["kind"], e["tier"]) for e in followed}
@@ -181,7 +181,7 @@ def test_events_report_blocks_stored_moved_and_removed_to_readers_and_a_stream(r
     assert ("removed", "device") in kinds and ("stored", "host") in kinds and ("removed", "host") in kinds
     assert all(e["model_ids"] and e["layout"] for e in events)
     stored = [h for e in events if e["kind"] == "stored" and e["tier"] == "device" for h in e["block_hashes"]]
-    assert len(stored) == 6 * 3
+    assert len(stored) == 8 * 3
     out = subprocess.run([sys.executable, "-m", "kvpoold.ctl", "--socket", a.socket, "events", "--recent", "5",
                           "--json"], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
@@ -200,7 +200,7 @@ def test_evict_writes_only_blocks_leaving_the_last_local_tier_and_they_come_back
         write_prompt(ca, toks)
         time.sleep(0.3)
         assert remote_stats(ca).blocks_written == 0  # still on the device: nothing sent
-        for i in range(101, 106):  # 15 more blocks through a pool of 16: the first prompt's leave it
+        for i in range(101, 108):  # 21 more blocks through a pool of 16: the first prompt's leave it
             write_prompt(ca, prompt(i, blocks=3))
         assert wait_for(lambda: remote_stats(ca).blocks_written >= 3)
         s = ca.create_sequence(toks)

@@ -57,6 +57,10 @@ def test_status_codes_for_bad_requests(daemon, two_clients):
         a._conn.call("Attach", pb.AttachRequest(name="x", layout=pb.Layout(model_id="m", num_layers=0)))
     with pytest.raises(kvpool.InvalidArgument, match="layout"):
         a._conn.call("Attach", pb.AttachRequest(name="x"))
+    # a dtype no kernel takes (the client's Layout refuses it too, so the raw message)
+    e5m2 = pb.Layout(model_id="m", num_layers=1, num_kv_heads=1, head_dim=8, dtype="float8_e5m2", block_size=4)
+    with pytest.raises(kvpool.InvalidArgument, match=r"dtypes a kernel takes.*float8_e4m3fn.*float8_e5m2"):
+        a._conn.call("Attach", pb.AttachRequest(name="x", layout=e5m2))
 
     after = a.stats()
     assert after.classes[0].used_blocks == before.classes[0].used_blocks  # nothing leaked

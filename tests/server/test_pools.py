@@ -30,7 +30,8 @@ from kvpoold.ctl import stats_view
 from kvpoold.memory.cpu_shm import CpuShmBackend
 from kvpoold.server.errors import TooManySessions
 from kvpoold.server.handoff import HandoffServer, handoff_path
-from kvpoold.server.pools import check_disk_root, disk_dir_for, normalize_bus_id
+from kvpoold.server.devices import check_disk_root, disk_dir_for
+from kvpoold.server.pools import normalize_bus_id
 from kvpoold.server.service import Service
 from kvpoold.transfer import DiskStore, DiskTierError
 from kvpoold.server.servicer import KVPoolServicer, add_to_server
@@ -69,12 +70,13 @@ def create(service, session, prompts):
 def test_a_session_gets_the_pool_of_its_gpu(service):
     a = service.attach("a", "m", GEOMETRY, os.getpid(), BUS[0])
     b = service.attach("b", "m", GEOMETRY, os.getpid(), "0000:3b:00.0")  # the case CUDA prints does not matter
-    assert a.pool.bus_id == BUS[0] and b.pool.bus_id == BUS[1]
+    pool_a, pool_b = service.pool_of(a.session), service.pool_of(b.session)
+    assert pool_a.bus_id == BUS[0] and pool_b.bus_id == BUS[1]
     assert a.descriptor.handle != b.descriptor.handle  # each pool its own memory
     assert a.session.id != b.session.id  # one registry: ids unique across pools
     create(service, b.session, [(tokens(*range(9)), "")])
     assert service.owners() == {b.session.id: (1, 0)}
-    assert set(a.pool.manager.owners()) == set() and set(b.pool.manager.owners()) == {b.session.id}
+    assert set(pool_a.manager.owners()) == set() and set(pool_b.manager.owners()) == {b.session.id}
     st = {d.bus_id: d for d in service.stats().devices}
     assert st[BUS[1]].sequences == 1 and st[BUS[0]].sequences == 0
 
@@ -85,7 +87,7 @@ def test_bytes_written_in_one_pool_are_read_from_its_mapping_only(service):
     (sa,) = create(service, a.session, [(tokens(1, 2, 3), "")])
     (sb,) = create(service, b.session, [(tokens(1, 2, 3), "")])
     def mapping(r):  # as a client does with the memfd the side socket hands it
-        arena = r.pool.arenas[r.session.class_id]
+        arena = service.pool_of(r.session).arenas[r.session.class_id]
         return open_arena(r.descriptor, fd=os.dup(arena.fileno()))
 
     ma, mb = mapping(a), mapping(b)
@@ -129,7 +131,8 @@ def test_one_pool_takes_a_client_that_names_no_gpu(tmp_path):
     try:
         service.add_pool(CpuShmBackend(f"pooltest{os.getpid()}one", shm_dir=str(tmp_path)), cfg.pool_bytes,
                          device=0, bus_id=BUS[0])
-        assert service.attach("a", "m", GEOMETRY, os.getpid(), "").pool is service.pools.pools[0]
+        a = service.attach("a", "m", GEOMETRY, os.getpid(), "")
+        assert service.pool_of(a.session) is service.pools.pools[0]
         with pytest.raises(DeviceMismatch, match="does not serve; it serves cuda:0"):
             service.attach("b", "m", GEOMETRY, os.getpid(), BUS[1])
     finally:

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# On the GPU machine, from a copy of the checkout with the wheels the device image lacks in .whl/
+# (benchmarks/NOTES-engine.md lists them):
+#
+#   bash scripts/device/offline.sh [bench_offline.py arguments]    # carry: [".whl"]; about 8 minutes
+#
+# 1. the fused layers' GPU tests (tests/hf/test_fused_gpu.py), then
+# 2. benchmarks/bench_offline.py (default: --fused both, Llama-3.1-8B and -3.2-1B shapes): 1,000 ShareGPT-like
+#    requests at once, output tok/s against the measured limit; decode steps at 32/64/128 x 1k tokens, wall
+#    time against GPU time against the bandwidth floor.
+# Logs and the benchmark's JSON go to $OUT.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-$(mktemp -d)}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site || exit 1
+python3 -m pip install -q -e . --no-deps --no-build-isolation || exit 1
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv 2>&1 | tee "$OUT/gpu.txt"
+
+timeout --kill-after=10 ${TESTS_TIMEOUT:-150} bash scripts/gpu_tests.sh tests/hf/test_fused_gpu.py -rs -s ${TESTS_K:+-k "$TESTS_K"} 2>&1 \
+    | grep -v "^$" | tee "$OUT/gpu_tests_fused.log" | tail -15
+
+args=("$@")
+[ ${#args[@]} -eq 0 ] && args=(--fused both)
+# the JSON is rewritten after every run: a run stopped by the timeout keeps what it measured
+timeout --kill-after=30 ${BENCH_TIMEOUT:-420} python3 benchmarks/bench_offline.py "${args[@]}" 2>&1 \
+    | tee "$OUT/bench_offline.log"
+cp benchmarks/results/offline_cuda_*.json "$OUT"/ 2>/dev/null
+ls -la "$OUT"
