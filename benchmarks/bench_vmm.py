@@ -143,7 +143,7 @@ def bench_first_map(pool_bytes: int) -> dict:
                     n += 8
             except kvpool.OutOfBlocks:
                 pass
-            chunks = a._arena.chunk_of.astype(bool).sum()
+            chunks = a._mapping.arena.chunk_of.astype(bool).sum()
             with kvpool.connect(d.socket, name="mapper", layout=lay, device=0) as b:
                 t0 = time.perf_counter()
                 b.kv_cache()

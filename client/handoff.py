@@ -14,7 +14,7 @@ import socket
 
 from .errors import PermissionDenied, Unavailable
 
-MAX_REPLY = 512
+MAX_REPLY_BYTES = 512
 
 
 def socket_path(address: str) -> str:
@@ -45,8 +45,8 @@ def _ask(address: str, request: bytes, timeout: float) -> tuple[bytes, list[int]
             else:
                 sent = None
             reply = b""
-            while not reply.endswith(b"\n") and len(reply) < MAX_REPLY:
-                part, got, _flags, _addr = socket.recv_fds(s, MAX_REPLY - len(reply), 1)
+            while not reply.endswith(b"\n") and len(reply) < MAX_REPLY_BYTES:
+                part, got, _flags, _addr = socket.recv_fds(s, MAX_REPLY_BYTES - len(reply), 1)
                 fds += got
                 if not part:
                     break
@@ -104,7 +104,7 @@ class _Stream:
 
     def line(self) -> str:
         while b"\n" not in self.buf:
-            if len(self.buf) > MAX_REPLY:
+            if len(self.buf) > MAX_REPLY_BYTES:
                 raise ConnectionError("the side socket sent an overlong line")
             self._more()
         line, self.buf = self.buf.split(b"\n", 1)

@@ -66,7 +66,7 @@ from __future__ import annotations
 
 import contextvars
 from dataclasses import dataclass, field, replace
-from typing import Iterable, Sequence as Seq
+from typing import Iterable, Mapping, Sequence as Seq
 
 import numpy as np
 import torch
@@ -74,9 +74,11 @@ import torch
 from kvpool.kernels import paged_decode_attention, paged_prefill_attention, write_kv
 from kvpool.kernels.warm_up import warm_up_cpu_kernels
 
+from .batch import host_arrays, pack
 from .client import Client, Sequence, connect
 from .errors import InvalidArgument
 from .layout import Layout
+from .protocol.sizes import cdiv
 
 try:
     from transformers import AttentionInterface
@@ -360,45 +362,48 @@ class PagedModel:
         ``new_tokens[i]`` are the tokens at positions ``starts[i]..seq.num_tokens-1``;
         those before ``write_from[i]`` already have K/V in the pool (attend, do not write).
         """
-        client, dev = self.client, self.device
+        client = self.client
         counts = [len(t) for t in new_tokens]
         if any(c < 1 for c in counts):
             raise InvalidArgument("every sequence in a forward needs at least one token")
-        ids = np.fromiter((t for toks in new_tokens for t in toks), np.int64, sum(counts))
-        positions = np.concatenate([np.arange(s, s + c) for s, c in zip(starts, counts)])
-        slots = []
-        for seq, s, c, w in zip(seqs, starts, counts, write_from):
-            sm = client.slot_mapping(seq, s, c)
-            if w > s:
-                sm[: w - s] = -1
-            slots.append(sm)
-        lens = client.seq_lens(seqs)
-        if not np.array_equal(lens, np.asarray(starts) + np.asarray(counts)):
+        if not np.array_equal(client.seq_lens(seqs), np.asarray(starts) + np.asarray(counts)):
             raise InvalidArgument("new tokens must end each sequence (compute them right after extend)")
-        cu = np.zeros(len(seqs) + 1, np.int32)
-        np.cumsum(counts, out=cu[1:])
+        bs = self.layout.block_size
+        arrays = host_arrays(sum(counts), len(seqs), cdiv(max(s + c for s, c in zip(starts, counts)), bs))
+
+        def fill_table(row: int, num_blocks: int) -> None:
+            arrays["block_tables"][row, :num_blocks] = client.block_ids(seqs[row])[:num_blocks]
+
+        total, lens = pack(arrays, new_tokens, starts, write_from, block_size=bs, fill_table=fill_table)
+        on_device = {name: torch.from_numpy(a).to(self.device) for name, a in arrays.items()}
+        return self.run_packed(on_device, total, len(seqs), max_seq_len=int(lens.max()), decode=total == len(seqs),
+                               min_seq_len=int(lens.min()))
+
+    def run_packed(self, arrays: Mapping[str, torch.Tensor], num_tokens: int, num_seqs: int, *, max_seq_len: int,
+                   decode: bool, min_seq_len: int = 0) -> torch.Tensor:
+        """``run_batch`` on the leading ``num_tokens`` tokens and ``num_seqs`` sequences of a batch's arrays.
+
+        Args:
+            arrays: the arrays ``kvpool.batch.pack`` fills, by its names, on the model's device.
+            num_tokens, num_seqs: how much of them this forward uses.
+            max_seq_len, decode, min_seq_len: as in ``PagedBatch``.
+        """
         batch = PagedBatch(
-            kv=self.kv,
-            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
-            block_tables=torch.from_numpy(client.block_tables(seqs)).to(dev),
-            seq_lens=torch.from_numpy(lens).to(dev),
-            cu_seqlens_q=torch.from_numpy(cu).to(dev),
-            max_seq_len=int(lens.max()),
-            decode=all(c == 1 for c in counts),
-            min_seq_len=int(lens.min()),
+            kv=self.kv, slot_mapping=arrays["slot_mapping"][:num_tokens],
+            block_tables=arrays["block_tables"][:num_seqs], seq_lens=arrays["seq_lens"][:num_seqs],
+            cu_seqlens_q=arrays["cu_seqlens_q"][:num_seqs + 1], max_seq_len=max_seq_len, decode=decode,
+            min_seq_len=min_seq_len,
         )
-        return self.run_batch(
-            torch.from_numpy(ids).to(dev), torch.from_numpy(positions).to(dev), batch,
-            torch.from_numpy(cu[1:].astype(np.int64) - 1).to(dev),
-        )
+        return self.run_batch(arrays["input_ids"][:num_tokens], arrays["positions"][:num_tokens], batch,
+                              arrays["logits_index"][:num_seqs])
 
     @torch.no_grad()
     def run_batch(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: PagedBatch,
                   logits_index: torch.Tensor) -> torch.Tensor:
         """One forward over packed tokens whose slots and tables are already in ``batch``.
 
-        The engine's step runner calls this with views of its persistent
-        buffers; ``_run`` with tensors it builds per call.
+        ``run_packed`` calls this with views of a batch's arrays: the engine's
+        step runner with its persistent buffers, ``_run`` with arrays it builds per call.
 
         Args:
             input_ids: int64 ``[T]`` on the model's device, the packed new tokens.

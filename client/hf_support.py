@@ -361,7 +361,7 @@ def _check_token_independence(model, ids: list[int], tol: float) -> None:
 
 
 # -- the check ---------------------------------------------------------------------------------------------------
-_CHECKED: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
+_CHECKED_GEOMETRY: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
 
 
 def check_model(model) -> ModelGeometry:
@@ -373,11 +373,11 @@ def check_model(model) -> ModelGeometry:
     """
     device = next(model.parameters()).device
     key = (model.dtype, device)
-    seen = _CHECKED.get(model)
+    seen = _CHECKED_GEOMETRY.get(model)
     if seen is not None and seen[0] == key:
         return seen[1]
     geometry = _check_uncached(model)
-    _CHECKED[model] = (key, geometry)
+    _CHECKED_GEOMETRY[model] = (key, geometry)
     return geometry
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-_INT64 = ("input_ids", "positions", "slot_mapping", "logits_index")
-_INT32 = ("seq_lens", "cu_seqlens_q", "block_tables")  # tables last: a step copies only the rows it uses
+from ..batch import INT32_ARRAYS, INT64_ARRAYS, array_sizes
+from ..protocol.sizes import cdiv
 
 
 class StepBuffers:
@@ -28,13 +28,11 @@ class StepBuffers:
 
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device) -> None:
         self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks
-        sizes = {"input_ids": max_tokens, "positions": max_tokens, "slot_mapping": max_tokens,
-                 "logits_index": max_seqs, "seq_lens": max_seqs, "cu_seqlens_q": max_seqs + 1,
-                 "block_tables": max_seqs * max_blocks}
+        sizes = array_sizes(max_tokens, max_seqs, max_blocks)
         self._offsets, offset = {}, 0
-        for name in _INT64 + _INT32:
-            width = 8 if name in _INT64 else 4
-            offset = -(-offset // 8) * 8
+        for name in INT64_ARRAYS + INT32_ARRAYS:
+            width = 8 if name in INT64_ARRAYS else 4
+            offset = cdiv(offset, 8) * 8
             self._offsets[name] = (offset, sizes[name], width)
             offset += sizes[name] * width
         pin = device.type == "cuda"

@@ -10,8 +10,10 @@ from typing import Callable, Iterable, Sequence as Seq
 from ..errors import InvalidArgument
 from ..fused import install as install_fused
 from ..hf import PagedModel
+from ..protocol.sizes import cdiv
 from .detok import TextTracker
 from .graphs import GraphRunner
+from .inbox import Inbox
 from .params import EngineConfig, SamplingParams
 from .request import Request, RequestOutput
 from .runner import StepRunner
@@ -23,12 +25,17 @@ from .stream import RequestStream
 from .timings import StepTimings, TimingLog
 
 
-class Engine(StepLoop):
+class Engine:
     """Continuous batching of generation requests over a ``PagedModel`` whose KV lives in kvpool.
 
     Thread-safe entry points: ``add_request`` / ``add_request_async``,
     ``abort``, ``stats``.  The steps run either on a background thread
     (``start``) or when the caller calls ``step`` (tests, benchmarks).
+
+    Parts: requests and aborts wait in an ``Inbox`` (the one thing the
+    request threads and the engine thread share); the ``step_loop``
+    (``StepLoop``) takes them and runs each step with its ``scheduler``,
+    ``runner`` and sampler.
 
     Figures: ``stats()`` snapshots the counters (``after - before`` of two
     snapshots is the work between them, see ``EngineStats``); ``timings`` is
@@ -52,22 +59,28 @@ class Engine(StepLoop):
         self.vocab_size = model._vocab()
         self.eos_token_ids = frozenset(cfg.eos_token_ids or eos_token_ids(model.model, tokenizer))
         self.swap = has_host_tier(self.client)
-        self.scheduler = Scheduler(self.client, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.swap)
         install_fused(model, max_positions=self.max_model_len, mode=cfg.fused_layers)
-        bs = model.layout.block_size
         runner = GraphRunner if cfg.cuda_graphs and model.device.type == "cuda" else StepRunner
-        self.runner = runner(model, cfg.max_num_batched_tokens, cfg.max_num_seqs, -(-self.max_model_len // bs))
-        self.sampler = Sampler()
         self.timings = TimingLog()
-        self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)
-        self._inbox: list[Request] = []
-        self._aborts: list[str] = []
-        self._requests: dict[str, Request] = {}
-        self._ids: set[str] = set()
+        self._inbox = Inbox()
+        self.step_loop = StepLoop(
+            self.client, inbox=self._inbox, timings=self.timings, max_model_len=self.max_model_len,
+            scheduler=Scheduler(self.client, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.swap),
+            runner=runner(model, cfg.max_num_batched_tokens, cfg.max_num_seqs,
+                          cdiv(self.max_model_len, model.layout.block_size)),
+            sampler=Sampler(),
+        )
         self._thread: threading.Thread | None = None
-        self._stopping = False
-        self._counts = {"prompt_tokens": 0, "generation_tokens": 0, "finished_requests": 0, "steps": 0}
+
+    @property
+    def scheduler(self) -> Scheduler:
+        """The step loop's scheduler (its queues and counters)."""
+        return self.step_loop.scheduler
+
+    @property
+    def runner(self) -> StepRunner:
+        """The step loop's runner (a ``GraphRunner`` on a GPU with ``cuda_graphs``)."""
+        return self.step_loop.runner
 
     @classmethod
     def connect(cls, model, address: str | None = None, *, name: str, model_id: str, revision: str = "",
@@ -121,12 +134,7 @@ class Engine(StepLoop):
         text = TextTracker(self.tokenizer, params.stop, stops) if needs_text else None
         req = Request(rid, ids, params, stream, text)
         req.stop_ids = stops
-        with self._lock:
-            if rid in self._ids:
-                raise InvalidArgument(f"request id {rid!r} is already in use")
-            self._ids.add(rid)
-            self._inbox.append(req)
-            self._wake.notify()
+        self._inbox.put(req)
         return stream
 
     def add_request_async(self, prompt: str | Seq[int], params: SamplingParams | None = None, *,
@@ -137,9 +145,7 @@ class Engine(StepLoop):
 
     def abort(self, request_id: str) -> None:
         """Cancel a request: its sequence is freed at the start of the next step (at once when idle)."""
-        with self._lock:
-            self._aborts.append(request_id)
-            self._wake.notify()
+        self._inbox.abort(request_id)
 
     def generate(self, prompts: Iterable[str | Seq[int]],
                  params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
@@ -201,11 +207,15 @@ class Engine(StepLoop):
             raise InvalidArgument(f"token ids must be in [0, {self.vocab_size})")
         return ids
 
-    # -- the background thread ---------------------------------------------------------------------
+    # -- stepping --------------------------------------------------------------------------------------
+    def step(self) -> StepTimings:
+        """One step here (``StepLoop.step``): requests join, the batch runs; its timings (kept in ``timings``)."""
+        return self.step_loop.step()
+
     def start(self) -> "Engine":
         """Run steps on a background thread whenever there is work."""
         if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="kvpool-engine", daemon=True)
+            self._thread = threading.Thread(target=self.step_loop.run, name="kvpool-engine", daemon=True)
             self._thread.start()
         return self
 
@@ -216,15 +226,11 @@ class Engine(StepLoop):
 
     def stop(self) -> None:
         """Stop the background thread after its step; requests still queued end with ``"abort"``."""
-        with self._lock:
-            self._stopping = True
-            self._wake.notify()
+        self._inbox.stop()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        self._take_inbox(StepTimings())
-        for req in list(self._requests.values()):
-            self._finish(req, "abort")
+        self.step_loop.end_all()
 
     def close(self) -> None:
         """``stop``, then detach when the engine made the client (``connect``)."""
@@ -244,7 +250,7 @@ class Engine(StepLoop):
         """Queue lengths and counters (read from any thread; a moment's snapshot; subtract two for deltas)."""
         s = self.scheduler
         return EngineStats(
-            waiting=len(s.waiting) + len(self._inbox), running=len(s.running), swapped=len(s.swapped),
+            waiting=len(s.waiting) + self._inbox.num_requests, running=len(s.running), swapped=len(s.swapped),
             preemptions=s.num_preemptions, swaps=s.num_swaps, recomputes=s.num_recomputes,
-            prefix_hit_tokens=s.prefix_hit_tokens, **self._counts,
+            prefix_hit_tokens=s.prefix_hit_tokens, **self.step_loop.counts,
         )

@@ -61,8 +61,8 @@ class Request:
         self.status = Status.WAITING
         self.seq = None  # kvpool.Sequence while in the pool (running or swapped)
         self.num_computed = 0  # tokens whose K/V is in the pool and final
-        self.no_write_below = 0  # positions below hold K/V found in the pool: attend, never write
-        self.num_cached = 0  # of the prompt, found in the pool at the first admission
+        self.write_from = 0  # the first position whose K/V it writes (those below were found in the pool)
+        self.num_cached_tokens = 0  # of the prompt, found in the pool at the first admission
         self.first_admitted = False
         self.finish_reason: str | None = None
         self.arrival = time.monotonic()
@@ -95,5 +95,5 @@ class Request:
             request_id=self.id, new_token_ids=tuple(new_tokens), new_text=new_text,
             token_ids=tuple(self.output), text=self.text.text if self.text else "",
             finish_reason=self.finish_reason, num_prompt_tokens=len(self.prompt),
-            num_cached_tokens=self.num_cached, error=error, time_to_first_token=ttft, time_per_output_token=tpot,
+            num_cached_tokens=self.num_cached_tokens, error=error, time_to_first_token=ttft, time_per_output_token=tpot,
         )

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..hf import PagedBatch, PagedModel
+from ..batch import pack
+from ..hf import PagedModel
 from .buffers import BlockTableRows, StepBuffers
 
 
@@ -64,34 +65,18 @@ class StepRunner:
 
     def prepare(self, items: list[StepItem]) -> tuple[int, int]:
         """Fill the host buffers for ``items`` and upload them; returns (tokens, longest sequence)."""
-        b, bs, n = self.buffers, self.block_size, self.buffers.np
-        counts = np.fromiter((len(it.tokens) for it in items), np.int64, len(items))
-        total = int(counts.sum())
-        if total > b.max_tokens or len(items) > b.max_seqs:
-            raise ValueError(f"a step of {total} tokens / {len(items)} sequences exceeds the buffers")
-        b.begin()
-        starts = np.fromiter((it.start for it in items), np.int64, len(items))
-        lens = starts + counts
-        cu = n["cu_seqlens_q"]
-        cu[0] = 0
-        np.cumsum(counts, out=cu[1:len(items) + 1])
-        n["seq_lens"][:len(items)] = lens
-        n["logits_index"][:len(items)] = cu[1:len(items) + 1] - 1
-        for row, it in enumerate(items):
-            lo, hi = cu[row], cu[row + 1]
-            n["input_ids"][lo:hi] = it.tokens
-            self.rows.fill(row, it.table_key, self.model.client, it.seq, -(-int(lens[row]) // bs))
-        row_of = np.repeat(np.arange(len(items)), counts)
-        pos = np.arange(total) - np.repeat(cu[:len(items)], counts) + np.repeat(starts, counts)
-        n["positions"][:total] = pos
-        slots = n["block_tables"][row_of, pos // bs].astype(np.int64) * bs + pos % bs
-        write_from = np.repeat(np.fromiter((it.write_from for it in items), np.int64, len(items)), counts)
-        slots[pos < write_from] = -1
-        n["slot_mapping"][:total] = slots
+        client = self.model.client
+
+        def fill_table(row: int, num_blocks: int) -> None:
+            self.rows.fill(row, items[row].table_key, client, items[row].seq, num_blocks)
+
+        self.buffers.begin()
+        total, lens = pack(self.buffers.np, [it.tokens for it in items], [it.start for it in items],
+                           [it.write_from for it in items], block_size=self.block_size, fill_table=fill_table)
         rows = self.padded_rows(len(items), total)
         if rows > len(items):
             self._pad(len(items), rows)
-        b.upload(rows)
+        self.buffers.upload(rows)
         return total, int(lens.max())
 
     def padded_rows(self, num_seqs: int, num_tokens: int) -> int:
@@ -112,20 +97,9 @@ class StepRunner:
         n["block_tables"][pad, 0] = n["block_tables"][0, 0]
         self.rows.forget(range(num_seqs, rows))
 
-    def _batch(self, num_tokens: int, num_seqs: int, max_len: int, decode: bool) -> PagedBatch:
-        d = self.buffers.dev
-        return PagedBatch(
-            kv=self.model.kv, slot_mapping=d["slot_mapping"][:num_tokens], block_tables=d["block_tables"][:num_seqs],
-            seq_lens=d["seq_lens"][:num_seqs], cu_seqlens_q=d["cu_seqlens_q"][:num_seqs + 1],
-            max_seq_len=max_len, decode=decode,
-        )
-
     def run_eager(self, num_tokens: int, num_seqs: int, max_len: int, *, decode: bool) -> torch.Tensor:
         """The forward as transformers runs it, on views of the device buffers."""
-        d = self.buffers.dev
-        return self.model.run_batch(d["input_ids"][:num_tokens], d["positions"][:num_tokens],
-                                    self._batch(num_tokens, num_seqs, max_len, decode),
-                                    d["logits_index"][:num_seqs])
+        return self.model.run_packed(self.buffers.dev, num_tokens, num_seqs, max_seq_len=max_len, decode=decode)
 
     def run_decode(self, num_seqs: int, max_len: int) -> torch.Tensor:
         """A decode-only step; the CUDA-graph seam (eager here)."""

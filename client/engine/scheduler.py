@@ -14,8 +14,10 @@ import bisect
 from dataclasses import dataclass, field
 
 from ..errors import OutOfBlocks
+from ..protocol.sizes import cdiv
 from .request import Request, Status
 from .runner import StepItem
+from .timings import StepTimings
 
 
 @dataclass
@@ -35,7 +37,6 @@ class Scheduler:
         client: the ``kvpool.Client`` (one per engine; only the engine thread calls it).
         max_num_seqs, max_num_batched_tokens: the step's limits.
         swap: preempt by ``swap_out`` to the host tier; else free and recompute.
-        timings: the current step's ``StepTimings`` is set here before ``plan``.
     """
 
     def __init__(self, client, max_num_seqs: int, max_num_batched_tokens: int, swap: bool) -> None:
@@ -46,7 +47,6 @@ class Scheduler:
         self.swapped: list[Request] = []  # by arrival: resumed oldest first
         self.num_preemptions = self.num_swaps = self.num_recomputes = 0
         self.prefix_hit_tokens = 0
-        self.timings = None
 
     def add(self, req: Request) -> None:
         bisect.insort(self.waiting, req, key=lambda r: r.arrival)
@@ -60,18 +60,22 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
-    def plan(self) -> Plan:
-        """Decide this step and make the pool calls for it (extend, preempt, swap in, create)."""
+    def plan(self, timings: StepTimings) -> Plan:
+        """Decide this step and make the pool calls for it (extend, preempt, swap in, create).
+
+        Args:
+            timings: the step's timings; the pool calls count in its ``daemon`` phase.
+        """
         plan, budget = Plan(), self.max_tokens
-        wants = self._extend_running(plan, budget)
+        wants = self._extend_running(plan, budget, timings)
         for req in self.running:
             if wants.get(req):
                 self._add_item(plan, req, wants[req])
                 budget -= wants[req]
         if not plan.preempted and not plan.failed:  # a failed request frees its blocks after this step
-            self._resume_swapped(plan)
+            self._resume_swapped(plan, timings)
             if not self.swapped:
-                budget = self._admit(plan, budget)
+                budget = self._admit(plan, budget, timings)
         return plan
 
     def _wants(self, budget: int) -> dict[Request, int]:
@@ -84,7 +88,7 @@ class Scheduler:
                 budget -= want
         return wants
 
-    def _extend_running(self, plan: Plan, budget: int) -> dict[Request, int]:
+    def _extend_running(self, plan: Plan, budget: int, timings: StepTimings) -> dict[Request, int]:
         """One ``extend`` for the running requests' new tokens; on OutOfBlocks preempt the newest and retry."""
         while True:
             wants = self._wants(budget)
@@ -94,7 +98,7 @@ class Scheduler:
                 if end > known:
                     batch[req.seq] = req.all_tokens[known:end]
             try:
-                with self.timings.phase("daemon"):
+                with timings.phase("daemon"):
                     self.client.extend(batch)
                 return wants
             except OutOfBlocks as exc:
@@ -108,21 +112,21 @@ class Scheduler:
                     if self.client.return_reserve():
                         continue
                 # the newest goes; alone, it makes way for other processes' sequences and is resumed later
-                self._preempt(max(self.running, key=lambda r: r.arrival))
+                self._preempt(max(self.running, key=lambda r: r.arrival), timings)
                 plan.preempted += 1
 
     def _add_item(self, plan: Plan, req: Request, want: int) -> None:
         start = req.num_computed
         plan.items.append(StepItem(seq=req.seq, table_key=(req.id, req.num_preemptions), start=start,
                                    tokens=req.all_tokens[start:start + want],
-                                   write_from=max(start, req.no_write_below)))
+                                   write_from=max(start, req.write_from)))
         plan.requests.append(req)
 
-    def _preempt(self, req: Request) -> None:
+    def _preempt(self, req: Request, timings: StepTimings) -> None:
         self.running.remove(req)
         req.num_preemptions += 1
         self.num_preemptions += 1
-        with self.timings.phase("daemon"):
+        with timings.phase("daemon"):
             if self.swap:
                 try:
                     self.client.swap_out(req.seq)
@@ -133,15 +137,15 @@ class Scheduler:
                 except OutOfBlocks:
                     pass  # the host tier is full: recompute this one
             self.client.free(req.seq)
-        req.seq, req.status, req.num_computed, req.no_write_below = None, Status.WAITING, 0, 0
+        req.seq, req.status, req.num_computed, req.write_from = None, Status.WAITING, 0, 0
         self.num_recomputes += 1
         self.add(req)
 
-    def _resume_swapped(self, plan: Plan) -> None:
+    def _resume_swapped(self, plan: Plan, timings: StepTimings) -> None:
         while self.swapped and len(self.running) < self.max_num_seqs:
             req = self.swapped[0]
             try:
-                with self.timings.phase("daemon"):
+                with timings.phase("daemon"):
                     self.client.swap_in(req.seq)
             except OutOfBlocks as exc:
                 if not self.running and self._never_fits(req.seq.num_tokens):
@@ -157,12 +161,12 @@ class Scheduler:
             req.status = Status.RUNNING
             self.running.append(req)
 
-    def _admit(self, plan: Plan, budget: int) -> int:
+    def _admit(self, plan: Plan, budget: int, timings: StepTimings) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             group = self._whole_prompts(budget)
             if len(group) > 1:  # prompts that fit the budget whole: one Create call for all of them
                 try:
-                    with self.timings.phase("daemon"):
+                    with timings.phase("daemon"):
                         seqs = self.client.create_sequences([r.all_tokens for r in group])
                 except OutOfBlocks:
                     pass  # all or none: admit one at a time below, as far as the pool goes
@@ -172,7 +176,7 @@ class Scheduler:
                     continue
             req = self.waiting[0]
             try:
-                with self.timings.phase("daemon"):
+                with timings.phase("daemon"):
                     seq = self._create_chunk(req.all_tokens, budget)
             except OutOfBlocks as exc:
                 if self._never_fits(req.num_tokens):
@@ -203,7 +207,7 @@ class Scheduler:
 
     def _never_fits(self, num_tokens: int) -> bool:
         """Whether a sequence of ``num_tokens`` needs more blocks than the session could ever hold."""
-        return -(-num_tokens // self.client.layout.block_size) > self.client.max_blocks
+        return cdiv(num_tokens, self.client.layout.block_size) > self.client.max_blocks
 
     def _too_big(self, exc: OutOfBlocks) -> str:
         return (f"the request does not fit in the pool (at most {self.client.max_blocks} blocks of "
@@ -225,9 +229,9 @@ class Scheduler:
         req.seq = seq
         hit = seq.num_cached_tokens
         if not req.first_admitted:
-            req.first_admitted, req.num_cached = True, hit
+            req.first_admitted, req.num_cached_tokens = True, hit
             self.prefix_hit_tokens += hit
-        req.no_write_below = hit
+        req.write_from = hit
         req.num_computed = min(hit, req.num_tokens - 1)  # a fully cached prompt recomputes its last query
         req.status = Status.RUNNING
         self.running.append(req)

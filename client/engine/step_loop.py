@@ -1,12 +1,16 @@
-"""The engine thread's half of ``Engine``: one step at a time, and what each sampled token ends."""
+"""The engine thread's part of ``Engine``: one step at a time, and what each sampled token ends."""
 
 from __future__ import annotations
 
 import logging
 import time
 
+from .inbox import Inbox
 from .request import Request, Status
-from .timings import StepTimings
+from .runner import StepRunner
+from .sampler import Sampler
+from .scheduler import Scheduler
+from .timings import StepTimings, TimingLog
 
 log = logging.getLogger("kvpool.engine")
 
@@ -14,10 +18,25 @@ log = logging.getLogger("kvpool.engine")
 class StepLoop:
     """Steps for ``Engine``: take the inbox, plan, run the forward, sample, stream, free.
 
-    Only the engine thread (or a caller stepping by hand) runs these; the
-    state they share with the request side (``_inbox``, ``_aborts``, ``_ids``)
-    is read and written under ``_lock``.
+    Only the engine thread (or a caller stepping by hand) runs these; what
+    it shares with the threads that send requests is the ``Inbox``.
+    ``requests`` are the requests taken from the inbox and not ended yet;
+    ``counts`` the figures ``Engine.stats`` adds to the scheduler's.
+
+    Args:
+        client: the ``kvpool.Client`` (frees, marks prompts written).
+        scheduler, runner, sampler: the step's parts.
+        inbox: where new requests and aborts come from.
+        timings: the log each step's ``StepTimings`` goes to.
+        max_model_len: the longest a sequence may grow (prompt and output).
     """
+
+    def __init__(self, client, *, scheduler: Scheduler, runner: StepRunner, sampler: Sampler, inbox: Inbox,
+                 timings: TimingLog, max_model_len: int) -> None:
+        self.client, self.scheduler, self.runner, self.sampler = client, scheduler, runner, sampler
+        self._inbox, self._timings, self._max_model_len = inbox, timings, max_model_len
+        self.requests: dict[str, Request] = {}
+        self.counts = {"prompt_tokens": 0, "generation_tokens": 0, "finished_requests": 0, "steps": 0}
 
     def step(self) -> StepTimings:
         """One scheduler step: take new requests and aborts, plan, run the forward, sample, stream.
@@ -29,11 +48,10 @@ class StepLoop:
         try:
             with t.phase("schedule"):
                 self._take_inbox(t)
-                self.scheduler.timings = t
-                plan = self.scheduler.plan()
+                plan = self.scheduler.plan(t)
         except Exception as exc:  # noqa: BLE001 - the daemon is gone or refused: end every request, keep the thread
             log.exception("scheduling failed; every request ends with an error")
-            self._fail(list(self._requests.values()), f"the pool refused the step: {exc!r}")
+            self._fail(list(self.requests.values()), f"the pool refused the step: {exc!r}")
             t.total = time.perf_counter() - t0
             return t
         t.schedule -= t.daemon  # report the two apart
@@ -46,8 +64,8 @@ class StepLoop:
                 log.exception("a step failed; its requests end with an error")
                 self._fail(plan.requests, f"the step failed: {exc!r}")
         t.total = time.perf_counter() - t0
-        self._counts["steps"] += 1
-        self.timings.add(t)
+        self.counts["steps"] += 1
+        self._timings.add(t)
         return t
 
     def _run(self, plan, t: StepTimings) -> None:
@@ -79,14 +97,14 @@ class StepLoop:
         if req.first_token_time is None:
             req.first_token_time = now
         req.output.append(token)
-        self._counts["generation_tokens"] += 1
+        self.counts["generation_tokens"] += 1
         reason, text, hit = None, "", False
         if token in req.stop_ids:
             reason = "stop"
         if req.text is not None:
             text, hit = req.text.update(req.output)
             reason = "stop" if hit else reason
-        if reason is None and (len(req.output) >= req.params.max_tokens or req.num_tokens >= self.max_model_len):
+        if reason is None and (len(req.output) >= req.params.max_tokens or req.num_tokens >= self._max_model_len):
             reason = "length"
         if reason is not None:
             req.finish_reason, req.finish_time, req.status = reason, now, Status.FINISHED
@@ -95,6 +113,12 @@ class StepLoop:
             self._forget(req)
         req.stream.put(req.snapshot([token], text))
         return reason is not None
+
+    def end_all(self) -> None:
+        """End every request, queued or running, with ``"abort"`` (the engine stopped)."""
+        self._take_inbox(StepTimings())
+        for req in list(self.requests.values()):
+            self._finish(req, "abort")
 
     def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
         """End a request that is out of the scheduler's queues (abort, error); free its sequence.
@@ -110,10 +134,9 @@ class StepLoop:
 
     def _forget(self, req: Request) -> None:
         self.scheduler.remove(req)
-        self._requests.pop(req.id, None)
-        self._counts["finished_requests"] += 1
-        with self._lock:
-            self._ids.discard(req.id)
+        self.requests.pop(req.id, None)
+        self.counts["finished_requests"] += 1
+        self._inbox.release(req.id)
 
     def _release(self, reqs: list[Request], *, written: bool = True) -> None:
         seqs = [r.seq for r in reqs if r.seq is not None]
@@ -132,26 +155,20 @@ class StepLoop:
                     req.stream.put(req.snapshot([], "", message))
 
     def _take_inbox(self, t: StepTimings) -> None:
-        with self._lock:
-            new, self._inbox = self._inbox, []
-            aborts, self._aborts = self._aborts, []
+        new, aborts = self._inbox.take()
         for req in new:
-            self._requests[req.id] = req
-            self._counts["prompt_tokens"] += len(req.prompt)
+            self.requests[req.id] = req
+            self.counts["prompt_tokens"] += len(req.prompt)
             self.scheduler.add(req)
         for rid in aborts:
-            req = self._requests.get(rid)
+            req = self.requests.get(rid)
             if req is not None:
                 self.scheduler.remove(req)
                 with t.phase("daemon"):
                     self._finish(req, "abort")
 
-    def _loop(self) -> None:
-        while True:
-            with self._lock:
-                while not (self._stopping or self._inbox or self._aborts or self.scheduler.has_work):
-                    self._wake.wait()
-                if self._stopping:
-                    return
+    def run(self) -> None:
+        """Step whenever there is work, until the inbox stops (the engine's background thread)."""
+        while self._inbox.wait_for_work(lambda: self.scheduler.has_work):
             if not self.step().num_seqs:
                 time.sleep(0.005)  # nothing could run (the pool is held by others): do not spin on the daemon

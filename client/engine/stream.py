@@ -6,7 +6,7 @@ import asyncio
 import queue
 from typing import Callable
 
-_END = object()
+_END_OF_STREAM = object()
 
 
 class RequestStream:
@@ -33,7 +33,7 @@ class RequestStream:
             self._callback(output)
         self._deliver(output)
         if output.finished:
-            self._deliver(_END)
+            self._deliver(_END_OF_STREAM)
 
     def _deliver(self, item) -> None:
         if self._loop is None:
@@ -46,7 +46,7 @@ class RequestStream:
             raise TypeError("this stream was made for asyncio: use 'async for'")
         while not self._drained:
             item = self._queue.get()
-            if item is _END:
+            if item is _END_OF_STREAM:
                 self._drained = True
                 return
             yield item
@@ -56,7 +56,7 @@ class RequestStream:
             raise TypeError("this stream is a blocking iterator: use 'for'")
         while not self._drained:
             item = await self._queue.get()
-            if item is _END:
+            if item is _END_OF_STREAM:
                 self._drained = True
                 return
             yield item

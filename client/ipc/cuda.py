@@ -10,7 +10,7 @@ lazily: the CPU path never needs it.
 
 Ordering between the processes needs no CUDA event: the client synchronizes its
 device before every call that lets the daemon read its blocks, and the daemon
-replies only once its own copies are complete (``kvpool.client.Client._sync_device``).
+replies only once its own copies are complete (``kvpool.mapping.PoolMapping.sync_device``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from .base import BackendUnavailable, DeviceMismatch, MappedArena
 from .views import check_range, typed_view
 
 MiB = 1 << 20
-_IPC_LAZY_PEER = 1  # cudaIpcMemLazyEnablePeerAccess
+_CUDA_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1
 
 
 def cupy_module():
@@ -251,7 +251,7 @@ class CudaMappedArena(DeviceViews, MappedArena):
         dev = resolve_device(descriptor.device_id, descriptor.device, device_index(device), local_buses)
         with cupy.cuda.Device(dev):
             try:
-                ptr = rt.ipcOpenMemHandle(bytes(descriptor.handle), _IPC_LAZY_PEER)
+                ptr = rt.ipcOpenMemHandle(bytes(descriptor.handle), _CUDA_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)
             except cupy.cuda.runtime.CUDARuntimeError as e:
                 raise RuntimeError(
                     f"cudaIpcOpenMemHandle failed on cuda:{dev} ({e}): the daemon may have exited, or this "

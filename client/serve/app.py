@@ -28,7 +28,7 @@ from .responses import ResponseShape, sse
 #: would stall every other request (and /health) if it ran on the event loop
 PREP_THREADS = min(4, os.cpu_count() or 1)
 #: the status a request whose client went away is logged with (nginx's "client closed request")
-CLIENT_CLOSED = 499
+STATUS_CLIENT_CLOSED_REQUEST = 499
 
 
 class ModelNotFound(Exception):
@@ -98,7 +98,7 @@ def build_app(engine, served_model_name: str, limits: ServeLimits | None = None)
             if stream.last is None or not stream.last.finished:  # the client went away or the handler was cancelled
                 engine.abort(stream.request_id)
         if out is None:
-            return Response(status_code=CLIENT_CLOSED)
+            return Response(status_code=STATUS_CLIENT_CLOSED_REQUEST)
         if out.finish_reason == "error":
             return JSONResponse(error_body(out.error or "generation failed", type_="server_error"), status_code=500)
         return shape.full(out)

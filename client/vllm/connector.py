@@ -65,6 +65,7 @@ from vllm.logger import init_logger
 from ..client import Client, connect
 from ..errors import SessionExpired, Unavailable
 from ..layout import Layout
+from ..protocol.sizes import cdiv
 from .blocks import copy_pool_to_vllm, copy_vllm_to_pool
 
 if TYPE_CHECKING:
@@ -340,7 +341,7 @@ class KvpoolConnector(KVConnectorBase_V1):
         bs = self._block_size
         if ext > 0:
             first = (computed - ext) // bs
-            last = -(-computed // bs)
+            last = cdiv(computed, bs)
             meta.loads.append(LoadSpec(req_id, list(t.tokens[:last * bs]), t.extra_key, t.block_ids[:last], first,
                                        last))
             t.saved_blocks = max(t.saved_blocks, computed // bs)

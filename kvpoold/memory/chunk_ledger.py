@@ -10,7 +10,7 @@ The rule that keeps processes safe, enforced here:
    range (``place``) before the core hands out any block in it.  A client
    maps the chunks of a block before it uses the block: it checks every
    reply's blocks against its mapping and syncs over the side socket when one
-   is missing (``kvpool.Client._ensure_mapped``).  A client only ever maps a
+   is missing (``kvpool.mapping.PoolMapping.ensure_mapped``).  A client only ever maps a
    chunk at the one index the daemon had it at.
 2. **Unmapped only when empty.**  The core gives a slab back only when no
    block of it is held, cached or reserved; then the daemon unmaps its chunks

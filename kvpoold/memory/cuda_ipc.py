@@ -13,7 +13,7 @@ Ordering between the processes: the daemon's copies of pool blocks (demotions,
 swaps, promotions) complete before the reply that lets a client use those
 blocks, and the client synchronizes its device before any call that lets the
 daemon read blocks it wrote; the rule is written where the client enforces it,
-``kvpool.client.Client._sync_device``.  Copy-on-write copies run in the
+``kvpool.mapping.PoolMapping.sync_device``.  Copy-on-write copies run in the
 client's own stream.
 """
 

@@ -88,7 +88,7 @@ def test_decode_steps_padded_to_graph_sizes_match_eager_generate(daemon_factory,
     prompts = [tokens(n, seed=950 + i) for i, n in enumerate([6, 19, 11, 3, 25, 8])]
     with engine(model, d, f"{arch}-padded") as eng:
         b = eng.runner.buffers
-        eng.runner = ke.GraphRunner(eng.model, b.max_tokens, b.max_seqs, b.max_blocks, capture=False)
+        eng.step_loop.runner = ke.GraphRunner(eng.model, b.max_tokens, b.max_seqs, b.max_blocks, capture=False)
         assert eng.runner.sizes == [1, 2, 4, 8]
         outs = run_staggered(eng, prompts, [0, 1, 1, 5, 9, 12])
         decode = {t.num_seqs for t in eng.timings.steps if t.num_seqs and t.num_tokens == t.num_seqs}

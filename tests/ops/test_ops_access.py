@@ -31,7 +31,7 @@ def test_sockets_modes_and_group(daemon_factory):
     assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o640 and st.st_gid == os.getgid()
     with kvpool.connect(d.socket, name="g", layout=LAYOUT) as c:
         c.create_sequence(range(5))
-        assert c._descriptor["kind"] == "memfd"  # no file to give a group: the fd goes to the attached process
+        assert c._mapping.descriptor["kind"] == "memfd"  # no file to give a group: the fd goes to the attached process
         c.kv_cache()
 
 

@@ -75,7 +75,7 @@ def test_copy_on_write_with_claims_is_a_failed_precondition(daemon, two_clients)
     seq = a.create_sequence(range(6))
     a.fork(seq)
     a.flush()  # fills the reserve
-    block = a._reserve[-1]
+    block = a._mirror.reserve[-1]
     with pytest.raises(kvpool.FailedPrecondition, match="shares its last block"):
         raw_step(a, seq_ids=np.array([seq.id], "<i8").tobytes(), token_counts=np.array([3], "<i4").tobytes(),
                  tokens=np.arange(3, dtype="<u4").tobytes(), claim_counts=np.array([1], "<i4").tobytes(),
