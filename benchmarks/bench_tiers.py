@@ -167,7 +167,7 @@ class _Fired:
 
 def bench_cpu_engine(repeat: int, sizes: list[tuple[str, int, int]]) -> tuple[list, dict]:
     """The engine's path on the CPU: real engine and host store, numpy copies for the device's."""
-    from kvpoold.transfer.engine import CpuCopier, TransferEngine
+    from kvpoold.transfer import CpuCopier, TransferEngine
 
     class TimedCopier(CpuCopier):
         """Numpy copies between a host array (the "device" pool) and the host store, timed; returns an
@@ -262,7 +262,7 @@ class PacedCopier:
 def bench_paced_engine(repeat: int, sizes: list[tuple[str, int, int]], gbps: float) -> tuple[list, dict]:
     """The engine against ``PacedCopier`` (no bytes move): GB/s of the engine and of the copier alone
     (one call per batch), and the engine's exposed bookkeeping in microseconds per block."""
-    from kvpoold.transfer.engine import TransferEngine
+    from kvpoold.transfer import TransferEngine
 
     rows_out, out = [], {}
     for label, bb, n in sizes:
@@ -362,7 +362,7 @@ def bench_gpu(batch_bytes: int, repeat: int) -> tuple[list, dict]:
     import torch
 
     from kvpoold.transfer.cuda import CudaCopier
-    from kvpoold.transfer.engine import TransferEngine
+    from kvpoold.transfer import TransferEngine
     from kvpoold.transfer.host import HostStore
 
     dev = torch.device("cuda", 0)

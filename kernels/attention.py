@@ -33,7 +33,7 @@ import functools
 import numpy as np
 import torch
 
-from . import cpu_attention
+from . import cpu_attention, cpu_work
 from ._validate import FP8, AttentionArgs, check_attention, check_length_bounds
 
 __all__ = ["paged_decode_attention", "paged_prefill_attention"]
@@ -183,8 +183,8 @@ def _cpu(a: AttentionArgs, q, k_cache, v_cache, block_tables, seq_lens, cu_seqle
     out = a.out
     direct = out.dtype == torch.float32  # out is contiguous (checked): write into it
     out32 = out.detach().numpy() if direct else np.empty(out.shape, np.float32)
-    q_tile = 1 if cu_seqlens_q is None else cpu_attention.q_tile(a.group)
-    items = cpu_attention.work_items(cu, geo.num_kv_heads, q_tile, lens, window=a.window)
+    q_tile = 1 if cu_seqlens_q is None else cpu_work.q_tile(a.group)
+    items = cpu_work.work_items(cu, geo.num_kv_heads, q_tile, lens, window=a.window)
     cpu_attention.paged_attention_cpu(
         q16, q32, q_mode, k_bytes, v_bytes, _MODES[geo.dtype], fp8_values(), geo.k_block_stride,
         geo.v_block_stride, geo.num_kv_heads, geo.block_size, tables, lens, cu, items,

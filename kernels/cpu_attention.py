@@ -59,118 +59,26 @@ work in functions of their own rather than in the ``prange`` body (see
 ``fastmath`` leaves out ``nnan``/``ninf``: masked and empty rows rely on exact
 -inf/zero handling being kept, everything else (reassociation for SIMD dot
 products, contraction into FMA, approximate exp) is fair game.
+
+Parts: ``cpu_numerics`` (float16 bits, ``exp``, ``tanh`` that vectorize), ``cpu_work``
+(the work items and their order); the kernel is here.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from llvmlite import ir
-from numba import types
-from numba.extending import intrinsic
 
 from ._numba_compat import numba
+from .cpu_numerics import FASTMATH, ONE, ZERO, bits_to_f32, f16_to_f32, fast_exp, fast_tanh
 
 MODE_F32, MODE_F16, MODE_BF16, MODE_FP8 = 0, 1, 2, 3
-_FASTMATH = {"nsz", "arcp", "contract", "afn", "reassoc"}
-Q_TILE = 16  # query tokens per work item in prefill, at least (see q_tile)
-TILE_ROWS = 128  # query rows (tokens x GQA group) per prefill work item, about
 CHUNK = 64  # keys per online-softmax step (a multiple of 4)
 LANES = 16  # float32 lanes of one AVX-512 register: the row padding when rows are in lanes
 _NEG = np.float32(-1e30)  # "no score yet"; finite so exp(_NEG - m) is a clean 0
 _BEFORE_WINDOW = np.float32(-3e38)  # a masked score: below _NEG, so exp(it - m) is 0 even while m = _NEG
 
-# exp(x) = 2^n * exp(r), x = n ln2 + r, |r| <= ln2/2 (Cephes expf)
-_LOG2E = np.float32(1.44269504088896341)
-_LN2_HI = np.float32(0.693359375)
-_LN2_LO = np.float32(-2.12194440e-4)
-_EXP_MIN = np.float32(-87.3)  # below: 2^n would be subnormal; the result is 0 (as good as)
-_EXP_MAX = np.float32(88.0)  # above: clamped (callers pass x <= 0; masked lanes may hold anything)
-_P0, _P1, _P2 = np.float32(1.9875691500e-4), np.float32(1.3981999507e-3), np.float32(8.3334519073e-3)
-_P3, _P4, _P5 = np.float32(4.1665795894e-2), np.float32(1.6666665459e-1), np.float32(5.0000001201e-1)
-_HALF, _ONE, _TWO, _ZERO = np.float32(0.5), np.float32(1.0), np.float32(2.0), np.float32(0.0)
-# tanh (Cephes tanhf): odd polynomial below _TANH_SMALL; 1 in float32 from _TANH_SAT on
-_TANH_SMALL, _TANH_SAT = np.float32(0.625), np.float32(10.0)
-_T0, _T1, _T2 = np.float32(-5.70498872745e-3), np.float32(2.06390887954e-2), np.float32(-5.37397155531e-2)
-_T3, _T4 = np.float32(1.33314422036e-1), np.float32(-3.33332819422e-1)
-_TWO_M24 = np.float32(2.0**-24)  # float16's smallest subnormal
 
-
-@intrinsic
-def _bits_to_f32(typingctx, x):
-    """The float32 whose bit pattern is the low 32 bits of integer ``x`` (a register move)."""
-    if not isinstance(x, types.Integer):
-        return None
-
-    def codegen(context, builder, sig, args):
-        v = args[0]
-        if v.type.width > 32:
-            v = builder.trunc(v, ir.IntType(32))
-        return builder.bitcast(v, ir.FloatType())
-
-    return types.float32(x), codegen
-
-
-@intrinsic
-def _f32_to_bits(typingctx, x):
-    """The bit pattern of float32 ``x`` as an int32."""
-    if x != types.float32:
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(args[0], ir.IntType(32))
-
-    return types.int32(x), codegen
-
-
-@numba.njit(inline="always", fastmath=_FASTMATH)
-def _f16_to_f32(h):
-    """float16 bits → float32, exact for all 65536 patterns (subnormals, infinities, NaN payloads).
-
-    Normal and special values by moving the exponent and mantissa bits (exponent bias
-    15 → 127, all-ones stays all-ones), subnormals as ``mantissa * 2^-24`` (exact),
-    then the sign bit; in integer and float arithmetic that vectorizes (a 65536-entry
-    lookup table is a gather, which does not: benchmarks/NOTES-kernels.md).
-    """
-    em = np.int32(h & 0x7FFF)
-    normal = _bits_to_f32((em << 13) + (0x70000000 if em >= 0x7C00 else 0x38000000))
-    v = np.float32(em) * _TWO_M24 if em < 0x400 else normal
-    return _bits_to_f32(_f32_to_bits(v) | ((np.int32(h) & 0x8000) << 16))
-
-
-@numba.njit(inline="always", fastmath=_FASTMATH)
-def _exp(x):
-    """exp(x) in float32 (0 below ``_EXP_MIN``), in plain arithmetic so that loops over it vectorize."""
-    xc = min(max(x, _EXP_MIN), _EXP_MAX)  # keeps the float → int conversion in range
-    n = np.floor(xc * _LOG2E + _HALF)
-    r = xc - n * _LN2_HI - n * _LN2_LO
-    p = _P0
-    p = p * r + _P1
-    p = p * r + _P2
-    p = p * r + _P3
-    p = p * r + _P4
-    p = p * r + _P5
-    y = p * r * r + r + _ONE
-    y = y * _bits_to_f32((np.int32(n) + 127) << 23)
-    return y if x > _EXP_MIN else _ZERO
-
-
-@numba.njit(inline="always", fastmath=_FASTMATH)
-def _tanh(x):
-    """tanh(x) in float32 within a few ulp, in plain arithmetic so that loops over it vectorize.
-
-    Cephes ``tanhf``: an odd polynomial below |x| = 0.625 (where ``1 - 2 / (e^2x + 1)``
-    would cancel), that formula above; both are computed and one is selected, which
-    keeps the loop free of branches.
-    """
-    a = min(abs(x), _TANH_SAT)
-    big = _ONE - _TWO / (_exp(a + a) + _ONE)
-    z = x * x
-    small = ((((_T0 * z + _T1) * z + _T2) * z + _T3) * z + _T4) * z * a + a
-    t = small if a < _TANH_SMALL else big
-    return t if x >= _ZERO else -t
-
-
-@numba.njit(inline="always", fastmath=_FASTMATH)
+@numba.njit(inline="always", fastmath=FASTMATH)
 def _load(src8, src16, src32, fp8_values, mode, base, n, dst, dst_bits, at):
     """Convert ``n`` cache elements starting at ``base`` into ``dst[at:at+n]`` (float32).
 
@@ -184,7 +92,7 @@ def _load(src8, src16, src32, fp8_values, mode, base, n, dst, dst_bits, at):
     elif mode == MODE_F16:
         s16, d32 = src16[base : base + n], dst[at : at + n]
         for i in range(n):
-            d32[i] = _f16_to_f32(s16[i])
+            d32[i] = f16_to_f32(s16[i])
     elif mode == MODE_BF16:
         s16, dbits = src16[base : base + n], dst_bits[at : at + n]
         for i in range(n):
@@ -195,7 +103,7 @@ def _load(src8, src16, src32, fp8_values, mode, base, n, dst, dst_bits, at):
             d32[i] = fp8_values[np.uint64(s8[i])]
 
 
-@numba.njit(inline="always", fastmath=_FASTMATH)
+@numba.njit(inline="always", fastmath=FASTMATH)
 def _load_chunk(src, mode, table, b, stride, h, bs, d, key0, n, n4, dst, dst_bits):
     """Keys ``key0 .. key0+n`` of (sequence b, head h) into flat ``dst [n4 * d]``, keys past n zeroed.
 
@@ -213,10 +121,10 @@ def _load_chunk(src, mode, table, b, stride, h, bs, d, key0, n, n4, dst, dst_bit
         key += cnt
         row += cnt
     for i in range(n * d, n4 * d):
-        dst[i] = _ZERO
+        dst[i] = ZERO
 
 
-@numba.njit(inline="always", fastmath=_FASTMATH)
+@numba.njit(inline="always", fastmath=FASTMATH)
 def _add_4x4(out, w, a, k, x, lo, hi):
     """``out[a + j, u] += sum_m w[a + j, k + m] * x[k + m, u]`` for j, m < 4, lo <= u < hi.
 
@@ -239,7 +147,7 @@ def _add_4x4(out, w, a, k, x, lo, hi):
         out[a3, uu] += w30 * x0 + w31 * x1 + w32 * x2 + w33 * x3
 
 
-@numba.njit(fastmath=_FASTMATH, cache=True)
+@numba.njit(fastmath=FASTMATH, cache=True)
 def _scores_rows_in_lanes(kb, qt, st, c0, nk, d, r0, r1):
     """``st[c, r] = sum_i kb[c, i] * qt[i, r]`` for keys c0 <= c < nk (multiples of 4), rows r0 <= r < r1.
 
@@ -250,10 +158,10 @@ def _scores_rows_in_lanes(kb, qt, st, c0, nk, d, r0, r1):
         c_0, c_1, c_2, c_3 = np.uint64(c), np.uint64(c + 1), np.uint64(c + 2), np.uint64(c + 3)
         for r in range(r0, r1):
             u = np.uint64(r)
-            st[c_0, u] = _ZERO
-            st[c_1, u] = _ZERO
-            st[c_2, u] = _ZERO
-            st[c_3, u] = _ZERO
+            st[c_0, u] = ZERO
+            st[c_1, u] = ZERO
+            st[c_2, u] = ZERO
+            st[c_3, u] = ZERO
         for i in range(0, d4, 4):
             _add_4x4(st, kb, c, i, qt, r0, r1)
         for i in range(d4, d):
@@ -267,23 +175,23 @@ def _scores_rows_in_lanes(kb, qt, st, c0, nk, d, r0, r1):
                 st[c_3, u] += a3 * x0
 
 
-@numba.njit(fastmath=_FASTMATH, cache=True)
+@numba.njit(fastmath=FASTMATH, cache=True)
 def _soft_cap(s, i0, i1, j0, j1, cap):
     """``s[i, j] = cap * tanh(s[i, j] / cap)`` for i0 <= i < i1, j0 <= j < j1."""
-    inv = _ONE / cap
+    inv = ONE / cap
     for i in range(i0, i1):
         iu = np.uint64(i)
         for j in range(j0, j1):
             ju = np.uint64(j)
-            s[iu, ju] = cap * _tanh(s[iu, ju] * inv)
+            s[iu, ju] = cap * fast_tanh(s[iu, ju] * inv)
 
 
-@numba.njit(fastmath=_FASTMATH, cache=True)
+@numba.njit(fastmath=FASTMATH, cache=True)
 def _mask_before_window(st, nk, r0, rp, lo_row):
     """``st[c, r] = _BEFORE_WINDOW`` for keys c < lo_row[r] (rows in lanes, rows r0 <= r < rp).
 
     The softmax then needs no lower bound of its own: such a score neither raises the
-    running max nor survives ``_exp`` (so the no-window path pays nothing for windows).
+    running max nor survives ``fast_exp`` (so the no-window path pays nothing for windows).
     """
     for c in range(nk):
         for r in range(r0, rp):
@@ -291,7 +199,7 @@ def _mask_before_window(st, nk, r0, rp, lo_row):
             st[c, u] = _BEFORE_WINDOW if c < lo_row[u] else st[c, u]
 
 
-@numba.njit(fastmath=_FASTMATH, cache=True)
+@numba.njit(fastmath=FASTMATH, cache=True)
 def _softmax_rows_in_lanes(st, nk, rp, lim_row, m, den, corr):
     """One online-softmax step on ``st [nk, rp]`` (rows in lanes): scores → probabilities.
 
@@ -307,18 +215,18 @@ def _softmax_rows_in_lanes(st, nk, rp, lim_row, m, den, corr):
             corr[r] = max(corr[r], x)
     for r in range(rp):
         mx = corr[r]
-        corr[r] = _exp(m[r] - mx)
+        corr[r] = fast_exp(m[r] - mx)
         m[r] = mx
         den[r] *= corr[r]
     for c in range(nk):
         for r in range(rp):
-            p = _exp(st[c, r] - m[r])
-            p = p if c < lim_row[r] else _ZERO
+            p = fast_exp(st[c, r] - m[r])
+            p = p if c < lim_row[r] else ZERO
             st[c, r] = p
             den[r] += p
 
 
-@numba.njit(fastmath=_FASTMATH, cache=True)
+@numba.njit(fastmath=FASTMATH, cache=True)
 def _scores_keys_in_lanes(kb, qs, s, rows, d, lo_row, lim_row):
     """``s[r, c] = sum_i qs[r, i] * kb[c, i]`` for lo_row[r] <= c < lim_row[r] (or a few more).
 
@@ -331,7 +239,7 @@ def _scores_keys_in_lanes(kb, qs, s, rows, d, lo_row, lim_row):
         r0, r1, r2, r3 = np.uint64(r), np.uint64(r + 1), np.uint64(r + 2), np.uint64(r + 3)
         for c in range(lo, n, 2):
             ca, cb = np.uint64(c), np.uint64(c + 1)
-            t0 = t1 = t2 = t3 = u0 = u1 = u2 = u3 = _ZERO
+            t0 = t1 = t2 = t3 = u0 = u1 = u2 = u3 = ZERO
             for i in range(d):
                 ka, kb_ = kb[ca, i], kb[cb, i]
                 q0, q1, q2, q3 = qs[r0, i], qs[r1, i], qs[r2, i], qs[r3, i]
@@ -349,7 +257,7 @@ def _scores_keys_in_lanes(kb, qs, s, rows, d, lo_row, lim_row):
         ru = np.uint64(r)
         for c in range(lo_row[r] // 4 * 4, lim_row[r], 4):
             ca, cb, cc, cd = np.uint64(c), np.uint64(c + 1), np.uint64(c + 2), np.uint64(c + 3)
-            t0 = t1 = t2 = t3 = _ZERO
+            t0 = t1 = t2 = t3 = ZERO
             for i in range(d):
                 q0 = qs[ru, i]
                 t0 += q0 * kb[ca, i]
@@ -359,7 +267,7 @@ def _scores_keys_in_lanes(kb, qs, s, rows, d, lo_row, lim_row):
             s[ru, ca], s[ru, cb], s[ru, cc], s[ru, cd] = t0, t1, t2, t3
 
 
-@numba.njit(fastmath=_FASTMATH, cache=True)
+@numba.njit(fastmath=FASTMATH, cache=True)
 def _softmax_keys_in_lanes(s, rows, nk, lo_row, lim_row, m, den, corr):
     """One online-softmax step on ``s [rows, nk]`` (keys in lanes); row r sees keys lo_row[r] <= c < lim_row[r]."""
     for r in range(rows):
@@ -369,21 +277,21 @@ def _softmax_keys_in_lanes(s, rows, nk, lo_row, lim_row, m, den, corr):
         mx = m[r]
         for c in range(n - lo):
             mx = max(mx, seen[c])
-        corr[r] = _exp(m[r] - mx)
+        corr[r] = fast_exp(m[r] - mx)
         m[r] = mx
-        tot = _ZERO
+        tot = ZERO
         for c in range(n - lo):
-            p = _exp(seen[c] - mx)
+            p = fast_exp(seen[c] - mx)
             seen[c] = p
             tot += p
         for c in range(lo):
-            row[c] = _ZERO
+            row[c] = ZERO
         for c in range(n, nk):
-            row[np.uint64(c)] = _ZERO
+            row[np.uint64(c)] = ZERO
         den[r] = den[r] * corr[r] + tot
 
 
-@numba.njit(fastmath=_FASTMATH, cache=True)
+@numba.njit(fastmath=FASTMATH, cache=True)
 def _accumulate(p, vb, acc, rows, lo_row, nk_row, d):
     """``acc[r, :] += sum_c p[r, c] * vb[c, :]``, row r over keys lo_row[r] <= c < nk_row[r], widened to 4.
 
@@ -406,7 +314,7 @@ def _accumulate(p, vb, acc, rows, lo_row, nk_row, d):
                 acc[ru, i] += p00 * vb[c_0, i] + p01 * vb[c_1, i] + p02 * vb[c_2, i] + p03 * vb[c_3, i]
 
 
-@numba.njit(parallel=True, fastmath=_FASTMATH, cache=True, nogil=True)  # other threads (the heartbeat) run meanwhile
+@numba.njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)  # other threads (the heartbeat) run meanwhile
 def paged_attention_cpu(
     q16, q32, q_mode, k_bytes, v_bytes, kv_mode, fp8_values, k_stride, v_stride, num_kv_heads, block_size,
     block_tables, seq_lens, cu_seqlens, items, qk_scale, soft_cap, window, v_scale, out,
@@ -443,7 +351,7 @@ def _typed_views(raw, mode, fp8_values):
     )
 
 
-@numba.njit(fastmath=_FASTMATH, cache=True)
+@numba.njit(fastmath=FASTMATH, cache=True)
 def _item(
     q16, q32, q_mode, k_src, v_src, kv_mode, k_stride, v_stride, num_kv_heads, block_size,
     block_tables, seq_lens, cu_seqlens, b, h, tok0, ntok, qk_scale, soft_cap, window, v_scale, out,
@@ -484,9 +392,9 @@ def _item(
                 if q_mode == MODE_F32:
                     x = q32[t, hq, i]
                 elif q_mode == MODE_F16:
-                    x = _f16_to_f32(q16[t, hq, i])
+                    x = f16_to_f32(q16[t, hq, i])
                 else:
-                    x = _bits_to_f32(np.uint32(q16[t, hq, i]) << np.uint32(16))
+                    x = bits_to_f32(np.uint32(q16[t, hq, i]) << np.uint32(16))
                 x *= qk_scale
                 if lanes:
                     qs[i, r] = x
@@ -533,7 +441,7 @@ def _item(
             _softmax_keys_in_lanes(s, rows, n4, lo_row, lim_row, m, den, corr)
         for r in range(rows):
             c = corr[r]
-            if c != _ONE:
+            if c != ONE:
                 for i in range(d):
                     acc[r, i] *= c
         if lanes:
@@ -543,63 +451,6 @@ def _item(
     for tt in range(ntok):
         for g in range(group):
             r = tt * group + g
-            inv = v_scale / den[r] if den[r] > 0 else _ZERO
+            inv = v_scale / den[r] if den[r] > 0 else ZERO
             for i in range(d):
                 out[q0 + tok0 + tt, h * group + g, i] = acc[r, i] * inv
-
-
-def q_tile(group: int) -> int:
-    """Query tokens per prefill work item: about ``TILE_ROWS`` rows, at least ``Q_TILE`` tokens.
-
-    The score product keeps the rows in its vector lanes, so each pass over 4 x 4 values of K
-    makes rows / 16 vector steps, and each converted K/V chunk serves every row: a tile of a
-    single vector's rows converts each chunk for too few rows, while from 64 rows up the tile
-    size matters little, for every GQA group (benchmarks/NOTES-kernels.md).
-    """
-    return max(Q_TILE, TILE_ROWS // max(group, 1))
-
-
-def work_items(
-    cu_seqlens: np.ndarray,
-    num_kv_heads: int,
-    q_tile: int = Q_TILE,
-    seq_lens: np.ndarray | None = None,
-    *,
-    window: int = 0,
-) -> np.ndarray:
-    """``[N, 4]`` int64 rows (seq, kv_head, first token in seq, tokens) covering every query.
-
-    With ``seq_lens`` the items come in the order heaviest, lightest, 2nd heaviest,
-    2nd lightest, ... (work: tokens x keys they see, at most ``window + tokens - 1``
-    keys with a sliding window): ``prange`` gives each thread an equal contiguous run
-    of items, and causal prefill tiles differ up to ``q_len / q_tile``-fold, so a run
-    of such pairs balances where tile order would leave the thread with the last
-    tiles doing most of the work.
-    """
-    q_lens = np.diff(cu_seqlens)
-    seqs, starts, counts = [], [], []
-    for b, n in enumerate(q_lens.tolist()):
-        for t0 in range(0, n, q_tile):
-            seqs.append(b)
-            starts.append(t0)
-            counts.append(min(q_tile, n - t0))
-    base = np.array([seqs, starts, counts], dtype=np.int64).reshape(3, -1).T  # [tiles, 3]
-    if seq_lens is not None and base.shape[0] > 1:
-        first = np.asarray(seq_lens, dtype=np.int64)[base[:, 0]] - q_lens[base[:, 0]]
-        keys = np.maximum(first + base[:, 1] + base[:, 2], 0)
-        if window > 0:
-            keys = np.minimum(keys, window + base[:, 2] - 1)
-        work = base[:, 2] * keys + 64  # + per-item overhead
-        by_work = np.argsort(-work, kind="stable")
-        order = np.empty_like(by_work)
-        half = (by_work.size + 1) // 2
-        order[0::2] = by_work[:half]
-        order[1::2] = by_work[half:][::-1]
-        base = base[order]
-    heads = np.arange(num_kv_heads, dtype=np.int64)
-    items = np.empty((base.shape[0] * num_kv_heads, 4), dtype=np.int64)
-    items[:, 0] = np.repeat(base[:, 0], num_kv_heads)
-    items[:, 1] = np.tile(heads, base.shape[0])
-    items[:, 2] = np.repeat(base[:, 1], num_kv_heads)
-    items[:, 3] = np.repeat(base[:, 2], num_kv_heads)
-    return items

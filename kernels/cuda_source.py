@@ -25,7 +25,7 @@ BLOCK_COPY = "block_copy.cu"
 # ring stages; the constants of the same names in paged_attention_sm90.cu (``read_sm90``
 # checks that they agree).
 WG_GROUPS, WG_KEYS, WG_STAGES = 2, 128, 3
-# The most size classes of page-aware decode's item order (``cuda_attention.work_order``);
+# The most size classes of page-aware decode's item order (``cuda_work.work_order``);
 # the constant of the same name in paged_attention.cu (``read_attention`` checks it).
 ORDER_CLASSES = 8
 

@@ -40,7 +40,7 @@ def disk_dir_for(config: Config, device: int, npools: int) -> str:
 
 def check_disk_root(config: Config, npools: int) -> None:
     """With several pools ``--disk-dir`` holds their ``gpuN`` directories: it must be kvpoold's own too
-    (``transfer.disk.open_private_dir``; ``DiskTierError`` if not), checked before anything is made in it."""
+    (``transfer.disk_files.open_private_dir``; ``DiskTierError`` if not), checked before anything is made in it."""
     base = resolve_disk_dir(config.disk_dir)
     if npools > 1 and base and config.disk_bytes:
         os.close(open_private_dir(base))

@@ -15,7 +15,7 @@ may write to (where anyone could plant a symbolic link to a file the daemon
 would then overwrite), is refused at start (``open_private_dir``).  Every file
 is opened relative to that directory's descriptor, never through a symbolic
 link, only if it is a regular file of the daemon's user with one link, and
-files the tier creates are made mode 0600 (``_open_in``; temporary files
+files the tier creates are made mode 0600 (``open_in``; temporary files
 with ``O_EXCL`` after removing whatever was left there).
 
 **Checksums.** Every block is written with the xxh3-64 of its bytes, kept in
@@ -58,17 +58,18 @@ checksum: the promoted or swapped-in block is recomputed by its owner.  The
 write and read calls pass through the failpoints ``disk.write`` and
 ``disk.read`` (``kvpoold/faults.py``), off unless ``KVPOOLD_FAILPOINTS`` arms
 them.
+
+Parts: ``disk_files`` opens the directory and its files safely and does the
+vectored I/O; ``disk_index`` writes and replays the index's records;
+``DiskStore`` here keeps the entries and runs the I/O threads.
 """
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import json
 import logging
 import os
-import stat
-import struct
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -79,17 +80,14 @@ from kvpool.protocol.sizes import cdiv
 
 from kvpoold import faults
 
+from .disk_files import (
+    ALIGN, DataFile, DiskTierError, open_in, open_private_dir, preadv_all, pwritev_all, vectored, write_atomic,
+)
+from .disk_index import ADD, DEL, MAGIC, record, replay
 from .meter import Meters
-from .slots import SlotAllocator
 
 log = logging.getLogger("kvpoold")
 
-ALIGN = 4096
-MAGIC = b"KVPIDX01"
-_REC = struct.Struct("<B3xI16sQQQ")  # op, layout id, hash, slot offset, block bytes, checksum
-_CRC = struct.Struct("<I")
-REC_BYTES = _REC.size + _CRC.size
-ADD, DEL = 1, 2
 INDEX, GEOMETRIES = "index.log", "geometries.json"
 # One I/O job (one pwritev/preadv) is at most this large: big enough for large requests, small enough
 # that a batch of a few hundred MiB is several jobs per I/O thread, so every thread has work until the
@@ -100,162 +98,8 @@ _FAIL_WRITE = faults.point("disk.write")  # None unless KVPOOLD_FAILPOINTS arms 
 _FAIL_READ = faults.point("disk.read")
 
 
-class DiskTierError(RuntimeError):
-    """The disk tier cannot be used (directory, lock, permissions); the message says why."""
-
-
 def checksum(view) -> int:
     return xxhash.xxh3_64_intdigest(view)
-
-
-def _aligned(view: np.ndarray) -> bool:
-    return view.ctypes.data % ALIGN == 0 and view.nbytes % ALIGN == 0
-
-
-def open_private_dir(path: str) -> int:
-    """A descriptor of the directory ``path`` (made, mode 0700, when missing) that only this user can change.
-
-    ``DiskTierError`` (one line) for a symbolic link or a non-directory at
-    ``path``, a directory of another user, or one that group or others may
-    write to: anyone who can write there can plant links the daemon would follow.
-    """
-    try:
-        os.makedirs(path, mode=0o700, exist_ok=True)
-    except FileExistsError:
-        pass  # something else than a directory is there: the open below says what
-    except OSError as exc:
-        raise DiskTierError(f"cannot create the disk tier's directory {path}: {exc.strerror}") from None
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as exc:
-        raise DiskTierError(f"the disk tier's directory {path} {_what_is_wrong(exc, path)}: give a directory of "
-                            "kvpoold's own") from None
-    st = os.fstat(fd)
-    why = None
-    if st.st_uid != os.geteuid():
-        why = (f"belongs to uid {st.st_uid}, not to kvpoold's user (uid {os.geteuid()}): give a directory of "
-               "kvpoold's own")
-    elif st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        why = (f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):o}): remove their write permission "
-               "(chmod go-w) or give another directory")
-    elif not os.access(".", os.W_OK | os.X_OK, dir_fd=fd):
-        why = "is not writable by this user"
-    if why is not None:
-        os.close(fd)
-        raise DiskTierError(f"the disk tier's directory {path} {why}")
-    return fd
-
-
-def _what_is_wrong(exc: OSError, name: str, dir_fd: int | None = None) -> str:
-    """Why opening ``name`` (relative to ``dir_fd``) without following a link failed, in words."""
-    try:
-        mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
-    except OSError:
-        mode = 0
-    if stat.S_ISLNK(mode):
-        return "is a symbolic link"
-    if exc.errno == errno.ENOTDIR:
-        return "is not a directory"
-    return f"cannot be opened: {exc.strerror}"
-
-
-def _open_in(dir_fd: int, where: str, name: str, flags: int, *, create: bool) -> int:
-    """Open ``name`` in the tier's directory (``dir_fd``; ``where`` names it in messages), never through a
-    symbolic link; ``create``: made, mode 0600, when missing.
-
-    Anything but a regular file of this user with a single link is refused
-    (``DiskTierError``): the daemon made none such, so someone else put it there.
-    FileNotFoundError when it is missing and not ``create``.
-    """
-    # O_NOFOLLOW holds with O_CREAT too (a link there fails, dangling or not); O_NONBLOCK: a FIFO cannot hang us
-    flags |= os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | (os.O_CREAT if create else 0)
-    path = os.path.join(where, name)
-    try:
-        fd = os.open(name, flags, 0o600, dir_fd=dir_fd)
-    except OSError as exc:
-        if exc.errno == errno.ENOENT:
-            raise
-        raise DiskTierError(f"disk tier: {path} {_what_is_wrong(exc, name, dir_fd)}; kvpoold made no such file: "
-                            "remove it") from None
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1:
-        os.close(fd)
-        raise DiskTierError(f"disk tier: {path} is not a file kvpoold made (a regular file of uid {os.geteuid()} "
-                            "with one link): remove it")
-    if st.st_mode & 0o077:
-        os.fchmod(fd, 0o600)  # every tenant's KV: for this user's eyes only
-    return fd
-
-
-def _write_atomic(dir_fd: int, name: str, data: bytes) -> None:
-    """Replace ``name`` in ``dir_fd`` with ``data``: a fresh temporary file, fsynced, renamed over it."""
-    tmp = name + ".tmp"
-    try:
-        os.unlink(tmp, dir_fd=dir_fd)  # a leftover of a crash; never opened, so never followed
-    except FileNotFoundError:
-        pass
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)  # a link at ``name`` is replaced, not followed
-    os.fsync(dir_fd)
-
-
-def _record(op: int, gid: int, digest: bytes, offset: int, nbytes: int, csum: int) -> bytes:
-    body = _REC.pack(op, gid, digest, offset, nbytes, csum)
-    return body + _CRC.pack(xxhash.xxh32_intdigest(body))
-
-
-def _pwritev_all(fd: int, bufs: list, offset: int) -> None:
-    total = sum(b.nbytes for b in bufs)
-    done = os.pwritev(fd, bufs, offset)
-    if done == total:
-        return
-    flat = memoryview(b"".join(bytes(b) for b in bufs))[done:]  # rare: a short write
-    pos = offset + done
-    while flat:
-        n = os.pwrite(fd, flat, pos)
-        if n <= 0:
-            raise OSError(errno.EIO, "short write")
-        flat, pos = flat[n:], pos + n
-
-
-def _preadv_all(fd: int, bufs: list, offset: int) -> None:
-    total = sum(b.nbytes for b in bufs)
-    done = os.preadv(fd, bufs, offset)
-    if done == total:
-        return
-    pos = 0
-    for b in bufs:  # rare: a short read; finish buffer by buffer
-        mv = memoryview(b).cast("B")
-        if done >= pos + mv.nbytes:
-            pos += mv.nbytes
-            continue
-        got = max(0, done - pos)
-        while got < mv.nbytes:
-            n = os.preadv(fd, [mv[got:]], offset + pos + got)
-            if n <= 0:
-                raise OSError(errno.EIO, f"read past the end of the data file at {offset + pos + got}")
-            got += n
-        pos += mv.nbytes
-        done = pos
-
-
-def _vectored(io, f, bufs: list, offset: int) -> None:
-    """``io`` (``_pwritev_all`` / ``_preadv_all``) through O_DIRECT when ``f`` has it and every
-    buffer is aligned; buffered when not, or when the kernel refuses this one (EINVAL)."""
-    direct = f.dfd is not None and all(_aligned(b) for b in bufs)
-    try:
-        io(f.dfd if direct else f.fd, bufs, offset)
-    except OSError as exc:
-        if not direct or exc.errno != errno.EINVAL:
-            raise
-        io(f.fd, bufs, offset)
 
 
 class DiskEntry:
@@ -277,37 +121,6 @@ class DiskEntry:
         self.freed = False
 
 
-class _DataFile:
-    def __init__(self, dir_fd: int, where: str, name: str, stride: int, use_direct: bool) -> None:
-        self.path = os.path.join(where, name)
-        self.stride = stride
-        self.fd = _open_in(dir_fd, where, name, os.O_RDWR, create=True)
-        self.dfd = None
-        if use_direct and hasattr(os, "O_DIRECT"):
-            try:
-                self.dfd = os.open(name, os.O_RDWR | os.O_DIRECT | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
-            except OSError:
-                self.dfd = None  # e.g. tmpfs: buffered I/O only
-            if self.dfd is not None and not _same_file(self.fd, self.dfd):
-                os.close(self.dfd)
-                self.dfd = None
-        self.slots = SlotAllocator(None, ALIGN)
-
-    def close(self) -> None:
-        for fd in (self.fd, self.dfd):
-            if fd is not None:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
-        self.fd = self.dfd = None
-
-
-def _same_file(a: int, b: int) -> bool:
-    sa, sb = os.fstat(a), os.fstat(b)
-    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
-
-
 class DiskStore:
     def __init__(self, directory: str, capacity: int, *, post, meters: Meters | None = None,
                  io_threads: int = 4, direct: bool = True) -> None:
@@ -325,7 +138,7 @@ class DiskStore:
         faults.announce()
         self._lock_fd = self._log_fd = None
         self._dir_fd = open_private_dir(self.directory)  # every file below is opened relative to it
-        self.files: dict[int, _DataFile] = {}
+        self.files: dict[int, DataFile] = {}
         self.geoms: dict[int, dict] = {}
         self.gid_of: dict[int, int] = {}  # class id -> layout id
         self.entries: dict[tuple, DiskEntry] = {}  # (class id, digest or swap number) -> entry
@@ -362,7 +175,7 @@ class DiskStore:
         return os.path.join(self.directory, GEOMETRIES)
 
     def _open(self, name: str, flags: int, *, create: bool = False) -> int:
-        return _open_in(self._dir_fd, self.directory, name, flags, create=create)
+        return open_in(self._dir_fd, self.directory, name, flags, create=create)
 
     def _read(self, name: str) -> bytes:
         """The whole file ``name`` of the directory; FileNotFoundError when there is none."""
@@ -377,8 +190,6 @@ class DiskStore:
         except (OSError, ValueError) as exc:
             log.warning("disk tier: %s is unreadable (%s): starting with an empty disk tier", self._geoms_path, exc)
             self.geoms = {}
-        live: dict[tuple, tuple] = {}
-        by_slot: dict[tuple, tuple] = {}
         try:
             data = self._read(INDEX)
         except FileNotFoundError:
@@ -386,31 +197,9 @@ class DiskStore:
         if data and not data.startswith(MAGIC):
             log.warning("disk tier: %s is not a kvpool index: ignoring it", self._index_path)
             data = b""
-        pos, bad = len(MAGIC), 0
-        while pos + REC_BYTES <= len(data):
-            body = data[pos:pos + _REC.size]
-            (crc,) = _CRC.unpack_from(data, pos + _REC.size)
-            if xxhash.xxh32_intdigest(body) != crc:
-                bad = len(data) - pos
-                break
-            op, gid, digest, offset, nbytes, csum = _REC.unpack(body)
-            key = (gid, digest)
-            if op == ADD:
-                old = by_slot.get((gid, offset))
-                if old is not None:
-                    live.pop(old, None)
-                prev = live.pop(key, None)
-                if prev is not None:
-                    by_slot.pop((gid, prev[0]), None)
-                live[key] = (offset, nbytes, csum)
-                by_slot[(gid, offset)] = key
-            elif op == DEL:
-                prev = live.pop(key, None)
-                if prev is not None and by_slot.get((gid, prev[0])) == key:
-                    del by_slot[(gid, prev[0])]
-            pos += REC_BYTES
-        if bad or pos < len(data):
-            log.warning("disk tier: ignored a torn or damaged tail of %d bytes in %s", len(data) - pos, self._index_path)
+        live, torn = replay(data)
+        if torn:
+            log.warning("disk tier: ignored a torn or damaged tail of %d bytes in %s", torn, self._index_path)
         for gid, geom in self.geoms.items():
             self._open_file(gid, geom["block_bytes"])
         kept = 0
@@ -432,11 +221,11 @@ class DiskStore:
         if kept:
             log.info("disk tier: found %d blocks in %s", kept, self.directory)
 
-    def _open_file(self, gid: int, block_bytes: int) -> _DataFile:
+    def _open_file(self, gid: int, block_bytes: int) -> DataFile:
         f = self.files.get(gid)
         if f is None:
             stride = cdiv(block_bytes, ALIGN) * ALIGN
-            f = self.files[gid] = _DataFile(self._dir_fd, self.directory, f"blocks-{gid}.dat", stride, self.direct)
+            f = self.files[gid] = DataFile(self._dir_fd, self.directory, f"blocks-{gid}.dat", stride, self.direct)
         return f
 
     def _compact(self) -> None:
@@ -445,15 +234,15 @@ class DiskStore:
         n = 0
         for gid, found in self.found.items():
             for digest, e in found.items():
-                recs.append(_record(ADD, gid, digest, e.offset, e.nbytes, e.checksum))
+                recs.append(record(ADD, gid, digest, e.offset, e.nbytes, e.checksum))
                 n += 1
         for (cid, digest), e in self.entries.items():
             if e.logged:
-                recs.append(_record(ADD, e.gid, digest, e.offset, e.nbytes, e.checksum))
+                recs.append(record(ADD, e.gid, digest, e.offset, e.nbytes, e.checksum))
                 n += 1
         for f in self.files.values():
             os.fdatasync(f.fd)  # the bytes the records name are on disk first
-        _write_atomic(self._dir_fd, INDEX, b"".join(recs))
+        write_atomic(self._dir_fd, INDEX, b"".join(recs))
         if self._log_fd is not None:
             os.close(self._log_fd)
         self._log_fd = self._open(INDEX, os.O_WRONLY | os.O_APPEND)
@@ -469,7 +258,7 @@ class DiskStore:
         gid = max(self.geoms, default=0) + 1
         self.geoms[gid] = dict(geometry)
         table = json.dumps({str(k): v for k, v in self.geoms.items()}, indent=1).encode()
-        _write_atomic(self._dir_fd, GEOMETRIES, table)
+        write_atomic(self._dir_fd, GEOMETRIES, table)
         self._open_file(gid, geometry["block_bytes"])
         return gid
 
@@ -553,7 +342,7 @@ class DiskStore:
             bufs = [view[:f.stride] if view.nbytes >= f.stride else view for _, _, view, _ in job]
             if _FAIL_WRITE is not None:
                 _FAIL_WRITE()
-            _vectored(_pwritev_all, f, bufs, job[0][1].offset)
+            vectored(pwritev_all, f, bufs, job[0][1].offset)
         except Exception as exc:  # noqa: BLE001 - reported through the completion
             error = exc
         for _, e, _, _ in job:
@@ -628,7 +417,7 @@ class DiskStore:
             try:
                 if _FAIL_READ is not None:
                     _FAIL_READ()
-                _vectored(_preadv_all, f, bufs, job[0][1].offset)
+                vectored(preadv_all, f, bufs, job[0][1].offset)
                 results = []
                 for (_, e, _, _), buf in zip(job, bufs):
                     ok = checksum(buf) == e.checksum
@@ -675,7 +464,7 @@ class DiskStore:
     def _log(self, op: int, gid: int, digest, e: DiskEntry) -> None:
         if not isinstance(digest, bytes):
             return  # swap copies are not indexed
-        self._logbuf += _record(op, gid, digest, e.offset, e.nbytes, e.checksum)
+        self._logbuf += record(op, gid, digest, e.offset, e.nbytes, e.checksum)
         self._log_records += 1
         if op == ADD:
             e.logged = True

@@ -41,8 +41,7 @@ to finish (backpressure), and only when nothing is in flight uses a
 temporary buffer.
 
 Completions come from worker threads (disk I/O, the CUDA event watcher)
-through one queue; they run on the caller's thread in ``poll`` (the daemon's
-event loop: ``notify`` wakes it), so the bookkeeping is single-threaded.
+through one queue (``completions``) and run on the caller's thread in ``poll``.
 
 The copier moves the bytes between a class's pool and host memory:
 ``CudaCopier`` on a GPU, ``CpuCopier`` (numpy) for a pool in host memory.
@@ -55,15 +54,15 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-import queue
-import threading
 from functools import partial
 
 import numpy as np
 
 from kvpoold.core.tiers import DROP, MovePlan, Tier
 
-from .cuda import run_bounds
+from .arrivals import Arrivals
+from .completions import Completions, Countdown
+from .cpu_copier import CpuCopier
 from .disk import DiskStore
 from .host import HostStore
 from .meter import Meters
@@ -102,83 +101,6 @@ def _gc_paused(n: int):
         gc.enable()
 
 
-class Arrivals:
-    """Bytes on their way into a batch of device blocks of one layout class.
-
-    ``state[i]`` says how block ``blocks[i]`` stands: ``ARRIVING``, ``OK``,
-    ``LOST`` (its copy was missing or its read failed) or ``CORRUPT`` (a bad
-    checksum on disk).  The waiters run once, when the last block is settled.
-    """
-
-    ARRIVING, OK, LOST, CORRUPT = 0, 1, 2, 3
-
-    __slots__ = ("class_id", "blocks", "state", "left", "waiters", "digests")
-
-    def __init__(self, class_id: int, blocks: np.ndarray) -> None:
-        self.class_id = class_id
-        self.blocks = np.asarray(blocks, np.int64)
-        self.state = np.zeros(len(self.blocks), np.int8)
-        self.left = len(self.blocks)
-        self.waiters: list = []
-        self.digests: dict[int, bytes | None] = {}  # index -> the hash a failed block lost (the daemon's)
-
-    def __len__(self) -> int:
-        return len(self.blocks)
-
-    @property
-    def done(self) -> bool:
-        return self.left == 0
-
-    @property
-    def ok(self) -> bool:
-        """Done, and every block arrived."""
-        return self.left == 0 and not (self.state != self.OK).any()
-
-    def failed(self) -> np.ndarray:
-        """Indices of the blocks whose bytes did not arrive."""
-        return np.flatnonzero(self.state >= self.LOST)
-
-    def arriving(self) -> np.ndarray:
-        """Indices of the blocks still arriving."""
-        return np.flatnonzero(self.state == self.ARRIVING)
-
-    def settle(self, index, state: int) -> None:
-        """Blocks ``index`` (indices, a slice or a mask) are settled as ``state``."""
-        st = self.state
-        n = int(np.count_nonzero(st[index] == self.ARRIVING))
-        assert n == len(st[index]), "a block of this batch was settled twice"
-        st[index] = state
-        self.left -= n
-        if n and self.left == 0:
-            waiters, self.waiters = self.waiters, []
-            for w in waiters:
-                w(self)
-
-    def __repr__(self) -> str:
-        return (f"Arrivals(class {self.class_id}, {len(self)} blocks, {self.left} arriving, "
-                f"{len(self.failed())} failed)")
-
-
-class CpuCopier:
-    """Copies between a pool in host memory (numpy rows) and host slots, with numpy; done on return."""
-
-    @staticmethod
-    def to_host(rows: np.ndarray, ids: np.ndarray, host: np.ndarray, offsets: np.ndarray):
-        bb = rows.shape[1]
-        for i0, i1 in run_bounds(offsets, bb):
-            o = int(offsets[i0])
-            np.take(rows, ids[i0:i1], axis=0, out=host[o:o + (i1 - i0) * bb].reshape(i1 - i0, bb))
-        return None
-
-    @staticmethod
-    def to_device(rows: np.ndarray, ids: np.ndarray, host: np.ndarray, offsets: np.ndarray):
-        bb = rows.shape[1]
-        for i0, i1 in run_bounds(offsets, bb):
-            o = int(offsets[i0])
-            rows[ids[i0:i1]] = host[o:o + (i1 - i0) * bb].reshape(i1 - i0, bb)
-        return None
-
-
 def _pick(keys: list, idx: np.ndarray) -> list:
     """``[keys[i] for i in idx]``, a list slice when ``idx`` is a range (a batch usually is)."""
     n = len(idx)
@@ -212,7 +134,7 @@ class _DiskBatch:
     def __init__(self, engine: "TransferEngine", n: int) -> None:
         self.engine = engine
         self.left = n
-        engine._inflight += 1
+        engine.completions.inflight += 1
 
     def written(self, offset: int, ok: bool, key) -> None:
         eng = self.engine
@@ -222,7 +144,7 @@ class _DiskBatch:
             eng._lost(key)
         self.left -= 1
         if self.left == 0:
-            eng._inflight -= 1
+            eng.completions.inflight -= 1
 
 
 class TransferEngine:
@@ -235,10 +157,8 @@ class TransferEngine:
             raise ValueError("pipeline_blocks must be > 0")
         self.pipeline_blocks = pipeline_blocks
         self.meters = Meters()
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
-        self.notify = None  # called (from any thread) after a completion was queued
+        self.completions = Completions()
         self.on_lost = lambda key: None  # a lower-tier copy could not be written
-        self._inflight = 0  # asynchronous copies whose completion has not run yet
         if staging_bytes is None:
             staging_bytes = DEFAULT_STAGING_GPU if cuda_device is not None else DEFAULT_STAGING_CPU
         self.host = HostStore(host_bytes, staging_bytes, cuda_device)
@@ -249,8 +169,6 @@ class TransferEngine:
 
             copier = CudaCopier(cuda_device)
         self.copier = copier if copier is not None else CpuCopier()
-        self._watch_q: queue.SimpleQueue | None = None
-        self._watcher: threading.Thread | None = None
         self.classes: dict[int, _Class] = {}
         self.remote = remote
 
@@ -263,80 +181,37 @@ class TransferEngine:
         """Class ``class_id`` was dropped: let go of its arena's view (the arena can then be unmapped)."""
         self.classes.pop(class_id, None)
 
+    @property
+    def notify(self):
+        """Called (from any thread) after a completion was queued: the daemon wakes its loop."""
+        return self.completions.notify
+
+    @notify.setter
+    def notify(self, fn) -> None:
+        self.completions.notify = fn
+
     def post(self, fn) -> None:
         """Queue ``fn`` to run on the loop's thread (from any thread)."""
-        self._q.put(fn)
-        notify = self.notify
-        if notify is not None:
-            notify()
-
-    def _tracked(self, fn):
-        """``fn`` as the completion of an asynchronous copy (counted in flight until it runs)."""
-        self._inflight += 1
-
-        def done(*args):
-            self._inflight -= 1
-            fn(*args)
-
-        return done
+        self.completions.post(fn)
 
     def poll(self) -> int:
         """Run the completions queued so far; returns how many."""
-        n = 0
-        while True:
-            try:
-                fn = self._q.get_nowait()
-            except queue.Empty:
-                return n
-            fn()
-            n += 1
-
-    def _wait_one(self, timeout: float | None = None) -> bool:
-        """Block until one completion ran; False if nothing is in flight (or the timeout passed)."""
-        if self._inflight == 0 and self._q.empty():
-            return False
-        try:
-            fn = self._q.get(timeout=timeout)
-        except queue.Empty:
-            return False
-        fn()
-        return True
+        return self.completions.poll()
 
     def wait(self, arrivals, timeout: float | None = None) -> bool:
         """Block until every batch is done (tests, benchmarks; the daemon awaits instead)."""
         for a in arrivals:
             while not a.done:
-                if not self._wait_one(timeout):
+                if not self.completions.wait_one(timeout):
                     return False
         return True
 
     def idle(self) -> bool:
-        return self._inflight == 0 and self._q.empty()
+        return self.completions.idle()
 
     def drain(self) -> None:
         """Wait for every copy in flight."""
-        while self._wait_one():
-            pass
-
-    def _watch(self) -> None:
-        """Wait for copy events in order and report them (a thread: nothing else blocks on the GPU)."""
-        while True:
-            item = self._watch_q.get()
-            if item is None:
-                return
-            event, meter, nbytes, blocks, fn = item
-            try:
-                event.synchronize()
-            finally:
-                meter.stop(nbytes, blocks)
-                self.post(fn)
-
-    def _watch_put(self, item) -> None:
-        if self._watcher is None:
-            self._watch_q = queue.SimpleQueue()
-            self._watcher = threading.Thread(target=self._watch, name="kvpool-copy-events", daemon=True)
-            self._watcher.start()
-        self._watch_q.put(item)
+        self.completions.drain()
 
     def _host_slots(self, nbytes: int, n: int, settle=None) -> list[tuple[np.ndarray, np.ndarray, int]]:
         """Host room for ``n`` blocks: [(buffer, offsets, count)], the store's slots then, rarely, a temporary.
@@ -351,7 +226,7 @@ class TransferEngine:
         while len(got) < n:
             if self.disk is not None:
                 self.disk.flush()  # queued disk jobs must run for their slots to come back
-            if not self._wait_one():  # nothing in flight will free one
+            if not self.completions.wait_one():  # nothing in flight will free one
                 break
             got = np.concatenate((got, host.alloc_array(nbytes, n - len(got))))
         parts = [(host.buf, got, len(got))] if len(got) else []
@@ -621,7 +496,7 @@ class TransferEngine:
             meter.stop(bb * len(index), len(index))
             done()
         else:
-            self._watch_put((ev, meter, bb * len(index), len(index), self._tracked(done)))
+            self.completions.watch(ev, meter, bb * len(index), len(index), self.completions.tracked(done))
 
     def _disk_in(self, cls: _Class, arr: Arrivals, keys: list, index: np.ndarray) -> None:
         """Disk reads into the batch's blocks ``index``: straight into a pool in host memory, or into
@@ -636,7 +511,7 @@ class TransferEngine:
             def read_direct(i, ok, corrupt):
                 arr.settle([i], Arrivals.OK if ok else Arrivals.CORRUPT if corrupt else Arrivals.LOST)
 
-            track = _Countdown(self, len(il))
+            track = Countdown(self.completions, len(il))
             for key, i in zip(keys, il):
                 disk.read(key, rows[blocks[i]], partial(track.one, read_direct, i))
             return
@@ -669,7 +544,7 @@ class TransferEngine:
                         assert places[j][0] is buf
                 self._host_in(cls, arr, np.asarray([il[j] for j in sel], np.int64), buf, offs, free=in_store)
 
-        track = _Countdown(self, len(il), all_read)
+        track = Countdown(self.completions, len(il), all_read)
         for j, key in enumerate(keys):
             buf, o, _ = places[j]
             disk.read(key, buf[o:o + stride], partial(track.one, read_staged, j))
@@ -695,9 +570,7 @@ class TransferEngine:
             if self.disk is not None:
                 self.disk.drain()
             self.poll()
-            if self._watcher is not None:
-                self._watch_q.put(None)
-                self._watcher.join(timeout=30)
+            self.completions.stop_watching()
             self.poll()
             if self.disk is not None:
                 self.disk.sync()
@@ -705,24 +578,3 @@ class TransferEngine:
             if self.disk is not None:
                 self.disk.close()
             self.host.close()
-
-
-class _Countdown:
-    """Per-block completions of one batch of disk reads: in flight until the last, then ``last()``."""
-
-    __slots__ = ("engine", "left", "last")
-
-    def __init__(self, engine: TransferEngine, n: int, last=None) -> None:
-        self.engine = engine
-        self.left = n
-        self.last = last
-        if n:
-            engine._inflight += 1
-
-    def one(self, fn, i, ok, corrupt) -> None:
-        fn(i, ok, corrupt)
-        self.left -= 1
-        if self.left == 0:
-            self.engine._inflight -= 1
-            if self.last is not None:
-                self.last()

@@ -43,200 +43,35 @@ to its node.
 Faults put the store in *backoff*: fetches are skipped (a local miss, counted)
 until the retry time, writes wait in the queue; the backoff doubles up to
 ``MAX_BACKOFF`` and resets on the first success.
+
+Parts: ``remote_values`` (keys, headers, checks, the packed write commands),
+``remote_settings`` (``RemoteSettings``, fault messages); ``RemoteStore``
+and ``RemoteLink`` here.
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
-import hmac
 import logging
-import struct
 import threading
 import time
-from dataclasses import dataclass, field
-
-import xxhash
+from dataclasses import dataclass
 
 from kvpoold.config import redact
 
+from .remote_settings import RemoteSettings, describe
+from .remote_values import Namespace, decode, encode, layout_string, pack_sets
+
 log = logging.getLogger("kvpoold")
 
-MAGIC = b"KVPR"
-CHECKSUMMED = 1  # the version of a value written without a secret: an xxh3-64 checksum of the payload
-AUTHENTICATED = 2  # the version of a value written with one: an HMAC-SHA256 tag of its key and payload
-_PROLOGUE = struct.Struct("<4sB")  # magic, version
-_HEADERS = {  # magic, version, the check, payload bytes, layout length
-    CHECKSUMMED: struct.Struct("<4sBxxxQQH"),
-    AUTHENTICATED: struct.Struct("<4sBxxx32sQH"),
-}
-NAME_BYTES = 16  # of a keyed block name: as many as a block hash has, unguessable without the secret
+# The store's API; the settings and the value format live in their own modules.
+__all__ = ["Fetched", "Namespace", "RemoteLink", "RemoteSettings", "RemoteStore", "decode", "encode", "layout_string"]
+
 EVENT_QUEUE = 10000  # KV events waiting for the stream; beyond, the oldest are dropped
 STREAM_MAXLEN = 100000  # the stream is capped (approximately) at this many entries
-READ_SIZE = 256 << 10  # bytes per socket read (redis-py's default, 64 KiB, costs a read and a parse per 64 KiB)
 MIN_BACKOFF = 0.2
 MAX_BACKOFF = 5.0
-
-
-@dataclass(frozen=True)
-class RemoteSettings:
-    url: str
-    password: str | None = None  # overrides the URL's (``--remote-password-file``)
-    cluster: bool = False
-    prefix: str = "kvpool"
-    ttl: float = 3600.0  # seconds; 0: keys never expire
-    timeout: float = 0.05  # a fetch's deadline (the caller's), seconds
-    batch_blocks: int = 256  # blocks per pipelined write round trip
-    queue_bytes: int = 256 << 20  # bytes waiting to be written; beyond, the oldest are dropped
-    socket_timeout: float = 2.0  # a stalled server frees the worker threads after this
-    tls_ca: str = ""  # rediss://: CA certificates (PEM file) to verify the server with; "": the system's
-    tls_cert: str = ""  # rediss://: client certificate (PEM file), for mutual TLS
-    tls_key: str = ""  # its private key (PEM file); "": in ``tls_cert``
-    #: keys the names and checks of blocks (``--remote-key-file``); None: none (anyone who reaches the server
-    #: can probe and forge). Never shown: not in the repr
-    secret: bytes | None = field(default=None, repr=False)
-
-    @classmethod
-    def from_config(cls, config) -> "RemoteSettings":
-        from kvpoold.config import read_key_file
-
-        password = None
-        if config.remote_password_file:
-            with open(config.remote_password_file) as f:
-                password = f.read().strip()
-        secret = read_key_file(config.remote_key_file) if config.remote_key_file else None
-        return cls(config.remote_url, password, config.remote_cluster, config.remote_prefix, config.remote_ttl,
-                   config.remote_timeout, tls_ca=config.remote_tls_ca, tls_cert=config.remote_tls_cert,
-                   tls_key=config.remote_tls_key, secret=secret)
-
-    @property
-    def tls(self) -> bool:
-        return self.url.startswith("rediss://")
-
-    def client_options(self) -> dict:
-        """redis-py's keyword arguments for this store (beyond the URL)."""
-        kw = dict(socket_timeout=self.socket_timeout, socket_connect_timeout=min(1.0, self.socket_timeout),
-                  socket_read_size=READ_SIZE)
-        if self.password is not None:
-            kw["password"] = self.password
-        if self.tls:  # the server's certificate is always verified, its name against the URL's host
-            kw.update(ssl_cert_reqs="required", ssl_check_hostname=True)
-            if self.tls_ca:
-                kw["ssl_ca_certs"] = self.tls_ca
-            if self.tls_cert:
-                kw.update(ssl_certfile=self.tls_cert, ssl_keyfile=self.tls_key or None)
-        return kw
-
-
-class Namespace:
-    """The keys of one layout (geometry and tenant) in the store, and the header and check of its values.
-
-    With a ``secret``, three keys are derived from it and the layout (so one set per tenant): one names the
-    layout's tag, one the blocks (``key``), one seals the values (``head``, ``decode``).
-    """
-
-    __slots__ = ("prefix", "layout", "block_bytes", "_name_key", "_seal_key")
-
-    def __init__(self, key_prefix: str, layout: str, block_bytes: int, secret: bytes | None = None) -> None:
-        self.layout = layout.encode()
-        self.block_bytes = block_bytes
-        if secret is None:
-            self._name_key = self._seal_key = None
-            tag = xxhash.xxh3_64_hexdigest(self.layout)
-        else:
-            self._name_key = derive_key(secret, b"name", self.layout)
-            self._seal_key = derive_key(secret, b"seal", self.layout)
-            tag = derive_key(secret, b"tag", self.layout)[:8].hex()
-        self.prefix = f"{key_prefix}:{tag}:".encode()
-
-    @property
-    def authenticated(self) -> bool:
-        """Whether values are sealed with a secret's tag (else checksummed)."""
-        return self._seal_key is not None
-
-    def key(self, digest: bytes) -> bytes:
-        if self._name_key is None:
-            return self.prefix + digest.hex().encode()
-        return self.prefix + hmac.digest(self._name_key, digest, "sha256")[:NAME_BYTES].hex().encode()
-
-    def tag(self, key: bytes, view: memoryview) -> bytes:
-        """The HMAC-SHA256 tag of the value of ``key`` holding ``view``: it binds the payload to that key
-        (a value copied to another key of the tenant does not verify there)."""
-        mac = hmac.new(self._seal_key, len(key).to_bytes(2, "little") + key, "sha256")
-        mac.update(view)
-        return mac.digest()
-
-    def head(self, key: bytes, view: memoryview) -> bytes:
-        """What the value of ``key`` holds before its payload ``view`` (bytes): the header and the layout."""
-        if self._seal_key is None:
-            check, version = xxhash.xxh3_64_intdigest(view), CHECKSUMMED
-        else:
-            check, version = self.tag(key, view), AUTHENTICATED
-        return _HEADERS[version].pack(MAGIC, version, check, len(view), len(self.layout)) + self.layout
-
-
-def derive_key(secret: bytes, purpose: bytes, layout: bytes) -> bytes:
-    """A key for one ``purpose`` in one layout's namespace: HMAC-SHA256(secret, purpose NUL layout)."""
-    return hmac.digest(secret, b"kvpool-remote/1 " + purpose + b"\0" + layout, "sha256")
-
-
-def layout_string(geometry: dict) -> str:
-    """A canonical text of a geometry dict (the block format version first)."""
-    return "kvpool-block/1 " + " ".join(f"{k}={geometry[k]}" for k in sorted(geometry))
-
-
-def encode(ns: Namespace, key: bytes, payload) -> bytes:
-    """The value of ``key``: header, layout, payload (one copy of the payload; the single-server write path
-    sends the head and the payload as separate buffers instead, ``pack_sets``)."""
-    view = memoryview(payload).cast("B")
-    return ns.head(key, view) + view
-
-
-def pack_sets(batch: list, ttl: int) -> tuple[list, int]:
-    """``SET key value [EX ttl]`` for every (key, namespace, payload) of ``batch``, in the wire protocol (RESP),
-    without copying a payload: a list of buffers (bytes holding the protocol, each value's head and the
-    command's tail, and a view of each payload between them) and the value bytes it holds.
-
-    A value is exactly ``encode``'s: the server stores the head and the payload as one string.
-    """
-    tail = b"\r\n$2\r\nEX\r\n$%d\r\n%d\r\n" % (len(str(ttl)), ttl) if ttl > 0 else b"\r\n"
-    start = b"*5\r\n$3\r\nSET\r\n$" if ttl > 0 else b"*3\r\n$3\r\nSET\r\n$"
-    out = []
-    before = b""  # the previous command's tail goes with this one's start: one small buffer per block
-    sent = 0
-    for k, ns, payload in batch:
-        view = memoryview(payload).cast("B")
-        h = ns.head(k, view)
-        n = len(h) + len(view)
-        out.append(b"%s%s%d\r\n%s\r\n$%d\r\n%s" % (before, start, len(k), k, n, h))
-        out.append(view)
-        before = tail
-        sent += n
-    out.append(before)
-    return out, sent
-
-
-def decode(ns: Namespace, key: bytes, value: bytes) -> memoryview | None:
-    """The payload of the value of ``key``, or None when it is not a whole block of ``ns``'s layout whose
-    check verifies (with a secret: a tag made with it for this key, compared in constant time)."""
-    if value is None or len(value) < _PROLOGUE.size:
-        return None
-    magic, version = _PROLOGUE.unpack_from(value)
-    if magic != MAGIC or version != (AUTHENTICATED if ns.authenticated else CHECKSUMMED):
-        return None
-    header = _HEADERS[version]
-    if len(value) < header.size:
-        return None
-    _, _, check, nbytes, nlayout = header.unpack_from(value)
-    start = header.size + nlayout
-    if nbytes != ns.block_bytes or len(value) != start + nbytes:
-        return None
-    if nlayout != len(ns.layout) or not value.startswith(ns.layout, header.size):
-        return None
-    payload = memoryview(value)[start:]
-    if ns.authenticated:
-        return payload if hmac.compare_digest(check, ns.tag(key, payload)) else None
-    return payload if xxhash.xxh3_64_intdigest(payload) == check else None
 
 
 def redis_exceptions():
@@ -249,30 +84,6 @@ def redis_exceptions():
 def _first_false(flags) -> int:
     """The index of the first false flag (their number if none is)."""
     return next((i for i, f in enumerate(flags) if not f), len(flags))
-
-
-def describe(exc: BaseException, settings: RemoteSettings) -> str:
-    """A fault of the store in one line; for a TLS fault, what to check first."""
-    text = f"{type(exc).__name__}: {exc}"
-    if not settings.tls:
-        return text
-    seen = f"{text} {exc.__context__!r} {exc.__cause__!r}"
-    if "Hostname mismatch" in seen or "IP address mismatch" in seen:
-        hint = "the server's certificate does not name the URL's host"
-    elif "CERTIFICATE_VERIFY_FAILED" in seen:
-        trusted = f"--remote-tls-ca {settings.tls_ca}" if settings.tls_ca else "the system's; see --remote-tls-ca"
-        hint = f"the server's certificate is not signed by a trusted CA ({trusted})"
-    elif any(m in seen for m in ("UNKNOWN_CA", "BAD_CERTIFICATE", "CERTIFICATE_REQUIRED")):
-        hint = f"the server refused this daemon's client certificate (--remote-tls-cert {settings.tls_cert})"
-    elif "SSLEOFError" in seen:  # what a server that wants a client certificate and got none (or none it
-        # trusts) does to a TLS 1.3 client: it closes the connection after the handshake
-        given = f"--remote-tls-cert {settings.tls_cert}" if settings.tls_cert else "none given: --remote-tls-cert"
-        hint = f"the server closed the connection: does it require a client certificate it trusts ({given})?"
-    elif any(m in seen for m in ("handshake operation timed out", "WRONG_VERSION_NUMBER", "record layer")):
-        hint = "no TLS handshake: is the server listening with TLS on that port (not a plain one behind rediss://)?"
-    else:
-        return text
-    return f"TLS: {hint}; {text}"
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvpool.kernels import cpu_attention, paged_decode_attention, paged_prefill_attention, write_kv
+from kvpool.kernels import (
+    cpu_attention, cpu_numerics, cpu_work, paged_decode_attention, paged_prefill_attention, write_kv,
+)
 from tests.kernels.support import reference as ref
 from tests.kernels.support.testing import assert_matches_reference, make_case, poisoned
 
@@ -140,7 +142,7 @@ def test_prefill_chunk_and_causal_limits(dtype, group):
     bs = rng.choice([8, 16, 32, 128])
     d = rng.choice([64, 66, 128])  # 66: the 4-wide passes over head_dim leave a remainder
     lens = _near_chunks(rng, 4)
-    tile = cpu_attention.q_tile(group)
+    tile = cpu_work.q_tile(group)
     q_lens = [
         lens[0],  # full prefill: tiles of rows in lanes, the causal diagonal in every chunk
         min(lens[1], rng.choice([tile + 1, cpu_attention.CHUNK + 5])),  # chunked: first query mid-chunk
@@ -192,7 +194,7 @@ def test_work_items_cover_every_query_once_heavy_and_light_alternating(seed):
     lens = np.array([n + rng.randint(0, 100) for n in q_lens], dtype=np.int32)
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     tile = rng.choice([1, 16, 32, 128])
-    items = cpu_attention.work_items(cu, 3, tile, lens)
+    items = cpu_work.work_items(cu, 3, tile, lens)
     seen = np.zeros((int(cu[-1]), 3), dtype=np.int64)
     for b, h, t0, n in items.tolist():
         assert 1 <= n <= tile
@@ -215,10 +217,10 @@ def test_exp_polynomial():
     assert np.all(y[-3:] == 0)
 
 
-@cpu_attention.numba.njit(fastmath=cpu_attention._FASTMATH)
+@cpu_numerics.numba.njit(fastmath=cpu_numerics.FASTMATH)
 def _exp_into(x, y):
     for i in range(x.size):
-        y[i] = cpu_attention._exp(x[i])
+        y[i] = cpu_numerics.fast_exp(x[i])
 
 
 def test_f16_conversion_is_exact_for_every_bit_pattern():
@@ -229,7 +231,7 @@ def test_f16_conversion_is_exact_for_every_bit_pattern():
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))  # NaN payloads and -0 included
 
 
-@cpu_attention.numba.njit(fastmath=cpu_attention._FASTMATH)
+@cpu_numerics.numba.njit(fastmath=cpu_numerics.FASTMATH)
 def _f16_into(bits, y):
     for i in range(bits.size):
-        y[i] = cpu_attention._f16_to_f32(bits[i])
+        y[i] = cpu_numerics.f16_to_f32(bits[i])

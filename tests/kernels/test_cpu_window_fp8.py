@@ -23,7 +23,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvpool.kernels import cpu_attention, paged_decode_attention, paged_prefill_attention, write_kv
+from kvpool.kernels import (
+    cpu_attention, cpu_numerics, cpu_work, paged_decode_attention, paged_prefill_attention, write_kv,
+)
 from tests.kernels.support import reference as ref
 from tests.kernels.support.testing import assert_matches_reference, make_case, poisoned
 
@@ -179,8 +181,8 @@ def test_work_items_weigh_windowed_tiles_by_visible_keys():
     lightest item (second in the heavy/light order), lighter than any 16-token prefill tile."""
     cu = np.array([0, 1000, 1001], dtype=np.int32)
     lens = np.array([1000, 3000], dtype=np.int32)
-    windowed = cpu_attention.work_items(cu, 1, 16, lens, window=64)
-    plain = cpu_attention.work_items(cu, 1, 16, lens)
+    windowed = cpu_work.work_items(cu, 1, 16, lens, window=64)
+    plain = cpu_work.work_items(cu, 1, 16, lens)
     assert windowed[1, 0] == 1 and plain[1, 0] == 0
     assert sorted(map(tuple, windowed.tolist())) == sorted(map(tuple, plain.tolist()))
 
@@ -395,7 +397,7 @@ def _negated(x):
     return y
 
 
-@cpu_attention.numba.njit(fastmath=cpu_attention._FASTMATH)
+@cpu_numerics.numba.njit(fastmath=cpu_numerics.FASTMATH)
 def _tanh_into(x, y):
     for i in range(x.size):
-        y[i] = cpu_attention._tanh(x[i])
+        y[i] = cpu_numerics.fast_tanh(x[i])

@@ -2,38 +2,42 @@
 
 A cycle, even one that only a ``TYPE_CHECKING`` block closes, means two modules
 know each other's insides: pass the few values or callables used instead (see
-the module map in ``kvpoold/server/__init__.py``).
+the module map in ``kvpoold/server/__init__.py``).  The packages split into modules by
+job (``kvpoold.config``, ``kvpoold.transfer``, ``kvpool.kernels``) are held to the same rule.
 """
 
 import ast
 from pathlib import Path
 
+import pytest
+
 SERVER = Path(__file__).resolve().parents[2] / "kvpoold" / "server"
 PACKAGE = "kvpoold.server"
 
 
-def _imports(path: Path, modules: set[str]) -> set[str]:
-    """The modules of ``modules`` that ``path`` imports anywhere (functions and TYPE_CHECKING blocks too)."""
+def _imports(path: Path, modules: set[str], package: str = PACKAGE) -> set[str]:
+    """The modules of ``modules`` (of ``package``) that ``path`` imports anywhere (functions and TYPE_CHECKING
+    blocks too)."""
     out = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            base = PACKAGE if node.level == 1 else (node.module or "")
+            base = package if node.level == 1 else (node.module or "")
             if node.level == 1 and node.module:
-                base = f"{PACKAGE}.{node.module}"
+                base = f"{package}.{node.module}"
             # `from . import convert` and `from kvpoold.server import convert` name modules
             names = [base] + [f"{base}.{alias.name}" for alias in node.names]
         else:
             continue
-        out |= {name.removeprefix(PACKAGE + ".") for name in names if name.startswith(PACKAGE + ".")} & modules
+        out |= {name.removeprefix(package + ".") for name in names if name.startswith(package + ".")} & modules
     return out
 
 
-def import_graph(folder: Path) -> dict[str, set[str]]:
+def import_graph(folder: Path, package: str = PACKAGE) -> dict[str, set[str]]:
     """Module name (without the package) -> the modules of the same folder it imports."""
     modules = {p.stem for p in folder.glob("*.py") if p.stem != "__init__"}
-    return {name: _imports(folder / f"{name}.py", modules) - {name} for name in sorted(modules)}
+    return {name: _imports(folder / f"{name}.py", modules, package) - {name} for name in sorted(modules)}
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -88,3 +92,16 @@ def test_server_modules_import_each_other_one_way():
 def test_convert_imports_only_the_call_types_of_the_server():
     """The converters sit below the service: they know the call and result types, not who makes them."""
     assert import_graph(SERVER)["convert"] == {"calls"}
+
+
+@pytest.mark.parametrize("folder, package, module", [
+    ("kvpoold/config", "kvpoold.config", "load"),
+    ("kvpoold/transfer", "kvpoold.transfer", "engine"),
+    ("kernels", "kvpool.kernels", "cuda_attention"),
+])
+def test_packages_split_by_job_import_each_other_one_way(folder, package, module):
+    """The packages whose modules were split by job keep their parts in one direction too."""
+    graph = import_graph(SERVER.parents[1] / folder, package)
+    assert len(graph[module]) >= 3, graph  # the parse found the parts this module composes
+    cycle = find_cycle(graph)
+    assert cycle is None, f"import cycle in {folder}: " + " -> ".join(cycle)

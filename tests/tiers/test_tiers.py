@@ -17,7 +17,7 @@ import pytest
 
 import kvpool
 from kvpoold.core.hashing import chain_hashes, pack_tokens, root_hash
-from kvpoold.transfer.disk import MAGIC, REC_BYTES, _REC
+from kvpoold.transfer.disk_index import MAGIC, REC_BYTES, RECORD
 from tierlib import BACKENDS, BLOCK, BS, LAYOUT, check_sequence, prompt, write_sequence
 
 
@@ -165,7 +165,7 @@ def _slot_of(disk_dir, tokens, block: int) -> int:
     assert data.startswith(MAGIC)
     found = None
     for pos in range(len(MAGIC), len(data) - REC_BYTES + 1, REC_BYTES):
-        op, gid, h, offset, nbytes, csum = _REC.unpack_from(data, pos)
+        op, gid, h, offset, nbytes, csum = RECORD.unpack_from(data, pos)
         if h == digest:
             found = offset if op == 1 else None
     assert found is not None, "the block is not in the index"

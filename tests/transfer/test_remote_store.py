@@ -8,7 +8,7 @@ import numpy as np
 
 from kvpoold.config import check_url, redact
 from kvpoold.core.tiers import MovePlan, Tier
-from kvpoold.transfer.engine import Arrivals, TransferEngine
+from kvpoold.transfer import Arrivals, TransferEngine
 from kvpoold.transfer.remote import Namespace, RemoteLink, RemoteSettings, RemoteStore, decode, encode, layout_string
 
 BB = 4096

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from kvpoold.core.tiers import Move, MovePlan, Tier
+from kvpoold.transfer import Arrivals, CpuCopier, DiskStore, DiskTierError, TransferEngine
 from kvpoold.transfer import disk as disk_mod
-from kvpoold.transfer.disk import MAGIC, DiskStore, DiskTierError
-from kvpoold.transfer.engine import Arrivals, CpuCopier, TransferEngine
+from kvpoold.transfer.disk_index import MAGIC
 from kvpoold.transfer.host import HostStore, aligned_empty
 from kvpoold.transfer.slots import SlotAllocator
 
@@ -189,7 +189,7 @@ def test_failed_write_is_reported(tmp_path, monkeypatch):
     def full(fd, bufs, offset):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(disk_mod, "_pwritev_all", full)
+    monkeypatch.setattr(disk_mod, "pwritev_all", full)
     done = []
     store.write((0, b"x" * 16), aligned_empty(BB), BB, lambda ok, key: done.append((ok, key)))
     store.flush()
