@@ -40,7 +40,7 @@ import warnings
 import numpy as np
 import torch
 
-from ._math import cdiv
+from kvpool.protocol.sizes import cdiv
 from .cuda_source import BLOCK_COPY, read
 
 __all__ = ["copy_blocks", "gather_blocks", "scatter_blocks"]

@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 from . import cuda_tma
-from ._math import cdiv
+from kvpool.protocol.sizes import cdiv
 from ._validate import AttentionArgs
 from .cuda_source import ORDER_CLASSES, WG_GROUPS, WG_KEYS, WG_STAGES
 from .cuda_runtime import THREADS, ptr

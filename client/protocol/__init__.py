@@ -8,7 +8,8 @@
   memory) and the dtype names a layout may use;
 * ``kvpool.protocol.stats``: the operator figures (class, tier, device, daemon,
   client), defined once: the daemon's core builds them, both sides convert
-  them to and from their wire messages by field name.
+  them to and from their wire messages by field name;
+* ``kvpool.protocol.sizes``: ``cdiv`` (blocks for tokens, chunks for bytes).
 
 Both sides import from here; nothing here imports either side.
 """
