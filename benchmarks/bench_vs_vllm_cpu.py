@@ -2,7 +2,7 @@
 
     python3 benchmarks/bench_vs_vllm_cpu.py              # 64 requests, 2 workloads, median of 3: ~15 min on 2 idle cores
     python3 benchmarks/bench_vs_vllm_cpu.py --quick      # a smoke run of the whole path (~3 min)
-    KVPOOL_VLLM_VENV=/path/to/.venv-vllm python3 benchmarks/bench_vs_vllm_cpu.py --num-requests 32
+    KVPOOL_VLLM_VENV=/path/to/venv-vllm python3 benchmarks/bench_vs_vllm_cpu.py --num-requests 32
 
 One random-weight Llama is built here (``--layers`` 8, hidden 512, 8 heads of
 64, 2 KV heads, vocab 32000: 63M parameters; ``save_pretrained``, nothing
@@ -30,8 +30,8 @@ turn, alternating which goes first.  Figures, medians over the repetitions:
   ``kvpool.engine.Engine.generate`` in this process (stepping in this thread).
 * **vLLM**: ``vllm.LLM.generate`` of vLLM's CPU build (``vllm-cpu``) in a
   subprocess (``vllm_cpu_batch.py``) under the interpreter of its own venv
-  (``$KVPOOL_VLLM_VENV``, default ``.venv-vllm``, as scripts/setup.sh builds
-  it): vLLM pins a transformers that cannot be imported beside ours.  Eager
+  (``$KVPOOL_VLLM_VENV``, default ``~/.cache/kvpool/venv-vllm``, as
+  scripts/vllm_venv.sh builds it for the connector tests): vLLM pins a transformers that cannot be imported beside ours.  Eager
   (no graphs on a CPU anyway), prefix caching on, its default block size (128
   tokens on the CPU; kvpool: 16).
 
@@ -77,7 +77,10 @@ from _common import print_table, write_json  # noqa: E402
 from bench_serve import wait  # noqa: E402
 from vllm_engines import Engine as VllmProcess  # noqa: E402
 
-VLLM_PYTHON = ROOT / os.environ.get("KVPOOL_VLLM_VENV", ".venv-vllm") / "bin" / "python"
+# where scripts/vllm_venv.sh builds it (the connector tests' venv: tests/vllm_connector/conftest.py)
+VLLM_VENV = Path(os.environ.get("KVPOOL_VLLM_VENV")
+                 or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvpool" / "venv-vllm")
+VLLM_PYTHON = VLLM_VENV / "bin" / "python"
 BUSY_CPU_PERCENT = 25.0
 WORKLOADS = ("independent", "shared prefix")
 
@@ -202,12 +205,10 @@ class Vllm:
     """vLLM's CPU engine in a subprocess under its venv's interpreter (``vllm_cpu_batch.py``)."""
 
     def __init__(self, args, model_dir: str, tmp: Path, kv_space_gib: int, max_model_len: int):
-        import json
-
         kwargs = {"dtype": args.dtype, "max_num_seqs": args.num_requests,
                   "max_num_batched_tokens": args.max_batched_tokens, "max_model_len": max_model_len}
         self.proc = VllmProcess("vllm", model_dir, None, tmp, python=str(VLLM_PYTHON),
-                                script=HERE / "vllm_cpu_batch.py", script_args=(json.dumps(kwargs),),
+                                llm_args=kwargs, script=HERE / "vllm_cpu_batch.py",
                                 env={"VLLM_CPU_KVCACHE_SPACE": str(kv_space_gib)})
         self.startup_seconds = self.proc.ready(timeout=900)
         self.torch_threads = self.proc.ready_info["torch_threads"]
@@ -320,7 +321,7 @@ def main() -> None:
         assert "torch" not in sys.modules
         os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy.upper()
     if not args.skip_vllm and not VLLM_PYTHON.exists():
-        sys.exit(f"no vLLM venv at {VLLM_PYTHON.parent.parent} (scripts/setup.sh builds it; KVPOOL_VLLM_VENV "
+        sys.exit(f"no vLLM venv at {VLLM_VENV} (scripts/vllm_venv.sh builds it; KVPOOL_VLLM_VENV "
                  "names another); --skip-vllm runs kvpool alone")
     before = machine_load(settle=0)
     print(f"machine before the run: {before['cpu_percent']:.0f}% CPU busy, load {before['loadavg']}"

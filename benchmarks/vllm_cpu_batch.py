@@ -1,9 +1,10 @@
 """vLLM's CPU engine in its own process, for bench_vs_vllm_cpu.py: batches of token-id prompts, all at once.
 
-    .venv-vllm/bin/python benchmarks/vllm_cpu_batch.py MODEL_DIR '{"dtype": "float32", "max_num_seqs": 64, ...}'
+    ~/.cache/kvpool/venv-vllm/bin/python benchmarks/vllm_cpu_batch.py MODEL_DIR --llm '{"dtype": "float32", ...}'
 
-The second argument is a JSON object of ``vllm.LLM`` keyword arguments (on top
-of the ones fixed here: no tokenizer, eager, prefix caching on).  Runs under the
+``--llm`` is a JSON object of ``vllm.LLM`` keyword arguments (on top of the
+ones fixed here: no tokenizer, eager, prefix caching on), as for
+tests/vllm_connector/run_engine.py.  Runs under the
 interpreter of a venv that has vLLM's CPU build (``vllm-cpu``): vLLM cannot be
 imported next to the main environment's transformers.  Prints
 ``READY {"startup_seconds": ...}`` once the engine is up, then answers each
@@ -18,6 +19,7 @@ driver (tests/vllm_connector/vllm_engines.Engine) skips every other line:
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -28,13 +30,16 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
 def main() -> None:
-    model, engine_kwargs = sys.argv[1], json.loads(sys.argv[2])
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("--llm", type=json.loads, default={}, help="LLM(...) keyword arguments, as JSON")
+    args = ap.parse_args()
     import torch
     from vllm import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM(model=model, skip_tokenizer_init=True, enforce_eager=True, enable_prefix_caching=True,
-              **engine_kwargs)
+    llm = LLM(model=args.model, skip_tokenizer_init=True, enforce_eager=True, enable_prefix_caching=True,
+              **args.llm)
     print("READY " + json.dumps({"startup_seconds": time.perf_counter() - t0,
                                  "torch_threads": torch.get_num_threads()}), flush=True)
     for line in sys.stdin:

@@ -17,17 +17,17 @@ HERE = Path(__file__).resolve().parent
 
 class Engine:
     """run_engine.py (or another ``script`` of the same protocol) in a subprocess: JSON commands in,
-    ``RESULT`` lines out.  ``script_args`` follow the model directory on the script's command line; ``env``
-    overrides the engine's environment (e.g. ``VLLM_CPU_KVCACHE_SPACE``, GiB, 1 here).
+    ``RESULT`` lines out (``llm_args`` go to it as ``--llm JSON``); ``env`` overrides the engine's
+    environment (e.g. ``VLLM_CPU_KVCACHE_SPACE``, GiB, 1 here).
     """
 
     def __init__(self, name: str, model: str, socket: str | None, log_dir: Path, python: str = sys.executable,
                  llm_args: dict | None = None, *, script: Path = HERE / "run_engine.py",
-                 script_args: tuple[str, ...] = (), env: dict | None = None):
+                 env: dict | None = None):
         env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "1",
                "VLLM_LOGGING_STREAM": "ext://sys.stderr", "PYTHONUNBUFFERED": "1", **(env or {})}
         self.name, self.log = name, log_dir / f"engine-{name}.log"
-        args = [python, str(script), model, *script_args] + ([socket] if socket else [])
+        args = [python, str(script), model] + ([socket] if socket else [])
         if llm_args:
             args += ["--llm", json.dumps(llm_args)]
         # a session of its own: vLLM's engine-core and worker processes are killed with it (below)
