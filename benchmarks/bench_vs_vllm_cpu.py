@@ -160,6 +160,7 @@ class Kvpool:
     """A kvpoold (CPU backend) and an ``Engine`` on it in this process."""
 
     def __init__(self, args, model_dir: str, tmp: Path, pool_bytes: int, max_model_len: int):
+        import numba
         import torch
         import transformers
 
@@ -175,6 +176,7 @@ class Kvpool:
                                  max_model_len=max_model_len)
         self.engine = ke.Engine.connect(model, sock, name="bench-vs-vllm", model_id="bench-vs-vllm", config=config)
         self.torch_threads = torch.get_num_threads()
+        self.numba_threading_layer = numba.threading_layer()  # chosen at connect's warm-up launch
         self.pids = [os.getpid(), self.daemon.pid]
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> dict:
@@ -294,7 +296,7 @@ def summarize(raw: dict) -> tuple[list[list], dict]:
                      cell("kvpool", "tok_per_cpu_s"), cell("vllm", "tok_per_cpu_s"),
                      f"{ratio['tok_per_cpu_s']:.2f}x" if ratio["tok_per_cpu_s"] else "-",
                      f"{same}/{total}" if total else "-",
-                     "/".join(f"{x['cpu_percent']:.0f}" for x in r["load"]) + (" BUSY" if busy else ""),
+                     "/".join(f"{x['loadavg'][0]:.0f}" for x in r["load"]) + (" BUSY" if busy else ""),
                      f"forward {shares['forward'] * 100:.0f}%"])
     return rows, out
 
@@ -345,6 +347,7 @@ def main() -> None:
             warm_up(systems, shape["vocab_size"])
             raw = measure(systems, args, shape["vocab_size"])
             threads = {name: s.torch_threads for name, s in systems.items()}
+            numba_layer = systems["kvpool"].numba_threading_layer
         finally:
             for s in systems.values():
                 s.close()
@@ -355,7 +358,7 @@ def main() -> None:
              f"({args.layers} layers, {args.dtype}), {os.cpu_count()} cores; output tokens per wall second and per "
              f"CPU-second of each system's processes, median (min-max) of {args.repeat}")
     print_table(title, ["workload", "kvpool tok/s", "vLLM tok/s", "kvpool / vLLM", "kvpool tok/CPU-s",
-                        "vLLM tok/CPU-s", "kvpool / vLLM", "identical outputs", "machine % busy before each",
+                        "vLLM tok/CPU-s", "kvpool / vLLM", "identical outputs", "1-min load before each",
                         "kvpool step"], rows)
     if busy:
         print(f"\nWARNING: the machine was busy (others above {BUSY_CPU_PERCENT:.0f}% of its CPU, or load above "
@@ -366,7 +369,8 @@ def main() -> None:
             print(f"\noutputs differ ({w}): {m}")
     write_json(f"vs_vllm_cpu_{time.strftime('%Y%m%dT%H%M%S')}", {
         "bench": "vs_vllm_cpu", "args": vars(args), "model": shape, "cpu_flags": cpu_flags(),
-        "torch_threads": threads, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "startup_seconds": startup,
+        "torch_threads": threads, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "kvpool_numba_threading_layer": numba_layer, "startup_seconds": startup,
         "load_before": before, "busy": busy,
         "summary": summary, "raw": raw,
     })
