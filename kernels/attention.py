@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from . import cpu_attention, cpu_work
+from ._numba_compat import PARALLEL_LAUNCH
 from ._validate import FP8, AttentionArgs, check_attention, check_length_bounds
 
 __all__ = ["paged_decode_attention", "paged_prefill_attention"]
@@ -185,12 +186,13 @@ def _cpu(a: AttentionArgs, q, k_cache, v_cache, block_tables, seq_lens, cu_seqle
     out32 = out.detach().numpy() if direct else np.empty(out.shape, np.float32)
     q_tile = 1 if cu_seqlens_q is None else cpu_work.q_tile(a.group)
     items = cpu_work.work_items(cu, geo.num_kv_heads, q_tile, lens, window=a.window)
-    cpu_attention.paged_attention_cpu(
-        q16, q32, q_mode, k_bytes, v_bytes, _MODES[geo.dtype], fp8_values(), geo.k_block_stride,
-        geo.v_block_stride, geo.num_kv_heads, geo.block_size, tables, lens, cu, items,
-        np.float32(a.scale * a.k_scale), _soft_cap_f32(a.soft_cap), np.int64(a.window), np.float32(a.v_scale),
-        out32,
-    )  # fmt: skip
+    with PARALLEL_LAUNCH:
+        cpu_attention.paged_attention_cpu(
+            q16, q32, q_mode, k_bytes, v_bytes, _MODES[geo.dtype], fp8_values(), geo.k_block_stride,
+            geo.v_block_stride, geo.num_kv_heads, geo.block_size, tables, lens, cu, items,
+            np.float32(a.scale * a.k_scale), _soft_cap_f32(a.soft_cap), np.int64(a.window), np.float32(a.v_scale),
+            out32,
+        )  # fmt: skip
     if not direct:
         out.copy_(torch.from_numpy(out32))
     return out

@@ -20,7 +20,7 @@ import torch
 
 from ._validate import FP8, FP8_MAX, check_write_kv
 from .attention import cache_bytes
-from .cpu_write_kv import write_kv_cpu
+from .cpu_write_kv import copy_rows
 
 __all__ = ["write_kv"]
 
@@ -66,7 +66,7 @@ def write_kv(
     block_elems = geo.num_kv_heads * geo.block_size * geo.head_dim
     k_bytes = cache_bytes(k_cache, geo.k_block_stride, block_elems)
     v_bytes = cache_bytes(v_cache, geo.v_block_stride, block_elems)
-    write_kv_cpu(
+    copy_rows(
         k_rows, v_rows, k_bytes, v_bytes, np.ascontiguousarray(slots), geo.block_size,
         geo.k_block_stride * es, geo.v_block_stride * es, geo.num_kv_heads, row_bytes,
     )  # fmt: skip

@@ -9,14 +9,18 @@ products (fewer); the later tests put lengths and causal limits on both sides
 of chunk and block boundaries, on both paths.
 """
 
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from kvpool.kernels import (
-    cpu_attention, cpu_numerics, cpu_work, paged_decode_attention, paged_prefill_attention, write_kv,
+    cpu_attention, cpu_numerics, cpu_work, cpu_write_kv, paged_decode_attention, paged_prefill_attention, write_kv,
 )
 from tests.kernels.support import reference as ref
 from tests.kernels.support.testing import assert_matches_reference, make_case, poisoned
@@ -107,6 +111,70 @@ def test_write_kv_into_strided_layer_view(dtype):
     assert torch.equal(case.v_cache.double(), torch.from_numpy(want_v))
     other = 1 - case.layer
     assert torch.equal(case.kv_cache[:, other], before[:, other])  # other layer untouched
+
+
+@pytest.mark.parametrize("side", ["serial", "parallel"])
+def test_write_kv_on_both_sides_of_the_parallel_threshold(side):
+    """A decode step's few rows are copied serially, a prefill's many on all threads: the same bytes land."""
+    hkv, d, bs = 2, 64, 16
+    token_bytes = 2 * hkv * d * 4  # its key and value rows, float32
+    first_parallel = -(-cpu_write_kv.PARALLEL_MIN_BYTES // token_bytes)
+    t = first_parallel if side == "parallel" else first_parallel - 1
+    case = make_case([t], num_kv_heads=hkv, block_size=bs, head_dim=d, spare_blocks=8, seed=5)
+    g = torch.Generator().manual_seed(2)
+    slots = torch.randperm(case.kv_cache.shape[0] * bs, generator=g)[:t].to(torch.int64)
+    slots[::97] = -1  # padding
+    key, value = torch.randn(t, hkv, d, generator=g), torch.randn(t, hkv, d, generator=g)
+    assert (key.numel() * 4 + value.numel() * 4 >= cpu_write_kv.PARALLEL_MIN_BYTES) == (side == "parallel")
+    want_k, want_v = ref.write_kv_reference(key, value, case.k_cache, case.v_cache, slots)
+    write_kv(key, value, case.k_cache, case.v_cache, slots)
+    assert torch.equal(case.k_cache.double(), torch.from_numpy(want_k))
+    assert torch.equal(case.v_cache.double(), torch.from_numpy(want_v))
+
+
+_THREADS_AT_ONCE = """
+import threading, numba, torch
+from kvpool.kernels import cpu_write_kv, paged_decode_attention, write_kv
+from tests.kernels.support.testing import make_case
+
+case = make_case([300] * 16, num_kv_heads=2, block_size=16, head_dim=64)
+q = torch.randn(16, 8, 64)
+want = paged_decode_attention(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens)
+rows = cpu_write_kv.PARALLEL_MIN_BYTES // (2 * 2 * 64 * 4)  # a parallel copy
+errors = []
+
+def worker(i):
+    try:
+        kv = torch.zeros(rows // 16 + 1, 2, 2, 16, 64)
+        new = torch.full((rows, 2, 64), float(i))
+        for _ in range(20):
+            write_kv(new, new, kv[:, 0], kv[:, 1], torch.arange(rows))
+            got = paged_decode_attention(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens)
+            assert torch.equal(got, want)
+        for cache in (kv[:, 0], kv[:, 1]):  # [blocks, heads, block_size, D]: slot by slot, this thread's rows
+            assert torch.all(cache.transpose(1, 2).reshape(-1, 2, 64)[:rows] == float(i))
+    except BaseException as e:
+        errors.append(e)
+
+threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+assert not errors, errors
+print(numba.threading_layer())
+"""
+
+
+def test_parallel_kernels_from_several_threads_at_once():
+    """Engines in several threads of one process: each launch waits for the others (Numba's workqueue
+    layer, the default here, aborts the process on two launches at once)."""
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_THREADING_LAYER"}
+    out = subprocess.run([sys.executable, "-c", _THREADS_AT_ONCE], capture_output=True, text=True, cwd=root,
+                         env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-1] == "workqueue"
 
 
 def test_write_then_prefill_round_trip():

@@ -16,14 +16,18 @@ HERE = Path(__file__).resolve().parent
 
 
 class Engine:
-    """run_engine.py in a subprocess: JSON commands in, ``RESULT`` lines out."""
+    """run_engine.py (or another ``script`` of the same protocol) in a subprocess: JSON commands in,
+    ``RESULT`` lines out (``llm_args`` go to it as ``--llm JSON``); ``env`` overrides the engine's
+    environment (e.g. ``VLLM_CPU_KVCACHE_SPACE``, GiB, 1 here).
+    """
 
     def __init__(self, name: str, model: str, socket: str | None, log_dir: Path, python: str = sys.executable,
-                 llm_args: dict | None = None):
+                 llm_args: dict | None = None, *, script: Path = HERE / "run_engine.py",
+                 env: dict | None = None):
         env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "1",
-               "VLLM_LOGGING_STREAM": "ext://sys.stderr", "PYTHONUNBUFFERED": "1"}
+               "VLLM_LOGGING_STREAM": "ext://sys.stderr", "PYTHONUNBUFFERED": "1", **(env or {})}
         self.name, self.log = name, log_dir / f"engine-{name}.log"
-        args = [python, str(HERE / "run_engine.py"), model] + ([socket] if socket else [])
+        args = [python, str(script), model] + ([socket] if socket else [])
         if llm_args:
             args += ["--llm", json.dumps(llm_args)]
         # a session of its own: vLLM's engine-core and worker processes are killed with it (below)
@@ -52,7 +56,8 @@ class Engine:
                 return json.loads(line[len(prefix):])
 
     def ready(self, timeout: float = 400) -> float:
-        return self._wait_for("READY ", timeout)["startup_seconds"]
+        self.ready_info = self._wait_for("READY ", timeout)
+        return self.ready_info["startup_seconds"]
 
     def call(self, cmd: dict, timeout: float = 300):
         self.proc.stdin.write(json.dumps(cmd) + "\n")
