@@ -6,21 +6,19 @@ numba-cuda (as installed on the GPU machine, with NumPy 2.x) still refers to
 function, so we restore the alias before Numba is imported. The CPU kernels
 import this too, so the package has exactly one import order for Numba.
 
-The CPU kernels' ``prange`` loops run on Numba's ``workqueue`` threading layer
-unless ``NUMBA_THREADING_LAYER`` names another. Numba's default there is its
-OpenMP layer, which links the system's libgomp, while torch runs its ops on a
-libgomp of its own: two OpenMP runtimes whose idle threads spin for a while
-after each parallel region, each team's spinning taking the cores from the
-other's work (a forward alternates torch ops and kernels). The workqueue's
-threads sleep on a condition variable between regions. It cannot take two
-launches at once (Numba aborts the process: "concurrent access"), so every
-parallel kernel launches under ``PARALLEL_LAUNCH``. The layer is chosen at the
-first parallel launch in the process: set ``NUMBA_THREADING_LAYER`` (e.g.
-``omp`` or ``tbb``) where other code in the process runs Numba's parallel
-functions from several threads.
+The CPU kernels' ``prange`` loops run on the threading layer Numba picks
+(its OpenMP layer where it loads) unless ``NUMBA_THREADING_LAYER`` names
+another. On idle cores OpenMP is the fastest. On cores loaded by other work
+the ``workqueue`` layer can be faster: Numba's OpenMP layer links the system's
+libgomp while torch runs its ops on a libgomp of its own, and each runtime's
+idle threads spin after a parallel region, taking the cores from the other's
+work; the workqueue's threads sleep instead (``benchmarks/NOTES-engine-cpu.md``).
+The workqueue cannot take two launches at once (Numba aborts the process:
+"concurrent access"), so every parallel kernel launches under
+``PARALLEL_LAUNCH``, whatever the layer. The layer is chosen at the first
+parallel launch in the process.
 """
 
-import os
 import threading
 
 import numpy as np
@@ -29,9 +27,6 @@ if not hasattr(np, "row_stack"):
     np.row_stack = np.vstack  # type: ignore[attr-defined]
 
 import numba  # noqa: E402  (must come after the patch above)
-
-if "NUMBA_THREADING_LAYER" not in os.environ:
-    numba.config.THREADING_LAYER = "workqueue"
 
 PARALLEL_LAUNCH = threading.Lock()  # held by each launch of a parallel kernel (see above)
 

@@ -167,10 +167,10 @@ print(numba.threading_layer())
 
 
 def test_parallel_kernels_from_several_threads_at_once():
-    """Engines in several threads of one process: each launch waits for the others (Numba's workqueue
-    layer, the default here, aborts the process on two launches at once)."""
+    """Engines in several threads of one process on Numba's workqueue layer: each launch waits for the
+    others (that layer aborts the process on two launches at once)."""
     root = Path(__file__).resolve().parents[2]
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_THREADING_LAYER"}
+    env = {**os.environ, "NUMBA_THREADING_LAYER": "workqueue"}
     out = subprocess.run([sys.executable, "-c", _THREADS_AT_ONCE], capture_output=True, text=True, cwd=root,
                          env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
