@@ -173,7 +173,7 @@ class Kvpool:
         wait(lambda: os.path.exists(sock), 60, "kvpoold", self.daemon)
         model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype))
         config = ke.EngineConfig(max_num_seqs=args.num_requests, max_num_batched_tokens=args.max_batched_tokens,
-                                 max_model_len=max_model_len)
+                                 max_model_len=max_model_len, fused_layers=args.fused_layers)
         self.engine = ke.Engine.connect(model, sock, name="bench-vs-vllm", model_id="bench-vs-vllm", config=config)
         self.torch_threads = torch.get_num_threads()
         self.numba_threading_layer = numba.threading_layer()  # chosen at connect's warm-up launch
@@ -313,6 +313,8 @@ def main() -> None:
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     ap.add_argument("--omp-wait-policy", choices=("active", "passive"), default=None,
                     help="OMP_WAIT_POLICY for both systems (default: the environment's, else OpenMP's own)")
+    ap.add_argument("--fused-layers", action="store_true",
+                    help="kvpool runs the model through kvpool.fused (merged matmuls, fused norm/RoPE/SiLU ops)")
     ap.add_argument("--skip-vllm", action="store_true", help="kvpool alone (profiling our side)")
     ap.add_argument("--quick", action="store_true", help="a smoke run: 8 short requests, 2 layers, once")
     args = ap.parse_args()
