@@ -10,7 +10,7 @@ client hand its own reserved blocks to its sequences.
 from __future__ import annotations
 
 from collections import deque
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 import numpy as np
 
@@ -88,13 +88,18 @@ class Extending:
         tokens,
         claim_counts=None,
         claims=None,
+        *,
+        admit: Callable[[int], None] | None = None,
     ) -> ExtendDeltas:
         """``extend`` for a batch given as flat arrays (the wire format).
 
         ``tokens`` holds ``counts[i]`` tokens for ``seq_ids[i]``, in order
         (``counts=None``: exactly one token each, the decode step); ``claims``
         holds ``claim_counts[i]`` reserved blocks for it.  All the sequences
-        must be of one layout class (a session has one layout).
+        must be of one layout class (a session has one layout).  ``admit``, if
+        given, is called with the new blocks the call adds to the page tables
+        (before copy-on-write) once the call is known to be well formed and
+        before anything changes: it may raise to refuse the call (a quota).
         """
         check_owner(owner)
         seq_ids = _as_array(seq_ids, np.int64, "sequence ids")
@@ -128,7 +133,7 @@ class Extending:
         nt = t.ntok[slots]
         if one_each and claim_counts is None and claims is None \
                 and not (t.flagged and t.maybe_shared[slots].any()):
-            return self._extend_one_each(owner, pool, slots, seq_ids, nt, tokens)
+            return self._extend_one_each(owner, pool, slots, seq_ids, nt, tokens, admit)
         if counts is None:
             counts = np.ones(n, np.int64)
         if counts.min() < 0:
@@ -145,6 +150,8 @@ class Extending:
             need = grow + cow - np.where(has, claims_per, 0)
         else:
             need = grow + cow
+        if admit is not None:
+            admit(int(grow.sum()))
         total = int(need.sum())
         avail = pool.obtainable(total)
         if avail < total:
@@ -203,12 +210,14 @@ class Extending:
         if self._seqs.n_unconfirmed:
             pool.prefix.confirm(self._seqs.take_unconfirmed_many(slots), owner)
 
-    def _extend_one_each(self, owner: int, pool: LayoutClass, slots, seq_ids, nt, tokens) -> ExtendDeltas:
+    def _extend_one_each(self, owner: int, pool: LayoutClass, slots, seq_ids, nt, tokens, admit) -> ExtendDeltas:
         """Steady decode: one token for each sequence, none of them sharing its last block."""
         t = self._seqs
         bs = pool.block_size
         pos = nt % bs
         starts = (pos == 0).nonzero()[0]  # these need a new block
+        if admit is not None:
+            admit(len(starts))
         if len(starts):
             avail = pool.obtainable(len(starts))
             if avail < len(starts):

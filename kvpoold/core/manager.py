@@ -32,7 +32,7 @@ are objects handed to each part that needs them; ``state`` says who writes what.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 from . import invariants, stats
 from .block_pool import DEFAULT_CHUNK_BYTES, ChunkBudget, LayoutClass
@@ -252,9 +252,10 @@ class KVCacheManager:
         """Append tokens to many sequences in one call; returns only what changed."""
         return self._extending.extend(owner, items)
 
-    def extend_columns(self, owner: int, seq_ids, counts, tokens, claim_counts=None, claims=None) -> ExtendDeltas:
-        """``extend`` for a batch given as flat arrays (the wire format)."""
-        return self._extending.extend_columns(owner, seq_ids, counts, tokens, claim_counts, claims)
+    def extend_columns(self, owner: int, seq_ids, counts, tokens, claim_counts=None, claims=None, *,
+                       admit: Callable[[int], None] | None = None) -> ExtendDeltas:
+        """``extend`` for a batch given as flat arrays (the wire format); ``admit`` may refuse its growth."""
+        return self._extending.extend_columns(owner, seq_ids, counts, tokens, claim_counts, claims, admit=admit)
 
     def swap_out(self, owner: int, seq_ids: Iterable[int]) -> tuple[int, int]:
         """Copy the sequences' blocks into the lower tiers and give their device blocks back."""
@@ -355,7 +356,3 @@ class KVCacheManager:
     def device_blocks_of(self, owner: int, seq_ids: Iterable[int]) -> int:
         """Device blocks the sequences' tokens fill (what a swap-in brings back, what a free gives back)."""
         return self._quotas.device_blocks_of(owner, seq_ids)
-
-    def extend_growth(self, owner: int, seq_ids, counts) -> int | None:
-        """New blocks that appending ``counts[i]`` tokens to ``seq_ids[i]`` takes, before any copy-on-write."""
-        return self._quotas.extend_growth(owner, seq_ids, counts)

@@ -68,15 +68,3 @@ class Quotas:
             return 0
         t = self._seqs
         return int(cdiv(t.ntok[slots], self._registry.block_size[t.cls[slots]]).sum())
-
-    def extend_growth(self, owner: int, seq_ids, counts) -> int | None:
-        """New blocks that appending ``counts[i]`` tokens (None: one each) to ``seq_ids[i]`` takes, before any
-        copy-on-write; None if the counts do not fit the ids (``extend`` rejects them with the precise error)."""
-        t = self._seqs
-        slots = t.slots_of(owner, np.asarray(seq_ids, np.int64))
-        counts = np.ones(len(slots), np.int64) if counts is None else np.asarray(counts)
-        if len(counts) != len(slots) or (len(counts) and counts.min() < 0):
-            return None
-        bs = self._registry.block_size[t.cls[slots]]
-        nt = t.ntok[slots]
-        return int((cdiv(nt + counts, bs) - cdiv(nt, bs)).sum())

@@ -26,8 +26,6 @@ from __future__ import annotations
 
 from typing import Callable
 
-import numpy as np
-
 from kvpool.protocol.sizes import cdiv
 from kvpoold.config import Config
 from kvpoold.core import KVCacheManager
@@ -169,17 +167,18 @@ class Quotas:
             m = self.manager
             self._check(session, sum(len(m.sequence(session.id, i).block_table) for i in seq_ids))
 
-    def check_step(self, session, seq_ids: np.ndarray, counts: np.ndarray | None, ntokens: int,
-                   free_ids: list[int], *, claimed: int = 0) -> None:
-        """Blocks the extends add, less what the step's frees give back (frees run after the extends)."""
-        if not len(seq_ids) or not self._bounded(session):
-            return
-        m = self.manager
-        grow = m.extend_growth(session.id, seq_ids, counts)  # the core's own ownership errors first
-        sent = len(seq_ids) if counts is None else int(np.sum(counts))
-        if grow is None or sent != ntokens:
-            return  # malformed: the core rejects it with the precise message
-        self._check(session, grow - m.device_blocks_of(session.id, free_ids), claimed)
+    def step_admission(self, session, free_ids: list[int], *, claimed: int = 0) -> Callable[[int], None] | None:
+        """What checks a step's growth, as the core's ``extend_columns(admit=...)`` computes it: the blocks
+        the extends add, less what the step's frees give back (frees run after the extends); None if no quota
+        or share bounds the session."""
+        if not self._bounded(session):
+            return None
+
+        def admit(grow: int) -> None:
+            if grow:
+                self._check(session, grow - self.manager.device_blocks_of(session.id, free_ids), claimed)
+
+        return admit
 
     def check_swap_in(self, session, seq_ids: list[int]) -> None:
         """Swapping in brings a sequence's blocks back onto the device: they count again."""

@@ -117,12 +117,13 @@ class PoolSession:
         pool, session = self.pool, self.session
         m, owner, cls = pool.manager, session.id, session.class_id
         pool.limits.check_tokens(len(call.tokens))
-        pool.quotas.check_step(session, call.seq_ids, call.counts, len(call.tokens), call.free_ids,
-                               claimed=0 if call.claims is None else len(call.claims))
+        admit = pool.quotas.step_admission(session, call.free_ids,
+                                           claimed=0 if call.claims is None else len(call.claims))
         m.check_free(owner, call.free_ids)
         m.check_reserve_return(owner, cls, call.reserve_return)
         try:
-            extend = m.extend_columns(owner, call.seq_ids, call.counts, call.tokens, call.claim_counts, call.claims)
+            extend = m.extend_columns(owner, call.seq_ids, call.counts, call.tokens, call.claim_counts, call.claims,
+                                      admit=admit)
             released = m.free(owner, call.free_ids, written=call.free_written) if call.free_ids else 0
             if call.free_ids:
                 pool.pending.forget(owner, call.free_ids)

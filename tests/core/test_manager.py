@@ -1,6 +1,9 @@
 """KVCacheManager: sequences, prefix cache, copy-on-write, reserves, errors."""
 
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvpoold.core import (
     BlockCopy,
@@ -346,7 +349,6 @@ def test_extend_columns_matches_mapping_form():
     assert ids == ids2
     batch = {s: list(range(100, 100 + k)) for k, s in enumerate(ids)}
     r1 = m1.extend(1, batch)
-    import numpy as np
 
     counts = np.array([len(v) for v in batch.values()])
     tokens = np.concatenate([np.array(v, np.uint32) for v in batch.values()])
@@ -402,4 +404,35 @@ def test_fork_then_both_append_in_one_call_copies_once():
     h = m.fork(1, f.seq_id)
     r = m.extend(1, {g.seq_id: [1], h.seq_id: [2]})  # f holds the block too: both copy
     assert len(r.copies) == 2
+    m.check_invariants()
+
+
+@given(lengths=st.lists(st.integers(0, 13), min_size=1, max_size=5), data=st.data())
+@settings(max_examples=60, deadline=None)
+def test_extend_admit_sees_the_growth_and_a_refusal_changes_nothing(lengths, data):
+    """``admit`` is called once with the blocks the call adds (decode fast path and general path alike),
+    before anything changes: raising from it leaves the manager as it was."""
+    m, c = make(blocks=64)
+    seqs = [m.create(1, c, "llama", range(100 * i, 100 * i + n)) for i, n in enumerate(lengths)]
+    counts = np.array(data.draw(st.lists(st.integers(0, 9), min_size=len(seqs), max_size=len(seqs))), np.int64)
+    if data.draw(st.booleans()):
+        counts[:] = 1  # the decode step's shape
+    ids = np.array([s.seq_id for s in seqs], np.int64)
+    tokens = np.arange(int(counts.sum()), dtype=np.uint32) + 7
+    bs = G.block_size
+    want = sum(-(-(n + k) // bs) - -(-n // bs) for n, k in zip(lengths, counts.tolist()))
+    seen = []
+
+    def refuse(grow):
+        seen.append(grow)
+        raise KvpoolError("refused")
+
+    before = snapshot(m)
+    with pytest.raises(KvpoolError, match="refused"):
+        m.extend_columns(1, ids, counts, tokens, admit=refuse)
+    assert seen == [want] and snapshot(m) == before
+    m.check_invariants()
+    m.extend_columns(1, ids, counts, tokens, admit=seen.append)
+    assert seen == [want, want]
+    assert [m.sequence(1, int(i)).num_tokens for i in ids] == [n + k for n, k in zip(lengths, counts.tolist())]
     m.check_invariants()
