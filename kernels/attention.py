@@ -184,14 +184,19 @@ def _cpu(a: AttentionArgs, q, k_cache, v_cache, block_tables, seq_lens, cu_seqle
     out = a.out
     direct = out.dtype == torch.float32  # out is contiguous (checked): write into it
     out32 = out.detach().numpy() if direct else np.empty(out.shape, np.float32)
-    q_tile = 1 if cu_seqlens_q is None else cpu_work.q_tile(a.group)
-    items = cpu_work.work_items(cu, geo.num_kv_heads, q_tile, lens, window=a.window)
+    decode = cu_seqlens_q is None
+    q_tile = 1 if decode else cpu_work.q_tile(a.group)
+    shared = cpu_work.shared_prefixes(tables, lens, geo.block_size, a.group, geo.num_kv_heads, decode and a.window == 0)
+    own_keys = lens - shared.prefix_keys if shared.prefix_keys.size else lens
+    items = cpu_work.work_items(cu, geo.num_kv_heads, q_tile, own_keys, window=a.window)
+    rows = (a.num_tokens, a.num_q_heads) if shared.prefix_keys.size else (0, 0)
     with PARALLEL_LAUNCH:
         cpu_attention.paged_attention_cpu(
             q16, q32, q_mode, k_bytes, v_bytes, _MODES[geo.dtype], fp8_values(), geo.k_block_stride,
             geo.v_block_stride, geo.num_kv_heads, geo.block_size, tables, lens, cu, items,
             np.float32(a.scale * a.k_scale), _soft_cap_f32(a.soft_cap), np.int64(a.window), np.float32(a.v_scale),
-            out32,
+            out32, shared.items, shared.members, shared.prefix_keys, np.empty(rows, np.float32),
+            np.empty(rows, np.float32), np.empty((*rows, geo.head_dim), np.float32),
         )  # fmt: skip
     if not direct:
         out.copy_(torch.from_numpy(out32))

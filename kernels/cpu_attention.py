@@ -29,6 +29,15 @@ their speed, in per-pass overhead).
   mostly empty, so scores are dot products over head_dim, 4 rows x 2 keys per
   pass sharing their loads, and the softmax runs over the keys of a row.
 * Both then accumulate ``acc[rows, D] += P @ V`` with head_dim innermost.
+* Shared prefixes (decode without a window): sequences whose block tables begin
+  with the same blocks see the same keys there (one prompt behind many
+  requests). ``cpu_work.shared_prefixes`` finds them on the host; a first
+  ``prange`` walks each group's common keys once per tile of about
+  ``TILE_ROWS`` rows, every member's rows in the lanes (``_prefix_item``), and
+  leaves each row's online-softmax state (max, denominator, accumulator) for
+  the sequence's own item, which goes on from it at its first own key. The
+  arithmetic per row is the same; what it saves is each sequence loading and
+  converting the shared K/V, and the dot products' poorer use of the lanes.
 * ``exp`` is a polynomial (Cephes ``expf``, within 3e-7 relative) in plain
   arithmetic so that it vectorizes: Numba's ``np.exp`` is a scalar libm call
   here (no SVML).
@@ -314,10 +323,40 @@ def _accumulate(p, vb, acc, rows, lo_row, nk_row, d):
                 acc[ru, i] += p00 * vb[c_0, i] + p01 * vb[c_1, i] + p02 * vb[c_2, i] + p03 * vb[c_3, i]
 
 
+@numba.njit(inline="always", fastmath=FASTMATH)
+def _query(q16, q32, q_mode, t, hq, i):
+    """``q[t, hq, i]`` as float32, from q's storage type (``q_mode``)."""
+    if q_mode == MODE_F32:
+        return q32[t, hq, i]
+    if q_mode == MODE_F16:
+        return f16_to_f32(q16[t, hq, i])
+    return bits_to_f32(np.uint32(q16[t, hq, i]) << np.uint32(16))
+
+
+@numba.njit(inline="always")
+def _chunk_buffers(d):
+    """A chunk of K and of V in float32 (flat, their uint32 bits, ``[CHUNK, D]``)."""
+    kflat = np.empty(CHUNK * d, dtype=np.float32)
+    vflat = np.empty(CHUNK * d, dtype=np.float32)
+    kbits, vbits = kflat.view(np.uint32), vflat.view(np.uint32)
+    return kflat, vflat, kbits, vbits, kflat.reshape((CHUNK, d)), vflat.reshape((CHUNK, d))
+
+
+@numba.njit(fastmath=FASTMATH, cache=True)
+def _rescale(acc, corr, rows, d):
+    """``acc[r, :] *= corr[r]``: the accumulator follows its row's new running max."""
+    for r in range(rows):
+        c = corr[r]
+        if c != ONE:
+            for i in range(d):
+                acc[r, i] *= c
+
+
 @numba.njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)  # other threads (the heartbeat) run meanwhile
 def paged_attention_cpu(
     q16, q32, q_mode, k_bytes, v_bytes, kv_mode, fp8_values, k_stride, v_stride, num_kv_heads, block_size,
     block_tables, seq_lens, cu_seqlens, items, qk_scale, soft_cap, window, v_scale, out,
+    prefix_items, members, prefix_keys, state_m, state_den, state_acc,
 ):  # fmt: skip
     """``out[T, Hq, D]`` (float32) for every work item ``(seq, kv_head, tok0, ntok)``.
 
@@ -327,15 +366,81 @@ def paged_attention_cpu(
     in ``fp8_values``, their 256 float32 values). ``qk_scale`` is the softmax scale times
     ``k_scale``; ``soft_cap`` 0 and ``window`` 0 mean none; ``v_scale`` multiplies the output.
     (Bytes, reinterpreted here: every argument costs the dispatcher a type lookup per call.)
+
+    Shared prefixes (decode without a window; all empty otherwise): each row
+    ``(first, count, kv_head, keys)`` of ``prefix_items`` is the decode sequences
+    ``members[first:first+count]``, whose block tables begin with the same blocks, over
+    their common keys ``0 .. keys``: their rows together, rows in lanes
+    (``_prefix_item``), into ``state_*`` ``[T, Hq(, D)]``; then sequence b's own work
+    items start from that state at key ``prefix_keys[b]``.
     """
     k_src = _typed_views(k_bytes, kv_mode, fp8_values)
     v_src = _typed_views(v_bytes, kv_mode, fp8_values)
+    for w in numba.prange(prefix_items.shape[0]):
+        first, count = prefix_items[w, 0], prefix_items[w, 1]
+        _prefix_item(
+            q16, q32, q_mode, k_src, v_src, kv_mode, k_stride, v_stride, num_kv_heads, block_size, block_tables,
+            cu_seqlens, members[first : first + count], prefix_items[w, 2], prefix_items[w, 3], qk_scale, soft_cap,
+            state_m, state_den, state_acc,
+        )  # fmt: skip
     for w in numba.prange(items.shape[0]):
         _item(
             q16, q32, q_mode, k_src, v_src, kv_mode, k_stride, v_stride, num_kv_heads, block_size,
             block_tables, seq_lens, cu_seqlens, items[w, 0], items[w, 1], items[w, 2], items[w, 3],
-            qk_scale, soft_cap, window, v_scale, out,
+            qk_scale, soft_cap, window, v_scale, out, prefix_keys, state_m, state_den, state_acc,
         )  # fmt: skip
+
+
+@numba.njit(fastmath=FASTMATH, cache=True)
+def _prefix_item(
+    q16, q32, q_mode, k_src, v_src, kv_mode, k_stride, v_stride, num_kv_heads, block_size, block_tables,
+    cu_seqlens, members, h, n_keys, qk_scale, soft_cap, state_m, state_den, state_acc,
+):  # fmt: skip
+    """Keys ``0 .. n_keys`` of KV head h for the decode sequences ``members`` (their tables share
+    those keys' blocks, read through the first member's): one online softmax over every member's
+    rows at once, rows in lanes, each chunk loaded once for all of them. Leaves each row's state
+    (running max, denominator, unnormalized accumulator) in ``state_*`` for ``_item`` to go on from.
+    """
+    d = state_acc.shape[2]
+    group = state_acc.shape[1] // num_kv_heads
+    rows = members.shape[0] * group
+    rp = (rows + LANES - 1) // LANES * LANES
+    m = np.full(rp, _NEG, dtype=np.float32)
+    den = np.zeros(rp, dtype=np.float32)
+    corr = np.empty(rp, dtype=np.float32)
+    lo_row = np.zeros(rp, dtype=np.int64)  # every row sees every key of a chunk, padding rows none
+    lim_row = np.zeros(rp, dtype=np.int64)
+    acc = np.zeros((rows, d), dtype=np.float32)
+    qs = np.zeros((d, rp), dtype=np.float32)
+    for j in range(members.shape[0]):
+        t = cu_seqlens[members[j]]
+        for g in range(group):
+            for i in range(d):
+                qs[i, j * group + g] = _query(q16, q32, q_mode, t, h * group + g, i) * qk_scale
+    kflat, vflat, kbits, vbits, kbuf, vbuf = _chunk_buffers(d)
+    s = np.zeros((CHUNK, rp), dtype=np.float32)
+    b = members[0]
+    for key0 in range(0, n_keys, CHUNK):
+        n = min(CHUNK, n_keys - key0)
+        n4 = (n + 3) // 4 * 4
+        _load_chunk(k_src, kv_mode, block_tables, b, k_stride, h, block_size, d, key0, n, n4, kflat, kbits)
+        _load_chunk(v_src, kv_mode, block_tables, b, v_stride, h, block_size, d, key0, n, n4, vflat, vbits)
+        for r in range(rows):
+            lim_row[r] = n
+        _scores_rows_in_lanes(kbuf, qs, s, 0, n4, d, 0, rp)
+        if soft_cap > 0:
+            _soft_cap(s, 0, n4, 0, rp, soft_cap)
+        _softmax_rows_in_lanes(s, n4, rp, lim_row, m, den, corr)
+        _rescale(acc, corr, rows, d)
+        _accumulate(s.T, vbuf, acc, rows, lo_row, lim_row, d)
+    for j in range(members.shape[0]):
+        t = cu_seqlens[members[j]]
+        for g in range(group):
+            r, hq = j * group + g, h * group + g
+            state_m[t, hq] = m[r]
+            state_den[t, hq] = den[r]
+            for i in range(d):
+                state_acc[t, hq, i] = acc[r, i]
 
 
 @numba.njit(cache=True)
@@ -355,8 +460,12 @@ def _typed_views(raw, mode, fp8_values):
 def _item(
     q16, q32, q_mode, k_src, v_src, kv_mode, k_stride, v_stride, num_kv_heads, block_size,
     block_tables, seq_lens, cu_seqlens, b, h, tok0, ntok, qk_scale, soft_cap, window, v_scale, out,
+    prefix_keys, state_m, state_den, state_acc,
 ):  # fmt: skip
     """One work item: sequence b, KV head h, query tokens tok0 .. tok0+ntok of the sequence.
+
+    A decode sequence with ``prefix_keys[b] > 0`` starts at that key from the state
+    that ``_prefix_item`` left for its rows.
 
     (A function of its own, not the body of the ``prange``: Numba's parallel passes
     analyse the loop body, and a large one multiplies the first-call compile time.)
@@ -389,26 +498,21 @@ def _item(
             lo[r] = max(lim[r] - window, 0) if window > 0 else 0
             t, hq = q0 + tok0 + tt, h * group + g
             for i in range(d):
-                if q_mode == MODE_F32:
-                    x = q32[t, hq, i]
-                elif q_mode == MODE_F16:
-                    x = f16_to_f32(q16[t, hq, i])
-                else:
-                    x = bits_to_f32(np.uint32(q16[t, hq, i]) << np.uint32(16))
-                x *= qk_scale
+                x = _query(q16, q32, q_mode, t, hq, i) * qk_scale
                 if lanes:
                     qs[i, r] = x
                 else:
                     qs[r, i] = x
-    kflat = np.empty(CHUNK * d, dtype=np.float32)
-    vflat = np.empty(CHUNK * d, dtype=np.float32)
-    kbits = kflat.view(np.uint32)
-    vbits = vflat.view(np.uint32)
-    kbuf = kflat.reshape((CHUNK, d))
-    vbuf = vflat.reshape((CHUNK, d))
+    kflat, vflat, kbits, vbits, kbuf, vbuf = _chunk_buffers(d)
     s = np.zeros((CHUNK, rp) if lanes else (rp, CHUNK), dtype=np.float32)
     hi = min(kv_len, tile_pos + ntok)  # keys the last token of the tile sees
     first_key = max(tile_pos + 1 - window, 0) if window > 0 else 0  # the first token's first key
+    if prefix_keys.shape[0] > 0 and prefix_keys[b] > 0:  # decode: one token, rows = group
+        first_key = prefix_keys[b]
+        for g in range(group):
+            m[g], den[g] = state_m[q0, h * group + g], state_den[q0, h * group + g]
+            for i in range(d):
+                acc[g, i] = state_acc[q0, h * group + g, i]
     for key0 in range(first_key, max(hi, 0), CHUNK):
         n = min(CHUNK, hi - key0)
         n4 = (n + 3) // 4 * 4
@@ -439,11 +543,7 @@ def _item(
             if soft_cap > 0:
                 _soft_cap(s, 0, rows, 0, n4, soft_cap)
             _softmax_keys_in_lanes(s, rows, n4, lo_row, lim_row, m, den, corr)
-        for r in range(rows):
-            c = corr[r]
-            if c != ONE:
-                for i in range(d):
-                    acc[r, i] *= c
+        _rescale(acc, corr, rows, d)
         if lanes:
             _accumulate(s.T, vbuf, acc, rows, lo_row, lim_row, d)
         else:

@@ -3,6 +3,8 @@ share of a ``prange`` carries about the same work."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 Q_TILE = 16  # query tokens per work item in prefill, at least (see q_tile)
@@ -64,3 +66,105 @@ def work_items(
     items[:, 2] = np.repeat(base[:, 1], num_kv_heads)
     items[:, 3] = np.repeat(base[:, 2], num_kv_heads)
     return items
+
+
+SHARED_MIN_KEYS = 64  # common keys worth a shared-prefix pass: one chunk of the kernel
+
+
+class SharedPrefixes(NamedTuple):
+    """Decode sequences that share their leading blocks, for the kernel's shared-prefix pass.
+
+    ``items``: ``[P, 4]`` int64 rows ``(first, count, kv_head, keys)``: the sequences
+    ``members[first:first+count]`` over their common keys ``0 .. keys``; ``prefix_keys[b]``:
+    the keys sequence b's own items skip (0: none). All empty when there is no such pass.
+    """
+
+    items: np.ndarray
+    members: np.ndarray
+    prefix_keys: np.ndarray
+
+
+_NO_SHARING = SharedPrefixes(np.zeros((0, 4), np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64))
+
+
+def shared_prefixes(
+    tables: np.ndarray, seq_lens: np.ndarray, block_size: int, group: int, num_kv_heads: int, enabled: bool
+) -> SharedPrefixes:
+    """Runs of decode sequences whose tables begin with the same blocks, and the keys they share.
+
+    A shared key costs the kernel one load and conversion per ``TILE_ROWS`` rows instead of per
+    sequence, and its scores are a product with the rows in the vector lanes instead of a GQA
+    group's dot products. Sequences sorted by their tables put those sharing a prefix next to
+    each other; a run of them shares the smallest common prefix of two neighbours (capped by
+    their lengths: the keys every member sees). Where one member shares less (a shorter
+    prompt, a different continuation) the run is split there if the parts save more
+    (``_best_runs``). A run's members are cut into tiles of about ``TILE_ROWS`` rows, times the
+    KV heads: the items of the pass.
+    """
+    live = np.flatnonzero(seq_lens > 0)
+    if not enabled or np.unique(tables[live, 0]).size == live.size:  # no two share even a first block
+        return _NO_SHARING
+    lens = seq_lens.astype(np.int64)[live]
+    rows = tables[live]
+    order = np.lexsort(rows.T[::-1])  # by column 0, then 1, ...
+    rows, lens, live = rows[order], lens[order], live[order]
+    same = rows[1:] == rows[:-1]
+    blocks = np.where(same.all(axis=1), same.shape[1], np.argmin(same, axis=1))
+    neighbours = np.minimum(blocks * block_size, np.minimum(lens[1:], lens[:-1]))  # keys seqs i, i+1 share
+    prefix_keys = np.zeros(seq_lens.size, np.int64)
+    members, items = [], []
+    for lo, hi, keys in _best_runs(neighbours):
+        seqs = live[lo : hi + 1]
+        prefix_keys[seqs] = keys
+        for tile in np.array_split(seqs, -(-seqs.size * group // TILE_ROWS)):
+            first = sum(m.size for m in members)
+            members.append(tile)
+            items.extend((first, tile.size, h, keys) for h in range(num_kv_heads))
+    if not items:
+        return _NO_SHARING
+    return SharedPrefixes(np.array(items, np.int64), np.concatenate(members).astype(np.int64), prefix_keys)
+
+
+def _best_runs(neighbours: np.ndarray) -> list[tuple[int, int, int]]:
+    """``(lo, hi, keys)``: disjoint runs of sorted sequences lo..hi sharing ``keys`` >= ``SHARED_MIN_KEYS``.
+
+    ``neighbours[i]``: the keys sequences i and i+1 share. A run of n shares its smallest
+    neighbour value k and saves about (n - 1) k keys; it is split at that smallest value when its
+    two sides save more on their own (recursively, with a stack: batches can be long).
+    """
+    runs = []
+    # a neighbour pair under SHARED_MIN_KEYS splits every run; a run whose neighbours share the
+    # same keys throughout (the usual: one prompt behind many requests) cannot gain from a split
+    enough = np.concatenate([[False], neighbours >= SHARED_MIN_KEYS, [False]])
+    starts, ends = np.flatnonzero(enough[1:] & ~enough[:-1]), np.flatnonzero(~enough[1:] & enough[:-1])
+    for lo, hi in zip(starts.tolist(), ends.tolist()):  # sequences lo..hi share neighbours[lo:hi]
+        seg = neighbours[lo:hi]
+        if seg.min() == seg.max():
+            runs.append((lo, hi, int(seg[0])))
+        else:
+            runs += _split_runs(neighbours, lo, hi)
+    return runs
+
+
+def _split_runs(neighbours: np.ndarray, lo: int, hi: int) -> list[tuple[int, int, int]]:
+    """``_best_runs`` within sequences lo..hi by the recursion on their smallest neighbour value."""
+    top_lo, top_hi = lo, hi
+    best: dict[tuple[int, int], tuple[int, list]] = {}
+    stack = [(lo, hi, False)]  # sequences lo..hi (hi inclusive), children done?
+    while stack:
+        lo, hi, done = stack.pop()
+        if hi <= lo:
+            best[(lo, hi)] = (0, [])
+            continue
+        cut = lo + int(np.argmin(neighbours[lo:hi]))
+        if not done:
+            stack += [(lo, hi, True), (lo, cut, False), (cut + 1, hi, False)]
+            continue
+        keys = int(neighbours[cut])
+        whole = (hi - lo) * keys if keys >= SHARED_MIN_KEYS else 0
+        (left, left_runs), (right, right_runs) = best.pop((lo, cut)), best.pop((cut + 1, hi))
+        if left + right > whole:
+            best[(lo, hi)] = (left + right, left_runs + right_runs)
+        else:
+            best[(lo, hi)] = (whole, [(lo, hi, keys)] if whole else [])
+    return best[(top_lo, top_hi)][1]

@@ -23,6 +23,7 @@ from hf_models import ARCHS, eager_copy, make_model, reference_generate, start_d
 
 import kvpool
 import kvpool.hf as kvpool_hf  # after hf_models, which skips the module without transformers
+from kvpool.kernels import cpu_work
 
 ATOL = RTOL = 1e-4
 BLOCK_SIZES = (8, 16, 32)
@@ -99,6 +100,30 @@ def test_prefix_shared_inside_one_batch(pool, models):
     assert gen.num_cached_tokens == [0, 16, 0, 24]
     for p, t, lg in zip(prompts, gen.tokens, gen.logits):
         assert_matches_reference(ref, p, t, lg, 5)
+
+
+def test_decode_over_a_long_shared_prefix(pool, models, monkeypatch):
+    """Prompts behind one prefix of 9 blocks (72 keys): decode attention takes the kernel's
+    shared-prefix pass (its common keys for all of them at once), and greedy decoding and logits
+    still match eager transformers."""
+    arch, model, ref = models
+    passes = []
+    real = cpu_work.shared_prefixes
+
+    def counting(*args):
+        found = real(*args)
+        passes.append(found.items.shape[0])
+        return found
+
+    monkeypatch.setattr(cpu_work, "shared_prefixes", counting)
+    head = tokens(72, seed=50)
+    prompts = [head + tokens(n, seed=51 + n) for n in (1, 5, 9)] + [list(head)]
+    with paged(model, pool, f"{arch}-longshared", 8) as pm:
+        gen = pm.generate(prompts, max_new_tokens=4, output_logits=True)
+    assert gen.num_cached_tokens[1:] == [72, 72, 72]
+    assert max(passes) > 0
+    for p, t, lg in zip(prompts, gen.tokens, gen.logits):
+        assert_matches_reference(ref, p, t, lg, 4)
 
 
 @pytest.mark.parametrize("prompt_len", [13, 16])
