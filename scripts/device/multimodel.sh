@@ -12,12 +12,7 @@
 # Logs, the benchmark's JSON and PNG, and the daemons' and servers' logs go to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-OUT=${OUT:-$(mktemp -d)}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site || exit 1
-python3 -m pip install -q -e . --no-deps --no-build-isolation || exit 1
-export PYTHONUNBUFFERED=1
+source scripts/device/prepare.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee "$OUT/gpu.txt"
 python3 -c "import matplotlib" 2>/dev/null || echo "matplotlib is missing: the benchmark writes no picture" | tee -a "$OUT/gpu.txt"
 

@@ -11,12 +11,7 @@
 # Logs and the benchmark's JSON go to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-OUT=${OUT:-$(mktemp -d)}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site || exit 1
-python3 -m pip install -q -e . --no-deps --no-build-isolation || exit 1
-export PYTHONUNBUFFERED=1
+source scripts/device/prepare.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv 2>&1 | tee "$OUT/gpu.txt"
 
 timeout --kill-after=10 ${TESTS_TIMEOUT:-150} bash scripts/gpu_tests.sh tests/hf/test_fused_gpu.py -rs -s ${TESTS_K:+-k "$TESTS_K"} 2>&1 \
