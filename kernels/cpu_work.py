@@ -112,14 +112,14 @@ def shared_prefixes(
     blocks = np.where(same.all(axis=1), same.shape[1], np.argmin(same, axis=1))
     neighbours = np.minimum(blocks * block_size, np.minimum(lens[1:], lens[:-1]))  # keys seqs i, i+1 share
     prefix_keys = np.zeros(seq_lens.size, np.int64)
-    members, items = [], []
+    members, items, first = [], [], 0
     for lo, hi, keys in _best_runs(neighbours):
         seqs = live[lo : hi + 1]
         prefix_keys[seqs] = keys
         for tile in np.array_split(seqs, -(-seqs.size * group // TILE_ROWS)):
-            first = sum(m.size for m in members)
             members.append(tile)
             items.extend((first, tile.size, h, keys) for h in range(num_kv_heads))
+            first += tile.size
     if not items:
         return _NO_SHARING
     return SharedPrefixes(np.array(items, np.int64), np.concatenate(members).astype(np.int64), prefix_keys)
