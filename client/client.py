@@ -79,7 +79,14 @@ class Client:
                                 max_reserve_blocks=r.max_reserve_blocks)
         self._swaps = Swaps(session, self._mirror, self._mapping, self._stepper)
         # the lease: a background thread says "still here" when no call did for lease/3
-        self._liveness = Liveness(session, r.lease_seconds, on_remap=self._mapping.let_go_of_chunks)
+        self._liveness = Liveness(session, r.lease_seconds, on_remap=self._let_go_of_chunks)
+
+    def _let_go_of_chunks(self) -> None:
+        # Between two calls only: every reply is then applied, so the daemon's answer lists every chunk this
+        # process has blocks in. A sync during a call could answer from before the call's reply handed out blocks
+        # in a chunk that had left and came back, and unmap it under kernels about to use it.
+        with self._lock:
+            self._mapping.let_go_of_chunks()
 
     # -- what the parts keep -------------------------------------------------------------------
     @property

@@ -138,8 +138,11 @@ def sync_chunks(address: str, session: bytes, arena, timeout: float = 60.0) -> i
     not mapped here come as file descriptors, in batches, and are imported and
     mapped; chunks no longer at their place are unmapped.  ``ack`` tells the
     daemon this process maps exactly those chunks, so it may reuse or free the
-    others.  A sync that breaks off leaves nothing half-known: everything is
-    unmapped here and the next sync maps it again.  Call with ``arena.lock``.
+    others.  A sync that breaks off leaves the mapping as it stands: every
+    chunk mapped here came from the daemon, which counts it as mapped by this
+    process until an ack says otherwise, and the next sync starts from there
+    (unmapping everything would pull memory from under kernels still running
+    on it).  Call with ``arena.lock``, between two of the client's calls.
 
     Returns the class's generation the arena now matches.
     """
@@ -183,11 +186,7 @@ def sync_chunks(address: str, session: bytes, arena, timeout: float = 60.0) -> i
     except PermissionDenied:
         raise
     except (OSError, ValueError) as exc:
-        arena.unmap_all()
         raise Unavailable(f"mapping the pool's chunks over {path} failed: {exc}") from None
-    except BaseException:
-        arena.unmap_all()
-        raise
     finally:
         stream.close()
         s.close()

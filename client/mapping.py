@@ -85,7 +85,10 @@ class PoolMapping:
         self.chunk_sync_seconds += time.perf_counter() - t0
 
     def let_go_of_chunks(self) -> None:
-        """Chunks left this class (CUDA VMM): sync, so that the daemon may reuse or free them."""
+        """Chunks left this class (CUDA VMM): sync, so that the daemon may reuse or free them.
+
+        Runs on the watch thread, between two of the client's calls (``Client`` holds its lock).
+        """
         try:
             self.sync_chunks()
         except Exception:  # noqa: BLE001 - the next reply that needs a chunk syncs again, and says why

@@ -190,7 +190,7 @@ class VmmMappedArena(DeviceViews, MappedArena):
         self.device, self.nbytes, self.chunk_bytes = dev, descriptor.nbytes, descriptor.chunk_bytes
         self._range = VirtualRange(dev, descriptor.nbytes, descriptor.chunk_bytes)
         self.chunk_of = np.zeros(self._range.chunks, np.int64)  # index -> chunk id mapped there, 0: none
-        self.lock = threading.Lock()  # one sync at a time (the caller's thread or the watch thread)
+        self.lock = threading.Lock()  # one sync at a time (a client call, or the watch thread between two calls)
         self._mem = DeviceBytes(self._range.base, descriptor.nbytes, dev, lambda _ptr: None)
         # the range outlives close() while views of it exist: freed with the last one
         weakref.finalize(self._mem, _free_range, self._range, True)
@@ -234,11 +234,6 @@ class VmmMappedArena(DeviceViews, MappedArena):
             cu.cuMemRelease(handle)
             raise
         self.chunk_of[index] = chunk
-
-    def unmap_all(self) -> None:
-        """Let go of every chunk (after a sync that broke off: the next one starts from nothing)."""
-        for index in np.flatnonzero(self.chunk_of).tolist():
-            self.unmap(index)
 
     def close(self) -> None:
         """Drop this arena; the chunks are unmapped and the range freed once no view of it is left."""

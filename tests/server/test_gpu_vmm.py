@@ -92,6 +92,36 @@ def test_a_class_that_frees_gives_its_chunks_to_another_while_both_run(vmm_daemo
         small.quit()
 
 
+def test_chunks_leave_a_process_only_between_two_of_its_client_calls(vmm_daemon):
+    """The watch thread's sync waits for the call in progress: an answer from before a reply applied could
+    unmap a chunk that left the class and came back under kernels about to use its blocks."""
+    d = vmm_daemon("64MiB", "--release-after-seconds", "3600")
+    small = Proc(d.socket, SMALL, seed=2)
+    try:
+        with kvpool.connect(d.socket, name="mine", layout=kvpool.Layout(**BIG), device=0) as mine:
+            mine.kv_cache()
+            seqs = mine.create_sequences([[n * 1000 + t for t in range(256)] for n in range(25)])  # 50 MiB
+            mine.mark_written(seqs)
+            mine.free(seqs)  # cached: the next class may take their chunks
+            arena = mine._mapping.arena
+            before = arena.mapped()
+            with mine._lock:  # a call in progress
+                assert small("fill", n=10, tokens=512)["held"] == 10  # evicts mine's cached blocks
+                assert wait_for(lambda: device_stats(d.socket).draining_bytes > 0, timeout=30)
+                assert not wait_for(lambda: arena.mapped() != before, timeout=2.0)
+            assert wait_for(lambda: device_stats(d.socket).draining_bytes == 0, timeout=30)
+            after = arena.mapped()
+            assert len(after) < len(before) and all(before.get(i) == c for i, c in after.items())
+            again = mine.create_sequence(list(range(64)))  # the class grows again: its chunks are mapped first
+            kv = mine.kv_cache()
+            kv[again.block_table.tolist()] = 3
+            torch.cuda.synchronize()
+            assert bool((kv[again.block_table.tolist()] == 3).all())
+        assert small("verify")["bad"] == []
+    finally:
+        small.quit()
+
+
 def test_client_killed_while_mapping_leaves_the_daemon_whole(vmm_daemon):
     d = vmm_daemon("1GiB", "--grace-seconds", "0.5")
     filler = Proc(d.socket, BIG, seed=3)
