@@ -65,7 +65,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from _common import RESULTS, print_table, write_json  # noqa: E402
-from bench_serve import read_token_events  # noqa: E402
+from bench_serve import StreamError, read_token_events  # noqa: E402
 from _multimodel_fleet import DaemonProc, Fleet, Sampler, ServeProc, class_figures, growth  # noqa: E402
 from _multimodel_models import MODELS, Request, TraceMaker, build_model_dir, shape_of  # noqa: E402
 
@@ -273,6 +273,9 @@ class Driver:
                         status = f"http {r.status_code}: {(await r.aread()).decode(errors='replace')[:200]}"
                         break
                     usage = await read_token_events(r, stamps)
+                break
+            except StreamError as exc:  # the server failed the request mid-stream: it counts as failed
+                status = f"error: {str(exc)[:200]}"
                 break
             except httpx.HTTPError as exc:  # refused (the server is down) or cut (it was killed)
                 if stamps:

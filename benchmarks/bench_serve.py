@@ -115,14 +115,22 @@ def summarize(name: str, results: list[dict], duration: float, extra: dict) -> d
 
 
 # -- kvpool serve ----------------------------------------------------------------------------------
+class StreamError(RuntimeError):
+    """The server ended a stream with an error event (the request failed after its response began)."""
+
+
 async def read_token_events(response, stamps: list[float]) -> dict | None:
     """Read a streaming completion's server-sent events: the time of each token's event is appended to
-    ``stamps`` as it comes (the server sends one event per token); returns the usage event's figures."""
+    ``stamps`` as it comes (the server sends one event per token); returns the usage event's figures.
+    ``StreamError`` with the server's message if it sends an error event."""
     usage = None
     async for line in response.aiter_lines():
         if not line.startswith("data: ") or line == "data: [DONE]":
             continue
         event = json.loads(line[6:])
+        if "error" in event:
+            error = event["error"]
+            raise StreamError(error.get("message", str(error)) if isinstance(error, dict) else str(error))
         if event.get("usage"):
             usage = event["usage"]
         elif event["choices"]:
