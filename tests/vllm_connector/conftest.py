@@ -11,6 +11,10 @@ subprocess under the venv's python whose outcome becomes that test's
 (its failures and output reported as this test's failure; all of it skipped:
 skipped).  Where vLLM imports in the running interpreter the modules run as
 they are; where neither is there they skip (their ``importorskip``).
+
+That subprocess starts as soon as collection ends and runs beside the rest of
+the suite (its four engines spend most of their minutes starting up); the
+test waits for it in its turn.  ``KVPOOL_VLLM_IN_TURN=1`` starts it only then.
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import signal
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
@@ -46,6 +52,20 @@ def pytest_pycollect_makemodule(module_path, parent):
     return None
 
 
+def pytest_collection_finish(session):
+    if os.environ.get("KVPOOL_VLLM_IN_TURN"):
+        return
+    for item in session.items:
+        if isinstance(item, VenvRun):
+            item.start()
+
+
+def pytest_sessionfinish(session):
+    for item in getattr(session, "items", ()):
+        if isinstance(item, VenvRun):
+            item.stop()  # a session stopped early (-x, Ctrl-C) leaves no engine behind
+
+
 class VenvModule(pytest.File):
     def collect(self):
         item = VenvRun.from_parent(self, name=f"{self.path.stem}[venv-vllm]")
@@ -59,22 +79,66 @@ class VenvRunFailed(Exception):
 
 
 class VenvRun(pytest.Item):
-    """The whole module, run by the venv's python in a subprocess."""
+    """The whole module, run by the venv's python in a subprocess (started early by ``start``)."""
 
-    def runtest(self) -> None:
-        build = subprocess.run(["bash", str(ROOT / "scripts" / "vllm_venv.sh")], cwd=ROOT, capture_output=True,
-                               text=True, timeout=BUILD_TIMEOUT)  # builds it once; else points it at this checkout
+    _thread: threading.Thread | None = None
+    _result: tuple[str, object] | None = None
+    _proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        """Build the venv and run the module on a thread of its own; ``runtest`` takes the outcome."""
+        self._thread = threading.Thread(target=self._run, name="vllm-venv-tests", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._result = self._outcome()
+        except BaseException as exc:  # noqa: BLE001 - handed to runtest, which raises it in the test
+            self._result = ("raise", exc)
+
+    def stop(self) -> None:
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+    def _call(self, cmd: list[str], env: dict | None, timeout: float) -> subprocess.CompletedProcess:
+        """``subprocess.run`` in a process group of its own, which ``stop`` can end."""
+        self._proc = proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                             text=True, start_new_session=True)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            out, _ = proc.communicate()
+            raise subprocess.TimeoutExpired(cmd, timeout, output=out) from None
+        return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+    def _outcome(self) -> tuple[str, object]:
+        build = self._call(["bash", str(ROOT / "scripts" / "vllm_venv.sh")], None,
+                           BUILD_TIMEOUT)  # builds it once; else points it at this checkout
         if build.returncode != 0:
-            pytest.skip(build.stderr.strip() or "scripts/vllm_venv.sh failed")
+            return "skip", build.stderr.strip() or "scripts/vllm_venv.sh failed"
         env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
         env.update(VLLM_CPU_OMP_THREADS_BIND=env.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
                    VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "1"))
         cmd = [str(VENV_PYTHON), "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider",
                str(self.path.relative_to(ROOT))]
         try:
-            p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT)
+            p = self._call(cmd, env, SUBPROCESS_TIMEOUT)
         except subprocess.TimeoutExpired as exc:
-            raise VenvRunFailed(f"{' '.join(cmd)} ran past {SUBPROCESS_TIMEOUT} s\n{exc.stdout or ''}") from None
+            return "raise", VenvRunFailed(f"{' '.join(cmd)} ran past {SUBPROCESS_TIMEOUT} s\n{exc.stdout or ''}")
+        return "done", (cmd, p)
+
+    def runtest(self) -> None:
+        if self._thread is None:
+            self.start()
+        self._thread.join()
+        kind, value = self._result
+        if kind == "skip":
+            pytest.skip(value)
+        if kind == "raise":
+            raise value
+        cmd, p = value
         out = p.stdout + p.stderr
         self.add_report_section("call", "stdout", out)
         summary = out.strip().splitlines()[-1] if out.strip() else ""
