@@ -184,7 +184,7 @@ def run_offline(model, sock: str, tag: str, args, fused, inp: np.ndarray, out: n
         t0 = time.perf_counter()
         streams = [eng.add_request(p, ke.SamplingParams(max_tokens=int(n), temperature=0, ignore_eos=True))
                    for p, n in zip(prompts, out)]
-        phases = dict.fromkeys(("schedule", "daemon", "prepare", "forward", "sample", "total"), 0.0)
+        phases = dict.fromkeys(("schedule", "daemon", "gpu_wait", "prepare", "forward", "sample", "total"), 0.0)
         while not all(s.last is not None and s.last.finished for s in streams):
             t = eng.step()
             for k in phases:
@@ -242,7 +242,7 @@ def run_decode_steps(model, sock: str, tag: str, args, fused, batch: int, figs: 
     steps = steps[2:]  # the first decode steps may still capture or compile
     wall = statistics.median(t.total for t in steps) * 1e3
     phases = {k: statistics.median(getattr(t, k) for t in steps) * 1e3
-              for k in ("schedule", "daemon", "prepare", "forward", "sample")}
+              for k in ("schedule", "daemon", "gpu_wait", "prepare", "forward", "sample")}
     row = {"batch": batch, "seq_len": args.step_len, "wall_ms": wall, "gpu_ms": gpu, "phases_ms": phases,
            "decode_steps": len(steps)}
     if ceil["copy_tbps"]:

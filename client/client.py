@@ -104,6 +104,11 @@ class Client:
         return self._mapping.chunk_sync_seconds
 
     @property
+    def device_wait_seconds(self) -> float:
+        """GPU: time calls waited for this process's queued device work before telling the daemon it is written."""
+        return self._mapping.device_wait_seconds
+
+    @property
     def lease_seconds(self) -> float:
         """The session's lease, as the daemon last told it (0: none)."""
         return self._liveness.lease_seconds

@@ -36,6 +36,7 @@ class PoolMapping:
         self.arena = None
         self._kv = None
         self.chunk_sync_seconds = 0.0  # CUDA VMM: time spent mapping the pool's chunks (kvpool.handoff)
+        self.device_wait_seconds = 0.0  # GPU: time ``sync_device`` waited for this process's queued work
 
     def kv_cache(self):
         """The pool as a torch tensor (``Client.kv_cache``); maps the arena the first time."""
@@ -136,7 +137,9 @@ class PoolMapping:
         if self._kv is not None and getattr(self._kv, "is_cuda", False):
             import torch
 
+            t0 = time.perf_counter()
             torch.cuda.synchronize(self._kv.device)
+            self.device_wait_seconds += time.perf_counter() - t0
 
     def close(self) -> None:
         """Unmap the arena (views still alive keep their memory until they die)."""

@@ -45,6 +45,7 @@ class StepLoop:
             The step's ``StepTimings`` (also kept in ``timings``).
         """
         t, t0 = StepTimings(), time.perf_counter()
+        waited = self.client.device_wait_seconds
         try:
             with t.phase("schedule"):
                 self._take_inbox(t)
@@ -52,8 +53,7 @@ class StepLoop:
         except Exception as exc:  # noqa: BLE001 - the daemon is gone or refused: end every request, keep the thread
             log.exception("scheduling failed; every request ends with an error")
             self._fail(list(self.requests.values()), f"the pool refused the step: {exc!r}")
-            t.total = time.perf_counter() - t0
-            return t
+            return self._close(t, t0, waited)
         t.schedule -= t.daemon  # report the two apart
         for req, message in plan.failed:
             self._finish(req, "error", error=message)
@@ -63,9 +63,14 @@ class StepLoop:
             except Exception as exc:  # noqa: BLE001 - fail this batch's requests, keep serving the rest
                 log.exception("a step failed; its requests end with an error")
                 self._fail(plan.requests, f"the step failed: {exc!r}")
-        t.total = time.perf_counter() - t0
         self.counts["steps"] += 1
         self._timings.add(t)
+        return self._close(t, t0, waited)
+
+    def _close(self, t: StepTimings, t0: float, waited: float) -> StepTimings:
+        """The step's total, and how long its daemon calls waited for the GPU."""
+        t.gpu_wait = self.client.device_wait_seconds - waited
+        t.total = time.perf_counter() - t0
         return t
 
     def _run(self, plan, t: StepTimings) -> None:

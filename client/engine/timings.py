@@ -15,10 +15,14 @@ class StepTimings:
     ``daemon``: calls to kvpoold (create, extend, swap, free); ``prepare``:
     filling the step buffers and their host-to-device copy; ``forward``: the
     model; ``sample``: sampling, stop checks and handing outputs over.
+    ``gpu_wait`` is not a phase of its own but the part of the step's daemon
+    calls spent waiting for this process's queued GPU work (a call that says
+    blocks are written synchronizes the device first).
     """
 
     schedule: float = 0.0
     daemon: float = 0.0
+    gpu_wait: float = 0.0
     prepare: float = 0.0
     forward: float = 0.0
     sample: float = 0.0

@@ -335,3 +335,4 @@ def test_timings_reset_starts_a_new_stretch(daemon_factory, llama):
         summary = eng.timings.summary()
     assert summary["steps"] == (eng.stats() - before).steps == 3  # a 5-token prefill, then 2 decodes
     assert summary["num_tokens"] == 5 + 2 and summary["forward"] > 0
+    assert summary["gpu_wait"] == 0.0  # on the CPU a daemon call has no device to wait for
