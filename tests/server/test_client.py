@@ -162,3 +162,20 @@ def test_failed_step_leaves_the_mirror_as_it_was(daemon_factory):
         c.flush()
         assert daemon_tables(c) == {a.id: a.block_table.tolist()}
         assert a.num_tokens == 23
+
+
+def test_a_remap_waits_for_the_call_in_progress(daemon):
+    """The watch thread's chunk sync runs between two client calls: during one, a daemon answer older than the
+    call's reply could unmap a chunk the reply handed out blocks in (tests/server/test_gpu_vmm.py on the GPU)."""
+    import threading
+
+    with kvpool.connect(daemon.socket, name="remapped", layout=LAYOUT) as c:
+        seq = c.create_sequence(list(range(40)))
+        remap = threading.Thread(target=c._liveness._on_remap)  # what a "remap" event runs
+        with c._lock:  # a call in progress
+            remap.start()
+            remap.join(timeout=1.0)
+            assert remap.is_alive()
+        remap.join(timeout=60)
+        assert not remap.is_alive()
+        assert c.block_ids(seq) == daemon_tables(c)[seq.id]  # nothing changed on the CPU pool
