@@ -142,7 +142,7 @@ def sync_chunks(address: str, session: bytes, arena, timeout: float = 60.0) -> i
     chunk mapped here came from the daemon, which counts it as mapped by this
     process until an ack says otherwise, and the next sync starts from there
     (unmapping everything would pull memory from under kernels still running
-    on it).  Call with ``arena.lock``, between two of the client's calls.
+    on it).  Call under the client's lock: in one of its calls, or between two.
 
     Returns the class's generation the arena now matches.
     """

@@ -76,13 +76,16 @@ class PoolMapping:
         copy_blocks(kv, torch.tensor(pairs, dtype=torch.int64, device=kv.device))
 
     def sync_chunks(self) -> None:
-        """Map the chunks the class has now and drop those it gave up (CUDA VMM; ``kvpool.handoff``)."""
+        """Map the chunks the class has now and drop those it gave up (CUDA VMM; ``kvpool.handoff``).
+
+        Under the client's lock, like every change to the mapping: one sync at a time, and none while a call
+        applies a reply.
+        """
         arena = self.arena
         if arena is None or not hasattr(arena, "chunk_of"):
             return
         t0 = time.perf_counter()
-        with arena.lock:
-            sync_chunks(self._address, self._token, arena)
+        sync_chunks(self._address, self._token, arena)
         self.chunk_sync_seconds += time.perf_counter() - t0
 
     def let_go_of_chunks(self) -> None:

@@ -64,8 +64,8 @@ class StepLoop:
                 log.exception("a step failed; its requests end with an error")
                 self._fail(plan.requests, f"the step failed: {exc!r}")
         self.counts["steps"] += 1
-        self._timings.add(t)
-        return self._close(t, t0, waited)
+        self._timings.add(self._close(t, t0, waited))
+        return t
 
     def _close(self, t: StepTimings, t0: float, waited: float) -> StepTimings:
         """The step's total, and how long its daemon calls waited for the GPU."""

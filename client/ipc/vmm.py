@@ -190,7 +190,6 @@ class VmmMappedArena(DeviceViews, MappedArena):
         self.device, self.nbytes, self.chunk_bytes = dev, descriptor.nbytes, descriptor.chunk_bytes
         self._range = VirtualRange(dev, descriptor.nbytes, descriptor.chunk_bytes)
         self.chunk_of = np.zeros(self._range.chunks, np.int64)  # index -> chunk id mapped there, 0: none
-        self.lock = threading.Lock()  # one sync at a time (a client call, or the watch thread between two calls)
         self._mem = DeviceBytes(self._range.base, descriptor.nbytes, dev, lambda _ptr: None)
         # the range outlives close() while views of it exist: freed with the last one
         weakref.finalize(self._mem, _free_range, self._range, True)
@@ -212,7 +211,7 @@ class VmmMappedArena(DeviceViews, MappedArena):
         idx = np.flatnonzero(self.chunk_of)
         return dict(zip(idx.tolist(), self.chunk_of[idx].tolist()))
 
-    # -- changes (under ``lock``) ----------------------------------------------------------
+    # -- changes (one at a time: under the client's lock) ----------------------------------
     def unmap(self, index: int) -> None:
         handle = self._range.unmap(index)
         if handle is not None:
