@@ -307,6 +307,14 @@ class Client:
         """
         return self._mirror.state(seq_ids(seq)[0]).blocks[start:]
 
+    def unmapped_blocks(self, blocks: Iterable[int]) -> list[int]:
+        """The ids among ``blocks`` with a byte in memory this process does not map now (CUDA VMM; else none).
+
+        A kernel that reads such a block faults: a step's blocks must all be mapped.
+        """
+        with self._lock:
+            return self._mapping.unmapped_blocks(blocks)
+
     def seq_lens(self, seqs: Iterable[Sequence | int]) -> np.ndarray:
         """``int32 [len(seqs)]`` token counts, matching ``block_tables``."""
         return self._mirror.seq_lens(seq_ids(list(seqs)))

@@ -111,6 +111,14 @@ class PoolMapping:
         if not arena.covers(blocks, self.block_bytes):
             raise Unavailable("kvpoold handed out blocks in chunks it did not hand this process; attach again")
 
+    def unmapped_blocks(self, blocks) -> list[int]:
+        """``Client.unmapped_blocks``: the ids in ``blocks`` not covered by this process's mapped chunks."""
+        arena = self.arena
+        ids = np.unique(np.asarray(list(blocks), np.int64))
+        if arena is None or not hasattr(arena, "covers") or arena.covers(ids, self.block_bytes):
+            return []
+        return [b for b in ids.tolist() if not arena.covers([b], self.block_bytes)]
+
     def sync_device(self) -> None:
         """Make this process's pool writes visible to the daemon's copies (GPU: synchronize).
 

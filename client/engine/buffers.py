@@ -7,6 +7,7 @@ import torch
 
 from ..batch import INT32_ARRAYS, INT64_ARRAYS, array_sizes
 from ..protocol.sizes import cdiv
+from ..sequence import seq_ids
 
 
 class StepBuffers:
@@ -82,6 +83,9 @@ class BlockTableRows:
         if num_blocks > self._tables.shape[1]:
             raise ValueError(f"a sequence of {num_blocks} blocks exceeds the table width {self._tables.shape[1]}")
         ids = client.block_ids(seq, start)[: num_blocks - start]
+        if len(ids) < num_blocks - start:
+            # the columns left would keep another request's blocks: attention would read them
+            raise ValueError(f"sequence {seq_ids(seq)[0]} has {start + len(ids)} blocks; the step needs {num_blocks}")
         self._tables[row, start:start + len(ids)] = ids
         self._owner[row], self._filled[row] = key, start + len(ids)
 

@@ -10,6 +10,7 @@ import torch
 from ..batch import pack
 from ..hf import PagedModel
 from .buffers import BlockTableRows, StepBuffers
+from .step_check import check_step, checks_enabled
 
 
 @dataclass
@@ -48,6 +49,7 @@ class StepRunner:
         self.block_size = model.layout.block_size
         self.buffers = StepBuffers(max_tokens, max_seqs, max_blocks, model.device)
         self.rows = BlockTableRows(self.buffers.np["block_tables"])
+        self._check_steps = checks_enabled()
 
     def run(self, items: list[StepItem]) -> torch.Tensor:
         """Compute ``items``' tokens (K/V into the pool): ``prepare`` then ``forward``.
@@ -73,6 +75,8 @@ class StepRunner:
         self.buffers.begin()
         total, lens = pack(self.buffers.np, [it.tokens for it in items], [it.start for it in items],
                            [it.write_from for it in items], block_size=self.block_size, fill_table=fill_table)
+        if self._check_steps:
+            check_step(self.buffers.np, items, total, client, self.block_size)
         rows = self.padded_rows(len(items), total)
         if rows > len(items):
             self._pad(len(items), rows)

@@ -399,8 +399,12 @@ class TransferEngine:
         il = idx.tolist()
         ol = offs.tolist()
         stride = self.host.stride(bb)
-        if to_host.any():
-            assert in_store, "a temporary buffer cannot hold host-tier blocks"
+        if to_host.any() and not in_store:
+            # the store had no slot left and no copy in flight would free one: these cached blocks are not
+            # kept on the host (the tier's index learns it from ``on_lost``)
+            for j in np.flatnonzero(to_host).tolist():
+                self._lost(keys[il[j]])
+        elif to_host.any():
             sel = np.flatnonzero(to_host).tolist()
             self.host.put_many([keys[il[j]] for j in sel], [ol[j] for j in sel])
         rest = np.flatnonzero(~to_host).tolist()

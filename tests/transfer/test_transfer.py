@@ -530,3 +530,22 @@ def test_slots_mixed_single_and_batch_calls_take_the_lowest_free():
                 s.free_many(np.asarray(gone) if rng.random() < 0.5 else gone)
             free |= set(gone)
         assert s.used == len(used) * 4096
+
+
+def test_demotions_to_a_full_host_tier_are_reported_lost_and_the_rest_kept(tmp_path):
+    # room for 2 blocks on the host and no copy in flight to free one: 5 demotions to the host in one call
+    eng, rows = engine_with_pool(tmp_path, host_blocks=2, disk_blocks=0, staging=0)
+    lost = []
+    eng.on_lost = lost.append
+    for b in range(5):
+        rows[b] = data(200 + b)
+    keys = [(0, bytes([50 + b]) * 16) for b in range(5)]
+    eng.submit([Move(keys[b], Tier.DEVICE, Tier.HOST, b, BB) for b in range(5)])
+    kept = [k for k in keys if k in eng.host]
+    assert len(kept) == 2 and sorted(lost + kept) == sorted(keys)
+    rows[:5] = 0
+    arrivals = eng.submit([Move(k, Tier.HOST, Tier.DEVICE, 10 + i, BB) for i, k in enumerate(kept)])
+    assert eng.wait(arrivals) and all(a.ok for a in arrivals)
+    for i, k in enumerate(kept):
+        assert np.array_equal(rows[10 + i], data(200 + keys.index(k)))
+    eng.close()
