@@ -146,6 +146,22 @@ def sync_chunks(address: str, session: bytes, arena, timeout: float = 60.0) -> i
 
     Returns the class's generation the arena now matches.
     """
+    for _ in range(SYNC_ATTEMPTS):
+        try:
+            return _sync_once(address, session, arena, timeout)
+        except _Moved:
+            pass  # a chunk left its place during the dialog: start again from the daemon's new answer
+    raise Unavailable("the class's chunks kept moving while this process mapped them; try again")
+
+
+SYNC_ATTEMPTS = 5
+
+
+class _Moved(Exception):
+    """The daemon ended a sync: a chunk it listed left its place before this process mapped it."""
+
+
+def _sync_once(address: str, session: bytes, arena, timeout: float) -> int:
     import numpy as np
 
     path = socket_path(address)
@@ -173,6 +189,8 @@ def sync_chunks(address: str, session: bytes, arena, timeout: float = 60.0) -> i
         for start in range(0, len(want_chunk), CHUNK_BATCH):
             words = stream.line().split()
             count = min(CHUNK_BATCH, len(want_chunk) - start)
+            if words == ["moved"]:
+                raise _Moved()
             if words != ["fds", str(count)]:
                 raise ConnectionError(f"unexpected reply on the side socket: {' '.join(words)[:200]}")
             for i, c, fd in zip(want_index[start:start + count].tolist(), want_chunk[start:start + count].tolist(),

@@ -47,7 +47,10 @@ def check_step(arrays, items, num_tokens: int, client, block_size: int) -> None:
         raise StepCheckError(f"blocks {unmapped[:8]} of rows {rows[:8]} lie in memory this process does not map")
     counts = np.diff(arrays["cu_seqlens_q"][:len(items) + 1])
     row_of = np.repeat(np.arange(len(items)), counts)
-    slots = arrays["slot_mapping"][:num_tokens]
-    for t in np.flatnonzero(slots >= 0).tolist():
-        if int(slots[t]) // block_size not in used[row_of[t]]:
-            raise StepCheckError(f"token {t} of row {row_of[t]} writes slot {int(slots[t])}, outside its blocks")
+    slots = arrays["slot_mapping"][:num_tokens].astype(np.int64)
+    positions = arrays["positions"][:num_tokens]
+    own = tables[row_of, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    wrong = np.flatnonzero((slots >= 0) & (slots != own))
+    if len(wrong):
+        t = int(wrong[0])
+        raise StepCheckError(f"token {t} of row {row_of[t]} writes slot {int(slots[t])}, not its own {int(own[t])}")

@@ -8,7 +8,11 @@ connection's kernel credentials must be the session's):
 2. client: ``want <k>`` and ``k`` chunk ids (int64), the ones it lacks;
 3. daemon, per batch of at most ``CHUNK_BATCH``: ``fds <m>`` with ``m`` file
    descriptors attached; client: ``next`` once it imported and mapped them
-   (one batch in flight: descriptors never pile up in the socket);
+   (one batch in flight: descriptors never pile up in the socket).  Or
+   ``moved``, and the dialog ends: a chunk of the batch left its place since
+   step 1 and nobody mapped it, so it may back another place now (a viewer that
+   mapped it at the old place would write into memory the daemon gave away);
+   the client starts again from step 1;
 4. client: ``ack`` when it maps exactly the pairs of step 1; daemon: ``done``.
 
 From step 3 on, every chunk sent counts as mapped by that session
@@ -35,9 +39,10 @@ class ChunkSync:
     """One session's view of its class at the start of a dialog (made by ``DevicePool.chunk_sync``)."""
 
     def __init__(self, backend, viewer: int, class_id: int) -> None:
-        self.backend, self.viewer = backend, viewer
+        self.backend, self.viewer, self.class_id = backend, viewer, class_id
         backend.ledger.open_view(viewer, class_id)
         self.generation, self.places = backend.ledger.snapshot(class_id)
+        self.index_of = {chunk: index for index, chunk in self.places.items()}
 
     def pairs(self) -> bytes:
         arr = np.array(sorted(self.places.items()), "<i8").reshape(-1, 2)
@@ -46,6 +51,12 @@ class ChunkSync:
     def check_wanted(self, chunks: np.ndarray) -> None:
         if not set(chunks.tolist()) <= set(self.places.values()):
             raise PermissionError("a chunk outside the session's class was asked for")
+
+    def still_placed(self, chunks: list[int]) -> bool:
+        """Whether each of ``chunks`` backs its place of step 1 now, or drains back to it."""
+        ledger, cid = self.backend.ledger, self.class_id
+        return all(ledger.where.get(c) == (cid, self.index_of[c]) or ledger.draining.get(c) == (cid, self.index_of[c])
+                   for c in chunks)
 
     def export(self, chunks: list[int]) -> list[int]:
         """File descriptors of ``chunks``; from now on the session may map them."""
@@ -76,6 +87,9 @@ async def serve(reader: asyncio.StreamReader, raw: socket.socket, sync: ChunkSyn
     sync.check_wanted(wanted)
     for start in range(0, len(wanted), CHUNK_BATCH):
         batch = wanted[start:start + CHUNK_BATCH].tolist()
+        if not sync.still_placed(batch):
+            await loop.sock_sendall(raw, b"moved\n")
+            return
         fds = sync.export(batch)
         try:
             # the client read everything before: the buffer is empty and this short message never blocks

@@ -50,7 +50,7 @@ def foreign_slot(arrays):
 
 
 @pytest.mark.parametrize("corrupt, message", [(stale_column, "row 0 .* holds blocks"),
-                                              (foreign_slot, "token 3 of row 0 writes slot")])
+                                              (foreign_slot, "token 3 of row 0 writes slot .*, not its own")])
 def test_a_step_that_names_another_sequences_block_is_refused(daemon_factory, llama, corrupt, message):
     arch, model, _ = llama
     d = daemon_factory()

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvpoold.memory.chunk_ledger import ChunkLedger
+from kvpoold.server.chunk_sync import ChunkSync
 
 CLASSES = {0: "uid 1", 1: "uid 1", 2: "uid 2"}  # two classes of one tenant, one of another
 INDICES = 4
@@ -24,7 +27,8 @@ class LedgerMachine(RuleBasedStateMachine):
         self.next_viewer = 1
         # what each client process really maps: viewer -> {index: chunk}
         self.client_maps: dict[int, dict[int, int]] = {}
-        self.pending: dict[int, dict[int, int]] = {}  # viewer -> snapshot of a sync in progress
+        self.backend = SimpleNamespace(ledger=self.ledger, export=lambda chunk: -1, settle=lambda: None)
+        self.pending: dict[int, tuple] = {}  # viewer -> (its ChunkSync, (index, chunk) pairs still to send)
         self.released: set[int] = set()  # chunks given back to the GPU
 
     @rule(cid=st.sampled_from(sorted(CLASSES)), index=st.integers(0, INDICES - 1))
@@ -64,23 +68,41 @@ class LedgerMachine(RuleBasedStateMachine):
         self.client_maps[v] = {}
         self.ledger.open_view(v, cid)
 
-    @precondition(lambda self: self.viewer_class)
+    @precondition(lambda self: set(self.viewer_class) - set(self.pending))
     @rule(data=st.data())
-    def start_sync(self, data):
-        v = data.draw(st.sampled_from(sorted(self.viewer_class)))
-        _gen, places = self.ledger.snapshot(self.viewer_class[v])
+    def begin_sync(self, data):
+        """The daemon's answer (step 1 of the dialog): the client unmaps what left its place, wants the rest."""
+        v = data.draw(st.sampled_from(sorted(set(self.viewer_class) - set(self.pending))))
+        sync = ChunkSync(self.backend, v, self.viewer_class[v])
         mine = self.client_maps[v]
-        for i in [i for i, c in mine.items() if places.get(i) != c]:
-            del mine[i]  # the client unmaps what left its place
-        wanted = {i: c for i, c in places.items() if mine.get(i) != c}
-        cut = data.draw(st.integers(0, len(wanted)))  # the dialog may break off after some batches
-        got = dict(list(wanted.items())[:cut])
-        self.ledger.sent(v, list(got.values()))
-        mine.update(got)
-        if cut == len(wanted) and data.draw(st.booleans()):
-            self.ledger.acked(v, places.values())
-        elif cut < len(wanted):
-            mine.clear()  # a broken sync: the client unmaps everything
+        for i in [i for i, c in mine.items() if sync.places.get(i) != c]:
+            del mine[i]
+        self.pending[v] = (sync, [(i, c) for i, c in sync.places.items() if mine.get(i) != c])
+
+    @precondition(lambda self: self.pending)
+    @rule(data=st.data())
+    def deliver_batch(self, data):
+        """One batch of descriptors, or ``moved``; the daemon's other work may run between two batches."""
+        v = data.draw(st.sampled_from(sorted(self.pending)))
+        sync, wanted = self.pending[v]
+        size = data.draw(st.integers(1, 3))
+        batch, rest = wanted[:size], wanted[size:]
+        if batch and not sync.still_placed([c for _, c in batch]):
+            del self.pending[v]  # moved: the dialog ends; the client starts again later
+            return
+        sync.export([c for _, c in batch])
+        self.client_maps[v].update(batch)
+        self.pending[v] = (sync, rest)
+        if not rest:
+            del self.pending[v]
+            if data.draw(st.booleans()):
+                sync.ack()
+
+    @precondition(lambda self: self.pending)
+    @rule(data=st.data())
+    def break_sync(self, data):
+        """The dialog breaks off: the client keeps what it mapped (the daemon counts it as mapped)."""
+        del self.pending[data.draw(st.sampled_from(sorted(self.pending)))]
 
     @precondition(lambda self: self.viewer_class)
     @rule(data=st.data())
@@ -88,6 +110,7 @@ class LedgerMachine(RuleBasedStateMachine):
         v = data.draw(st.sampled_from(sorted(self.viewer_class)))
         del self.viewer_class[v]
         del self.client_maps[v]
+        self.pending.pop(v, None)
         self.ledger.forget(v)
 
     @invariant()
@@ -95,10 +118,14 @@ class LedgerMachine(RuleBasedStateMachine):
         self.ledger.check()
         for v, mapping in self.client_maps.items():
             assert set(mapping.values()) <= self.ledger.maybe[v], "a client maps a chunk the ledger forgot"
+            for i, c in mapping.items():
+                home = (self.viewer_class[v], i)
+                assert home in (self.ledger.where.get(c), self.ledger.draining.get(c)), \
+                    f"a client maps chunk {c} at {home}, which the daemon gave to {self.ledger.where.get(c)}"
 
 
 TestLedger = LedgerMachine.TestCase
-TestLedger.settings = settings(max_examples=200, stateful_step_count=60, deadline=None)
+TestLedger.settings = settings(max_examples=400, stateful_step_count=60, deadline=None)
 
 
 def test_idle_chunks_are_reused_within_a_tenant_only():
@@ -152,3 +179,20 @@ def test_a_dropped_class_id_reused_never_gets_a_chunk_still_draining():
     ledger.add_class(0, "b")  # the id is given to another tenant's class
     assert ledger.place(0, 0).chunk != old
     ledger.check()
+
+
+def test_a_chunk_that_left_its_place_during_a_sync_is_not_sent():
+    """The daemon's answer lists a chunk; before the client asks for it, it leaves its place unmapped by anyone
+    and backs another class's place. Sending it would let two places share memory."""
+    ledger = ChunkLedger()
+    ledger.add_class(0, "a")
+    ledger.add_class(1, "a")
+    backend = SimpleNamespace(ledger=ledger, export=lambda chunk: -1, settle=lambda: None)
+    chunk = ledger.place(0, 2).chunk
+    sync = ChunkSync(backend, 7, 0)
+    assert sync.places == {2: chunk} and sync.still_placed([chunk])
+    ledger.unplace(0, 2)
+    assert ledger.place(1, 0).chunk == chunk  # reused at once: nobody mapped it
+    assert not sync.still_placed([chunk])
+    again = ChunkSync(backend, 7, 0)  # the client starts again: the place is empty now
+    assert again.places == {}
