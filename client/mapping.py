@@ -73,6 +73,8 @@ class PoolMapping:
         from kvpool.kernels.block_copy import copy_blocks
 
         kv = self.kv_cache()
+        # a source may be a block no reply named to this process (a prefix another of its sequences shares)
+        self.ensure_mapped(np.asarray(pairs, np.int64).ravel())
         copy_blocks(kv, torch.tensor(pairs, dtype=torch.int64, device=kv.device))
 
     def sync_chunks(self) -> None:

@@ -10,7 +10,7 @@ import torch
 from ..batch import pack
 from ..hf import PagedModel
 from .buffers import BlockTableRows, StepBuffers
-from .step_check import check_step, checks_enabled
+from .step_check import StepCheckError, check_step, checks_enabled
 
 
 @dataclass
@@ -50,6 +50,7 @@ class StepRunner:
         self.buffers = StepBuffers(max_tokens, max_seqs, max_blocks, model.device)
         self.rows = BlockTableRows(self.buffers.np["block_tables"])
         self._check_steps = checks_enabled()
+        self._last: tuple[list[StepItem], int] = ([], 0)
 
     def run(self, items: list[StepItem]) -> torch.Tensor:
         """Compute ``items``' tokens (K/V into the pool): ``prepare`` then ``forward``.
@@ -75,6 +76,7 @@ class StepRunner:
         self.buffers.begin()
         total, lens = pack(self.buffers.np, [it.tokens for it in items], [it.start for it in items],
                            [it.write_from for it in items], block_size=self.block_size, fill_table=fill_table)
+        self._last = (items, total)
         if self._check_steps:
             check_step(self.buffers.np, items, total, client, self.block_size)
         rows = self.padded_rows(len(items), total)
@@ -82,6 +84,18 @@ class StepRunner:
             self._pad(len(items), rows)
         self.buffers.upload(rows)
         return total, int(lens.max())
+
+    def post_mortem(self) -> str:
+        """What the last prepared step's inputs were, and whether they pass the step check: for the log of a step
+        whose kernels failed (the buffers still hold its inputs; nothing here touches the GPU)."""
+        items, total = self._last
+        what = (f"the failed step had {len(items)} sequences and {total} tokens, "
+                f"{self.padded_rows(len(items), total)} rows run")
+        try:
+            check_step(self.buffers.np, items, total, self.model.client, self.block_size)
+        except StepCheckError as exc:
+            return f"{what}; its inputs fail the step check: {exc}"
+        return f"{what}; its inputs pass the step check (tables, mapping, slots)"
 
     def padded_rows(self, num_seqs: int, num_tokens: int) -> int:
         """Rows the forward runs for a step of ``num_seqs`` sequences and ``num_tokens`` tokens (here: as many)."""

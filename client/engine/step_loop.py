@@ -37,6 +37,7 @@ class StepLoop:
         self._inbox, self._timings, self._max_model_len = inbox, timings, max_model_len
         self.requests: dict[str, Request] = {}
         self.counts = {"prompt_tokens": 0, "generation_tokens": 0, "finished_requests": 0, "steps": 0}
+        self._post_mortem_done = False
 
     def step(self) -> StepTimings:
         """One scheduler step: take new requests and aborts, plan, run the forward, sample, stream.
@@ -62,6 +63,9 @@ class StepLoop:
                 self._run(plan, t)
             except Exception as exc:  # noqa: BLE001 - fail this batch's requests, keep serving the rest
                 log.exception("a step failed; its requests end with an error")
+                if "CUDA error" in str(exc) and not self._post_mortem_done:  # the first fault: what the step read
+                    self._post_mortem_done = True
+                    log.error("%s", self.runner.post_mortem())
                 self._fail(plan.requests, f"the step failed: {exc!r}")
         self.counts["steps"] += 1
         self._timings.add(self._close(t, t0, waited))

@@ -11,7 +11,10 @@
 #    host tier under bursts and a steady mix; a crash and a rolling redeploy of one server; about 6 minutes).
 # The warm-restart tests on the GPU take 3-4 minutes more: a call of their own,
 #   bash scripts/gpu_tests.sh tests/serve/test_warm_restart.py -rs
-# Extra arguments go to the benchmark (--quick, --configs elastic,static, ...).
+# Extra arguments go to the benchmark (--quick, --configs elastic,static, ...). With KVPOOL_CHECK_STEPS=1 in the
+# environment every server checks each step's blocks before its kernels run (docs/engine.md: slower steps; for a
+# run that looks for a fault, not for figures):
+#   KVPOOL_CHECK_STEPS=1 bash scripts/device/multimodel.sh --configs elastic
 # Logs, the benchmark's JSON and PNG, and the daemons' and servers' logs go to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/../.."

@@ -7,6 +7,7 @@ import pytest
 from hf_models import eager_copy, make_model, reference_generate
 from test_engine import engine, run_staggered, tokens
 
+import kvpool.engine as ke
 from kvpool.engine.runner import StepItem
 from kvpool.engine.step_check import StepCheckError, check_step
 
@@ -73,3 +74,25 @@ def test_a_table_row_never_keeps_columns_the_sequence_does_not_have(daemon_facto
         rows.fill(0, (0, 0), eng.client, seq, 2)
         with pytest.raises(ValueError, match="has 2 blocks; the step needs 3"):
             rows.fill(0, (0, 0), eng.client, seq, 3)
+
+
+def test_a_step_whose_kernels_fault_logs_what_it_read(daemon_factory, llama, caplog, monkeypatch):
+    """A CUDA fault is reported after the fact: the log says whether the failed step's inputs were sound, once."""
+    arch, model, _ = llama
+    d = daemon_factory()
+    with engine(model, d, f"{arch}-fault") as eng:
+        runner = eng.runner
+
+        def fault(*args, **kwargs):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+        monkeypatch.setattr(runner, "forward", fault)
+        streams = [eng.add_request(tokens(n, seed=n), ke.SamplingParams(max_tokens=4, temperature=0)) for n in (11, 5)]
+        with caplog.at_level("ERROR", logger="kvpool.engine"):
+            eng.step()
+            eng.add_request(tokens(7, seed=7), ke.SamplingParams(max_tokens=4, temperature=0))
+            eng.step()
+        assert all(s.last and s.last.finish_reason == "error" for s in streams)
+        notes = [r.getMessage() for r in caplog.records if "the failed step had" in r.getMessage()]
+        assert notes == ["the failed step had 2 sequences and 16 tokens, 2 rows run; "
+                         "its inputs pass the step check (tables, mapping, slots)"]
