@@ -86,8 +86,8 @@ class StepRunner:
         return total, int(lens.max())
 
     def post_mortem(self) -> str:
-        """What the last prepared step's inputs were, and whether they pass the step check: for the log of a step
-        whose kernels failed (the buffers still hold its inputs; nothing here touches the GPU)."""
+        """What the last prepared step's inputs were, and whether they pass the step check now: for the log of a
+        step whose kernels failed (the buffers still hold its inputs; nothing here touches the GPU)."""
         items, total = self._last
         what = (f"the failed step had {len(items)} sequences and {total} tokens, "
                 f"{self.padded_rows(len(items), total)} rows run")
@@ -95,6 +95,8 @@ class StepRunner:
             check_step(self.buffers.np, items, total, self.model.client, self.block_size)
         except StepCheckError as exc:
             return f"{what}; its inputs fail the step check: {exc}"
+        except Exception as exc:  # noqa: BLE001 - e.g. a sequence of it was freed since: say so, do not hide the fault
+            return f"{what}; its inputs could not be checked: {exc!r}"
         return f"{what}; its inputs pass the step check (tables, mapping, slots)"
 
     def padded_rows(self, num_seqs: int, num_tokens: int) -> int:

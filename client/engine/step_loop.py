@@ -53,6 +53,7 @@ class StepLoop:
                 plan = self.scheduler.plan(t)
         except Exception as exc:  # noqa: BLE001 - the daemon is gone or refused: end every request, keep the thread
             log.exception("scheduling failed; every request ends with an error")
+            self._post_mortem(exc)  # a CUDA fault of the last step surfaces here, at the synchronize before a call
             self._fail(list(self.requests.values()), f"the pool refused the step: {exc!r}")
             return self._close(t, t0, waited)
         t.schedule -= t.daemon  # report the two apart
@@ -63,13 +64,18 @@ class StepLoop:
                 self._run(plan, t)
             except Exception as exc:  # noqa: BLE001 - fail this batch's requests, keep serving the rest
                 log.exception("a step failed; its requests end with an error")
-                if "CUDA error" in str(exc) and not self._post_mortem_done:  # the first fault: what the step read
-                    self._post_mortem_done = True
-                    log.error("%s", self.runner.post_mortem())
+                self._post_mortem(exc)
                 self._fail(plan.requests, f"the step failed: {exc!r}")
         self.counts["steps"] += 1
         self._timings.add(self._close(t, t0, waited))
         return t
+
+    def _post_mortem(self, exc: Exception) -> None:
+        """After the first CUDA error: whether the inputs of the last step that ran kernels were sound (the fault
+        is reported at the next synchronize: in that step's sampling, or in the next step's first daemon call)."""
+        if "CUDA error" in str(exc) and not self._post_mortem_done:
+            self._post_mortem_done = True
+            log.error("%s", self.runner.post_mortem())
 
     def _close(self, t: StepTimings, t0: float, waited: float) -> StepTimings:
         """The step's total, and how long its daemon calls waited for the GPU."""

@@ -102,6 +102,23 @@ def posix_fd_type():
     return driver().CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
 
 
+def chunks_cover(chunk_of: np.ndarray, blocks, block_bytes: int, chunk_bytes: int) -> bool:
+    """Whether every place holding a byte of ``blocks`` has a chunk in ``chunk_of`` (place -> chunk id, 0: none).
+
+    A block larger than a chunk spans several places: all of them, not only its first and last.
+    """
+    b = np.asarray(blocks, np.int64)
+    if b.size == 0:
+        return True
+    first, last = b * block_bytes // chunk_bytes, ((b + 1) * block_bytes - 1) // chunk_bytes
+    if last.max() >= len(chunk_of) or first.min() < 0:
+        return False
+    if not (chunk_of[first].all() and chunk_of[last].all()):
+        return False
+    inner = np.flatnonzero(last - first > 1)
+    return all(chunk_of[first[i] + 1:last[i]].all() for i in inner.tolist())
+
+
 class VirtualRange:
     """A reserved virtual range on one device, with chunks mapped at chunk-aligned offsets.
 
@@ -197,14 +214,7 @@ class VmmMappedArena(DeviceViews, MappedArena):
     # -- what is mapped ----------------------------------------------------------------
     def covers(self, blocks, block_bytes: int) -> bool:
         """Whether every chunk holding a byte of ``blocks`` (block ids) is mapped here."""
-        b = np.asarray(blocks, np.int64)
-        if b.size == 0:
-            return True
-        c = self.chunk_bytes
-        first, last = b * block_bytes // c, ((b + 1) * block_bytes - 1) // c
-        if last.max() >= len(self.chunk_of) or first.min() < 0:
-            return False
-        return bool(self.chunk_of[first].all() and self.chunk_of[last].all())
+        return chunks_cover(self.chunk_of, blocks, block_bytes, self.chunk_bytes)
 
     def mapped(self) -> dict[int, int]:
         """chunk index -> chunk id of what is mapped now."""

@@ -96,3 +96,24 @@ def test_a_step_whose_kernels_fault_logs_what_it_read(daemon_factory, llama, cap
         notes = [r.getMessage() for r in caplog.records if "the failed step had" in r.getMessage()]
         assert notes == ["the failed step had 2 sequences and 16 tokens, 2 rows run; "
                          "its inputs pass the step check (tables, mapping, slots)"]
+
+
+def test_a_fault_reported_at_the_next_daemon_call_is_checked_too(daemon_factory, llama, caplog, monkeypatch):
+    """A fault surfaces at the synchronize before the next call: the scheduling path logs the check, once."""
+    arch, model, _ = llama
+    d = daemon_factory()
+    with engine(model, d, f"{arch}-late") as eng:
+        stream = eng.add_request(tokens(9, seed=9), ke.SamplingParams(max_tokens=6, temperature=0))
+        eng.step()  # the prompt's step ran its kernels
+
+        def fault(*args, **kwargs):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+        monkeypatch.setattr(eng.scheduler, "plan", fault)
+        with caplog.at_level("ERROR", logger="kvpool.engine"):
+            eng.step()
+            eng.step()
+        assert stream.last.finish_reason == "error"
+        notes = [r.getMessage() for r in caplog.records if "the failed step had" in r.getMessage()]
+        assert notes == ["the failed step had 1 sequences and 9 tokens, 1 rows run; "
+                         "its inputs pass the step check (tables, mapping, slots)"]
