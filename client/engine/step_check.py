@@ -13,6 +13,7 @@ import os
 
 import numpy as np
 
+from ..batch import slot_mapping
 from ..protocol.sizes import cdiv
 from ..sequence import seq_ids
 
@@ -48,8 +49,7 @@ def check_step(arrays, items, num_tokens: int, client, block_size: int) -> None:
     counts = np.diff(arrays["cu_seqlens_q"][:len(items) + 1])
     row_of = np.repeat(np.arange(len(items)), counts)
     slots = arrays["slot_mapping"][:num_tokens].astype(np.int64)
-    positions = arrays["positions"][:num_tokens]
-    own = tables[row_of, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    own = slot_mapping(tables, arrays["positions"][:num_tokens], block_size, rows=row_of)
     wrong = np.flatnonzero((slots >= 0) & (slots != own))
     if len(wrong):
         t = int(wrong[0])
