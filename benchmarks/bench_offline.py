@@ -2,6 +2,7 @@
 
     python3 benchmarks/bench_offline.py                          # GPU: Llama-3.1-8B and Llama-3.2-1B shapes, bf16
     python3 benchmarks/bench_offline.py --models 8b --fused both # 8B only, unfused and fused layers
+    python3 benchmarks/bench_offline.py --models 1b --fused on --overlap both   # overlapped steps against serial
     python3 benchmarks/bench_offline.py --backend cpu --quick    # the tiny test Llama on the CPU backend (a check)
 
 Workload (fixed seed): prompt and output lengths log-normal (sigma 1.0) with the
@@ -160,22 +161,24 @@ def throughput_limit(figs: dict, ceil: dict, inp: np.ndarray, out: np.ndarray, m
             "bound": "compute" if compute_s >= memory_s else "memory"}
 
 
-def make_engine(model, sock: str, tag: str, args, *, fused: bool | None, max_seqs: int, max_len: int):
+def make_engine(model, sock: str, tag: str, args, *, variant: tuple, max_seqs: int, max_len: int):
     import kvpool.engine as ke
 
+    fused, overlap = variant
     config = ke.EngineConfig(max_num_seqs=max_seqs, max_num_batched_tokens=max(args.max_batched_tokens, max_seqs),
-                             max_model_len=max_len, fused_layers=fused, cuda_graphs=args.backend == "cuda")
+                             max_model_len=max_len, fused_layers=fused, cuda_graphs=args.backend == "cuda",
+                             overlap_steps=overlap)
     return ke.Engine.connect(model, sock, name=f"bench-offline-{tag}", model_id=f"bench-offline-{tag}",
                              config=config)
 
 
-def run_offline(model, sock: str, tag: str, args, fused, inp: np.ndarray, out: np.ndarray) -> dict:
+def run_offline(model, sock: str, tag: str, args, variant, inp: np.ndarray, out: np.ndarray) -> dict:
     import kvpool.engine as ke
 
     vocab = model.config.vocab_size
     rng = np.random.default_rng(args.seed + 1)
     prompts = [rng.integers(10, vocab, n).tolist() for n in inp]
-    with make_engine(model, sock, tag, args, fused=fused, max_seqs=args.max_num_seqs, max_len=args.max_model_len) \
+    with make_engine(model, sock, tag, args, variant=variant, max_seqs=args.max_num_seqs, max_len=args.max_model_len) \
             as eng:
         t0 = time.perf_counter()
         eng.warm_up()
@@ -198,7 +201,8 @@ def run_offline(model, sock: str, tag: str, args, fused, inp: np.ndarray, out: n
     firsts = [list(r.token_ids[:8]) for r in results]
     return {"seconds": elapsed, "output_tokens": made, "first_tokens": firsts, "output_tok_s": made / elapsed,
             "total_tok_s": (made + int(inp.sum())) / elapsed, "capture_s": capture_s,
-            "steps": after.steps - before.steps, "preemptions": after.preemptions - before.preemptions,
+            "steps": after.steps - before.steps, "steps_ahead": after.steps_ahead - before.steps_ahead,
+            "preemptions": after.preemptions - before.preemptions,
             "phases_s": phases}
 
 
@@ -221,14 +225,14 @@ def graph_gpu_ms(runner, batch: int) -> float | None:
     return statistics.median(times)
 
 
-def run_decode_steps(model, sock: str, tag: str, args, fused, batch: int, figs: dict, ceil: dict) -> dict:
+def run_decode_steps(model, sock: str, tag: str, args, variant, batch: int, figs: dict, ceil: dict) -> dict:
     """Decode steps of ``batch`` sequences at about ``--step-len`` tokens: wall vs GPU vs the bandwidth floor."""
     import kvpool.engine as ke
 
     vocab, new = model.config.vocab_size, args.step_new_tokens
     plen = args.step_len - new // 2
     prompts = np.random.default_rng(args.seed + batch).integers(10, vocab, (batch, plen))
-    with make_engine(model, sock, f"{tag}-b{batch}", args, fused=fused, max_seqs=batch,
+    with make_engine(model, sock, f"{tag}-b{batch}", args, variant=variant, max_seqs=batch,
                      max_len=plen + new + 16) as eng:
         eng.warm_up()
         params = ke.SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
@@ -239,12 +243,13 @@ def run_decode_steps(model, sock: str, tag: str, args, fused, batch: int, figs: 
             if t.num_seqs == batch and t.num_tokens == batch:
                 steps.append(t)
         gpu = graph_gpu_ms(eng.runner, batch)
+        ahead = eng.stats().steps_ahead
     steps = steps[2:]  # the first decode steps may still capture or compile
     wall = statistics.median(t.total for t in steps) * 1e3
     phases = {k: statistics.median(getattr(t, k) for t in steps) * 1e3
               for k in ("schedule", "daemon", "gpu_wait", "prepare", "forward", "sample")}
     row = {"batch": batch, "seq_len": args.step_len, "wall_ms": wall, "gpu_ms": gpu, "phases_ms": phases,
-           "decode_steps": len(steps)}
+           "decode_steps": len(steps), "steps_ahead": ahead}
     if ceil["copy_tbps"]:
         moved = figs["weight_bytes"] + batch * args.step_len * figs["kv_bytes_per_token"]
         row["floor_ms"] = moved / (ceil["copy_tbps"] * 1e12) * 1e3
@@ -262,11 +267,14 @@ def guarded(fn, *args):
         return None
 
 
-def run_tag(model: str, fused: bool | None) -> str:
-    return f"{model}-{'fused' if fused else 'unfused' if fused is False else 'default'}"
+def run_tag(model: str, variant: tuple) -> str:
+    fused, overlap = variant
+    tag = f"{model}-{'fused' if fused else 'unfused' if fused is False else 'default'}"
+    return tag + ("-serial" if overlap is False else "-overlap" if overlap else "")
 
 
-def fused_choices(arg: str) -> list:
+def choices(arg: str) -> list:
+    """``EngineConfig`` values for a ``--fused`` / ``--overlap`` argument."""
     return {"off": [False], "on": [True], "both": [False, True], "default": [None]}[arg]
 
 
@@ -282,6 +290,8 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=2048, help="also the trace's longest prompt + output")
     p.add_argument("--fused", default="default", choices=("default", "off", "on", "both"),
                    help="EngineConfig.fused_layers: the engine's default, off, on, or both in turn")
+    p.add_argument("--overlap", default="default", choices=("default", "off", "on", "both"),
+                   help="EngineConfig.overlap_steps: the engine's default (on a GPU: on), off, on, or both in turn")
     p.add_argument("--step-batches", default=None,
                    help="decode-step breakdown batch sizes (default 32,64,128; 4,8 with --quick on the CPU; '' skips it)")
     p.add_argument("--step-len", type=int, default=1024)
@@ -324,14 +334,15 @@ def main() -> None:
             limit = throughput_limit(figs, ceil, inp, out, args.max_num_seqs)
             entry = report["models"][name] = {"figures": figs, "limit": limit, "offline": {}, "steps": {}}
             # every offline run first (the headline figure), then the decode-step breakdowns
-            for fused in fused_choices(args.fused) if not args.skip_offline else []:
-                tag = run_tag(name, fused)
-                r = entry["offline"][tag] = guarded(run_offline, model, sock, tag, args, fused, inp, out)
+            variants = [(f, o) for f in choices(args.fused) for o in choices(args.overlap)]
+            for variant in variants if not args.skip_offline else []:
+                tag = run_tag(name, variant)
+                r = entry["offline"][tag] = guarded(run_offline, model, sock, tag, args, variant, inp, out)
                 if r is None:
                     continue
                 of_limit = f"{r['output_tok_s'] / limit['limit_tok_s']:.2f}" if limit else "-"
                 yard = f"{r['output_tok_s'] / PUBLISHED_8B_H100['vLLM']:.2f}" if name == "8b" else "-"
-                offline_rows.append([tag, f"{r['output_tok_s']:.0f}", f"{r['seconds']:.1f}", r["steps"],
+                offline_rows.append([tag, f"{r['output_tok_s']:.0f}", f"{r['seconds']:.1f}", f"{r['steps']} / {r['steps_ahead']}",
                                      r["preemptions"], f"{limit.get('limit_tok_s', 0):.0f}", of_limit, yard])
                 print(f"{tag}: {r['output_tok_s']:.0f} output tok/s in {r['seconds']:.1f} s", flush=True)
                 write_json(f"offline_{device}_{stamp}", report)
@@ -341,9 +352,9 @@ def main() -> None:
                 entry["same_first_8_tokens"] = same
                 print(f"{name}: the first 8 greedy tokens agree for {same} of {len(inp)} requests", flush=True)
             for batch in [int(b) for b in args.step_batches.split(",") if b]:
-                for fused in fused_choices(args.fused):
-                    tag = run_tag(name, fused)
-                    s = entry["steps"][f"{tag}-b{batch}"] = guarded(run_decode_steps, model, sock, tag, args, fused,
+                for variant in variants:
+                    tag = run_tag(name, variant)
+                    s = entry["steps"][f"{tag}-b{batch}"] = guarded(run_decode_steps, model, sock, tag, args, variant,
                                                                    batch, figs, ceil)
                     if s is None:
                         continue
@@ -362,7 +373,7 @@ def main() -> None:
         daemon.wait(30)
     if offline_rows:
         print_table(f"offline: {len(inp)} requests ({int(inp.sum())} prompt / {int(out.sum())} output tokens) "
-                    f"on {dev_name}", ["run", "output tok/s", "s", "steps", "preempt", "limit tok/s",
+                    f"on {dev_name}", ["run", "output tok/s", "s", "steps / ahead", "preempt", "limit tok/s",
                                        "of limit", "vs vLLM 12553"], offline_rows)
     if step_rows:
         print_table(f"decode steps at ~{args.step_len} tokens", ["run", "batch", "wall ms", "GPU ms", "floor ms",

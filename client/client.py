@@ -29,7 +29,7 @@ from .liveness import Liveness
 from .mapping import PoolMapping
 from .mirror import Mirror
 from .protocol import kvpool_pb2 as pb
-from .sequence import ExtendResult, Sequence, Tokens, seq_ids, token_array
+from .sequence import ExtendResult, Sequence, Tokens, seq_ids, token_array, token_list
 from .session import Session
 from .steps import Stepper
 from .swaps import Swaps
@@ -199,6 +199,43 @@ class Client:
         """
         with self._lock:
             return self._stepper.extend(batch, run_copies=run_copies)
+
+    def can_extend_ahead(self, seqs: Seqs) -> bool:
+        """Whether ``extend_ahead(seqs)`` can run: it would need no call to the daemon."""
+        ids = seq_ids(seqs)
+        with self._lock:
+            return self._stepper.can_extend_ahead(ids)
+
+    def extend_ahead(self, seqs: Seqs) -> None:
+        """Append one token whose id is not known yet to each sequence, without a call.
+
+        For a step loop that runs step n+1 before it reads step n's sampled
+        tokens back: the new position gets its block (from the reserve) and
+        its slot now, and ``fill_token`` gives it its id once read.  No call
+        to the daemon may carry a token of unknown id, so until every one is
+        filled, anything that would make one (``extend``, ``free``, ``flush``,
+        ...) raises ``FailedPrecondition``; ``drop_unknown`` takes them back.
+
+        Raises:
+            InvalidArgument: it would need a call (check ``can_extend_ahead``), or a sequence appears twice.
+        """
+        ids = seq_ids(seqs)
+        with self._lock:
+            self._stepper.extend_ahead(ids)
+
+    def fill_token(self, seq: Sequence | int, position: int, token: int) -> None:
+        """Give the token ``extend_ahead`` queued at ``position`` of ``seq`` its id."""
+        (sid,) = seq_ids(seq)
+        (tok,) = token_list([token])
+        with self._lock:
+            self._mirror.fill(self._mirror.extendable(sid), position, tok)
+
+    def drop_unknown(self, seqs: Seqs) -> int:
+        """Take back every token of unknown id at the end of these sequences (a step that will not be read);
+        returns how many.  Sequences that are not live are skipped."""
+        ids = seq_ids(seqs)
+        with self._lock:
+            return sum(self._mirror.drop_unknown(self._mirror.seqs[sid]) for sid in ids if sid in self._mirror.seqs)
 
     def mark_written(self, seqs: Seqs) -> None:
         """Say that the KV of these sequences' tokens is written (one call; two when some of their tokens are

@@ -11,6 +11,9 @@ from .errors import FailedPrecondition, InvalidArgument, NotFound
 from .protocol.wire import I32, unpack
 from .step_wire import StepReply
 
+#: a queued token whose id is still on the device (``Client.extend_ahead``); never sent to the daemon
+UNKNOWN_TOKEN = -1
+
 
 class SeqState:
     """One sequence as this client knows it: its blocks and tokens, and what the daemon has not heard of yet."""
@@ -134,6 +137,23 @@ class Mirror:
             st.claims.extend(taken)
         st.pending.extend(toks)
         st.num_tokens += len(toks)
+
+    def fill(self, st: SeqState, position: int, token: int) -> None:
+        """Give the queued ``UNKNOWN_TOKEN`` at ``position`` its id."""
+        index = position - (st.num_tokens - len(st.pending))
+        if not 0 <= index < len(st.pending) or st.pending[index] != UNKNOWN_TOKEN:
+            raise InvalidArgument(f"position {position} holds no token of unknown id")
+        st.pending[index] = token
+
+    def drop_unknown(self, st: SeqState) -> int:
+        """Take back the trailing ``UNKNOWN_TOKEN`` positions and the reserve blocks only they needed; how many."""
+        count = 0
+        while count < len(st.pending) and st.pending[-1 - count] == UNKNOWN_TOKEN:
+            count += 1
+        if count:
+            keep = -(-(st.num_tokens - count) // self.block_size)
+            self.unassign(st, count, min(max(len(st.blocks) - keep, 0), len(st.claims)))
+        return count
 
     def unassign(self, st: SeqState, num_tokens: int, num_blocks: int) -> None:
         """Undo the last ``assign_locally`` of ``num_tokens`` tokens and ``num_blocks`` blocks."""

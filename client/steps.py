@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping
 
-from .errors import InvalidArgument, KvpoolError
+from .errors import FailedPrecondition, InvalidArgument, KvpoolError
 from .mapping import PoolMapping
-from .mirror import Mirror
+from .mirror import UNKNOWN_TOKEN, Mirror
 from .protocol.sizes import cdiv
 from .sequence import ExtendResult, Sequence, token_list
 from .session import Session
@@ -64,6 +64,31 @@ class Stepper:
             return ExtendResult((), False)
         return self.step(local=local, remote=remote, run_copies=run_copies)
 
+    def can_extend_ahead(self, ids: list[int]) -> bool:
+        """Whether ``extend_ahead`` of these sequences needs no call: no copy-on-write, the reserve covers their
+        new blocks, and the next extend is not the one that must reach the daemon."""
+        if self._steps_since_rpc + 1 >= self.flush_every:
+            return False
+        mirror, bs, want = self._mirror, self._mirror.block_size, 0
+        for sid in ids:
+            st = mirror.seqs.get(sid)
+            if st is None or (st.shared_tail and st.num_tokens % bs):
+                return False
+            want += cdiv(st.num_tokens + 1, bs) - len(st.blocks)
+        return want <= len(mirror.reserve)
+
+    def extend_ahead(self, ids: list[int]) -> None:
+        """``Client.extend_ahead``: one ``UNKNOWN_TOKEN`` per sequence, its block from the reserve."""
+        if not self.can_extend_ahead(ids):
+            raise InvalidArgument("extend_ahead needs a call to the daemon: check can_extend_ahead first")
+        if len(set(ids)) != len(ids):
+            raise InvalidArgument("a sequence appears twice in one extend_ahead")
+        mirror, bs = self._mirror, self._mirror.block_size
+        self._steps_since_rpc += 1
+        for sid in ids:
+            st = mirror.seqs[sid]
+            mirror.assign_locally(st, [UNKNOWN_TOKEN], cdiv(st.num_tokens + 1, bs) - len(st.blocks))
+
     def step(self, *, local=(), remote=(), free_ids: list[int] = (), run_copies: bool = True,
              written: Iterable[int] = (), free_written: bool = True, reserve_return: list[int] = (),
              reserve_target: int | None = None) -> ExtendResult:
@@ -85,6 +110,10 @@ class Stepper:
             reserve_target: the reserve to keep (default: what the live sequences need).
         """
         mirror = self._mirror
+        for sid, st in mirror.pending():
+            if UNKNOWN_TOKEN in st.pending:
+                raise FailedPrecondition(f"sequence {sid} has a queued token whose id is not known yet "
+                                         "(Client.fill_token): the daemon must not hear of it")
         self._mapping.sync_device()
         # local assignments go through the reserve first (the daemon allocates what is missing)
         # (the table stays short by what the reserve could not cover until the reply fills it)

@@ -69,6 +69,7 @@ class Engine:
             runner=runner(model, cfg.max_num_batched_tokens, cfg.max_num_seqs,
                           cdiv(self.max_model_len, model.layout.block_size)),
             sampler=Sampler(),
+            overlap=cfg.overlap_steps if cfg.overlap_steps is not None else model.device.type == "cuda",
         )
         self._thread: threading.Thread | None = None
 

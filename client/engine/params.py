@@ -67,7 +67,10 @@ class EngineConfig:
     SiLU-gate each one kernel); ``True``: always, refusing a model it cannot
     run; ``None``: on a GPU where the model is one it computes, off elsewhere;
     ``False`` (the default until a GPU run has timed it against transformers'
-    layers: benchmarks/NOTES-offline.md): off.
+    layers: benchmarks/NOTES-offline.md): off.  ``overlap_steps``: read each
+    step's tokens back after the next step is queued on the device
+    (``StepLoop``), so host work runs beside the GPU; ``None`` (the default):
+    on a GPU, off on the CPU (where the forward runs on the same cores).
     """
 
     max_num_seqs: int = 64
@@ -77,6 +80,7 @@ class EngineConfig:
     eos_token_ids: tuple[int, ...] = field(default=())
     cuda_graphs: bool = True
     fused_layers: bool | None = False
+    overlap_steps: bool | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

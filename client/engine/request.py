@@ -60,7 +60,8 @@ class Request:
         self.output: list[int] = []
         self.status = Status.WAITING
         self.seq = None  # kvpool.Sequence while in the pool (running or swapped)
-        self.num_computed = 0  # tokens whose K/V is in the pool and final
+        self.num_computed = 0  # tokens whose K/V is in the pool and final (or queued on the device)
+        self.unread = 0  # tokens sampled on the device and not read back yet (0, or 1-2 with overlapped steps)
         self.write_from = 0  # the first position whose K/V it writes (those below were found in the pool)
         self.num_cached_tokens = 0  # of the prompt, found in the pool at the first admission
         self.first_admitted = False
@@ -75,6 +76,17 @@ class Request:
     @property
     def all_tokens(self) -> list[int]:
         return self.prompt + self.output
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """``all_tokens[start:end]`` without joining the prompt and the output first (a decode step's one token)."""
+        n = len(self.prompt)
+        if end <= start:
+            return []
+        if start >= n:
+            return self.output[start - n:end - n]
+        if end <= n:
+            return self.prompt[start:end]
+        return self.prompt[start:] + self.output[:end - n]
 
     @property
     def num_tokens(self) -> int:

@@ -85,6 +85,11 @@ class StepRunner:
         self.buffers.upload(rows)
         return total, int(lens.max())
 
+    def feed(self, tokens: torch.Tensor) -> None:
+        """Rows ``0 .. len(tokens) - 1`` (one decode token each) take their input ids from ``tokens``, the last
+        step's sampled ids, on the device: after ``prepare``, before ``forward``, with nothing waiting."""
+        self.buffers.dev["input_ids"][: len(tokens)].copy_(tokens, non_blocking=True)
+
     def post_mortem(self) -> str:
         """What the last prepared step's inputs were, and whether they pass the step check now: for the log of a
         step whose kernels failed (the buffers still hold its inputs; nothing here touches the GPU)."""

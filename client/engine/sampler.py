@@ -50,23 +50,30 @@ class Sampler:
     output position, not from a generator's state.
     """
 
-    def sample(self, logits: torch.Tensor, requests: list) -> list[int]:
+    def sample(self, logits: torch.Tensor, requests: list, positions: list[int] | None = None) -> list[int]:
+        """``choose`` read back as a list of ints (a wait for the device)."""
+        return self.choose(logits, requests, positions).tolist()
+
+    def choose(self, logits: torch.Tensor, requests: list, positions: list[int] | None = None) -> torch.Tensor:
         """Args:
             logits: ``[len(requests), vocab]``, any float dtype.
             requests: the rows' ``Request`` objects (``params``, ``seed``, ``output``).
+            positions: each row's output position, which keys its draw (default: ``len(request.output)``, the
+                next one; a step that runs before the last one's tokens are read back draws one further).
 
         Returns:
-            One token id per row.
+            One token id per row (int64, on the logits' device; nothing waits for it).
         """
         chosen = logits.argmax(-1)
         rows = [i for i, req in enumerate(requests) if not req.params.greedy]
         if rows:
-            picked = self._draw(logits[rows].float(), [requests[i] for i in rows])
+            at = [len(requests[i].output) if positions is None else positions[i] for i in rows]
+            picked = self._draw(logits[rows].float(), [requests[i] for i in rows], at)
             chosen[rows] = picked
-        return chosen.tolist()
+        return chosen
 
     @staticmethod
-    def _draw(logits: torch.Tensor, requests: list) -> torch.Tensor:
+    def _draw(logits: torch.Tensor, requests: list, positions: list[int]) -> torch.Tensor:
         dev, vocab = logits.device, logits.shape[-1]
         params = [r.params for r in requests]
         temps = torch.tensor([p.temperature for p in params], dtype=torch.float32).to(dev, non_blocking=True)
@@ -76,7 +83,7 @@ class Sampler:
         if any(top_k) or any(p < 1.0 for p in top_p):
             logits = Sampler._truncate(logits, top_k, top_p)
         probs = torch.softmax(logits, -1)
-        keys = torch.tensor([draw_keys(r.seed, len(r.output)) for r in requests], dtype=torch.int64)
+        keys = torch.tensor([draw_keys(r.seed, at) for r, at in zip(requests, positions)], dtype=torch.int64)
         race = exponential_noise(keys.to(dev, non_blocking=True), vocab)
         return (probs / race).argmax(-1)
 

@@ -14,6 +14,7 @@ import bisect
 from dataclasses import dataclass, field
 
 from ..errors import OutOfBlocks
+from ..mirror import UNKNOWN_TOKEN
 from ..protocol.sizes import cdiv
 from .request import Request, Status
 from .runner import StepItem
@@ -78,6 +79,33 @@ class Scheduler:
                 budget = self._admit(plan, budget, timings)
         return plan
 
+    def can_plan_ahead(self, reqs: list[Request]) -> bool:
+        """Whether the next step can be planned before the tokens ``reqs`` are sampling now are read back.
+
+        That step is ``reqs``' next decode tokens and nothing else: it needs
+        every running request to be one of them, no admission or swap-in to
+        try (those call the daemon, which must not hear of a token it cannot
+        see), room in the step, and blocks from the reserve alone.
+        """
+        if self.swapped or (self.waiting and len(self.running) < self.max_num_seqs):
+            return False
+        if len(self.running) != len(reqs) or len(reqs) > self.max_tokens:
+            return False
+        return self.client.can_extend_ahead([r.seq for r in reqs])
+
+    def plan_ahead(self, reqs: list[Request], timings: StepTimings) -> Plan:
+        """The step after the one sampling ``reqs``' tokens now: one token each, its id still on the device
+        (``Client.extend_ahead`` queues it as unknown; the step loop fills it in once read)."""
+        with timings.phase("daemon"):
+            self.client.extend_ahead([r.seq for r in reqs])
+        plan = Plan()
+        for req in reqs:
+            start = req.num_computed
+            plan.items.append(StepItem(seq=req.seq, table_key=(req.id, req.num_preemptions), start=start,
+                                       tokens=[UNKNOWN_TOKEN], write_from=max(start, req.write_from)))
+            plan.requests.append(req)
+        return plan
+
     def _wants(self, budget: int) -> dict[Request, int]:
         """Tokens each running request computes this step: decodes first, prefill chunks after."""
         wants = {}
@@ -96,7 +124,7 @@ class Scheduler:
             for req, want in wants.items():
                 end, known = req.num_computed + want, req.seq.num_tokens
                 if end > known:
-                    batch[req.seq] = req.all_tokens[known:end]
+                    batch[req.seq] = req.token_slice(known, end)
             try:
                 with timings.phase("daemon"):
                     self.client.extend(batch)
@@ -118,7 +146,7 @@ class Scheduler:
     def _add_item(self, plan: Plan, req: Request, want: int) -> None:
         start = req.num_computed
         plan.items.append(StepItem(seq=req.seq, table_key=(req.id, req.num_preemptions), start=start,
-                                   tokens=req.all_tokens[start:start + want],
+                                   tokens=req.token_slice(start, start + want),
                                    write_from=max(start, req.write_from)))
         plan.requests.append(req)
 

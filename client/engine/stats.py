@@ -31,6 +31,7 @@ class EngineStats:
     generation_tokens: int
     finished_requests: int
     steps: int
+    steps_ahead: int = 0  # steps planned before the last step's tokens were read back (overlapped steps)
 
     def __sub__(self, before: "EngineStats") -> "EngineStats":
         if not isinstance(before, EngineStats):

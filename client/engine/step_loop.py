@@ -6,6 +6,7 @@ import logging
 import time
 
 from .inbox import Inbox
+from .launched import Launched
 from .request import Request, Status
 from .runner import StepRunner
 from .sampler import Sampler
@@ -23,21 +24,46 @@ class StepLoop:
     ``requests`` are the requests taken from the inbox and not ended yet;
     ``counts`` the figures ``Engine.stats`` adds to the scheduler's.
 
+    Overlapped steps (``overlap``): a step's tokens are read back during the
+    next ``step`` call, after that call has queued its own forward, so the
+    host's work (planning, filling buffers, streaming tokens) runs while the
+    device computes.  When the next step is nothing but the same requests'
+    next decode tokens and needs no daemon call (``Scheduler.can_plan_ahead``),
+    it is planned before the last tokens are known: its input ids come from
+    the last step's sampled ids on the device, its positions are queued as
+    tokens of unknown id (``Client.extend_ahead``) and filled in when read.
+    Anything else (admissions, aborts, frees, a call to the daemon) first
+    reads the step in flight, so the daemon hears only of tokens that are
+    known and computed.  A request that stopped at step n was already in
+    step n+1: that step's token for it is dropped, and its sequence is freed
+    once step n+1 is read.
+
     Args:
         client: the ``kvpool.Client`` (frees, marks prompts written).
         scheduler, runner, sampler: the step's parts.
         inbox: where new requests and aborts come from.
         timings: the log each step's ``StepTimings`` goes to.
         max_model_len: the longest a sequence may grow (prompt and output).
+        overlap: overlapped steps (see above).
     """
 
     def __init__(self, client, *, scheduler: Scheduler, runner: StepRunner, sampler: Sampler, inbox: Inbox,
-                 timings: TimingLog, max_model_len: int) -> None:
+                 timings: TimingLog, max_model_len: int, overlap: bool = False) -> None:
         self.client, self.scheduler, self.runner, self.sampler = client, scheduler, runner, sampler
         self._inbox, self._timings, self._max_model_len = inbox, timings, max_model_len
+        self.overlap = overlap
         self.requests: dict[str, Request] = {}
-        self.counts = {"prompt_tokens": 0, "generation_tokens": 0, "finished_requests": 0, "steps": 0}
+        self.counts = {"prompt_tokens": 0, "generation_tokens": 0, "finished_requests": 0, "steps": 0,
+                       "steps_ahead": 0}
         self._post_mortem_done = False
+        self._in_flight: Launched | None = None
+        self._owed_marks: list[Request] = []  # prompts to mark written once the step in flight is read
+        self._owed_frees: list[Request] = []  # finished requests to free once the step in flight is read
+
+    @property
+    def has_work(self) -> bool:
+        """Requests to run, a step in flight, or daemon calls owed."""
+        return self.scheduler.has_work or self._in_flight is not None or bool(self._owed_frees)
 
     def step(self) -> StepTimings:
         """One scheduler step: take new requests and aborts, plan, run the forward, sample, stream.
@@ -47,28 +73,45 @@ class StepLoop:
         """
         t, t0 = StepTimings(), time.perf_counter()
         waited = self.client.device_wait_seconds
+        aborts = self._take_inbox()
+        ahead = None if aborts else self._ahead()
+        if self._in_flight is not None and ahead is None:
+            self._read(self._in_flight, t, successor=None)
         try:
             with t.phase("schedule"):
-                self._take_inbox(t)
-                plan = self.scheduler.plan(t)
+                self._abort(aborts, t)
+                self._settle(t)
+                plan = self.scheduler.plan_ahead(ahead, t) if ahead else self.scheduler.plan(t)
         except Exception as exc:  # noqa: BLE001 - the daemon is gone or refused: end every request, keep the thread
             log.exception("scheduling failed; every request ends with an error")
             self._post_mortem(exc)  # a CUDA fault of the last step surfaces here, at the synchronize before a call
             self._fail(list(self.requests.values()), f"the pool refused the step: {exc!r}")
             return self._close(t, t0, waited)
         t.schedule -= t.daemon  # report the two apart
+        self.counts["steps_ahead"] += bool(ahead)
         for req, message in plan.failed:
             self._finish(req, "error", error=message)
-        if plan.items:
-            try:
-                self._run(plan, t)
-            except Exception as exc:  # noqa: BLE001 - fail this batch's requests, keep serving the rest
-                log.exception("a step failed; its requests end with an error")
-                self._post_mortem(exc)
-                self._fail(plan.requests, f"the step failed: {exc!r}")
+        launched = self._launch(plan, t, feed=self._in_flight if ahead else None) if plan.items else None
+        if self._in_flight is not None:
+            self._read(self._in_flight, t, successor=launched)
+        self._in_flight = launched
+        if launched is not None and not self.overlap:
+            self._read(launched, t, successor=None)
         self.counts["steps"] += 1
         self._timings.add(self._close(t, t0, waited))
         return t
+
+    def _ahead(self) -> list[Request] | None:
+        """The requests of the next step when it can be planned before the step in flight is read, else None."""
+        flight = self._in_flight
+        if flight is None or self._owed_frees or self._owed_marks:
+            return None
+        reqs = flight.sampling
+        for req in reqs:
+            if (req.unread != 1 or req.num_computed != req.num_tokens or req.finish_reason is not None
+                    or len(req.output) + 1 >= req.params.max_tokens or req.num_tokens + 1 >= self._max_model_len):
+                return None  # a prefill chunk, or the token in flight may end it by length
+        return reqs if reqs and self.scheduler.can_plan_ahead(reqs) else None
 
     def _post_mortem(self, exc: Exception) -> None:
         """After the first CUDA error: whether the inputs of the last step that ran kernels were sound (the fault
@@ -83,28 +126,81 @@ class StepLoop:
         t.total = time.perf_counter() - t0
         return t
 
-    def _run(self, plan, t: StepTimings) -> None:
-        with t.phase("prepare"):
-            num_tokens, max_len = self.runner.prepare(plan.items)
-        t.num_tokens, t.num_seqs = num_tokens, len(plan.items)
-        t.num_prefill_tokens = sum(len(it.tokens) for it in plan.items if len(it.tokens) > 1)
-        with t.phase("forward"):
-            logits = self.runner.forward(len(plan.items), num_tokens, max_len)
+    def _launch(self, plan, t: StepTimings, feed: Launched | None) -> Launched | None:
+        """Queue the step's forward and sampling on the device; ``feed``: the step whose sampled ids are this
+        one's input ids (row for row)."""
+        try:
+            with t.phase("prepare"):
+                num_tokens, max_len = self.runner.prepare(plan.items)
+                if feed is not None:
+                    self.runner.feed(feed.tokens)
+            t.num_tokens, t.num_seqs = num_tokens, len(plan.items)
+            t.num_prefill_tokens = sum(len(it.tokens) for it in plan.items if len(it.tokens) > 1)
+            with t.phase("forward"):
+                logits = self.runner.forward(len(plan.items), num_tokens, max_len)
+                rows, prefilled, positions = [], [], []
+                for row, (req, item) in enumerate(zip(plan.requests, plan.items)):
+                    req.num_computed = item.start + len(item.tokens)
+                    if req.num_computed == req.num_tokens + req.unread:
+                        rows.append(row)
+                        positions.append(len(req.output) + req.unread)
+                        if len(item.tokens) > 1:
+                            prefilled.append(req)
+                sampling = [plan.requests[r] for r in rows]
+                rows_logits = logits if len(rows) == len(plan.items) else logits[rows]
+                tokens = self.sampler.choose(rows_logits, sampling, positions) if rows else None
+                for req in sampling:
+                    req.unread += 1
+                return Launched.queue(plan, rows, tokens, prefilled)
+        except Exception as exc:  # noqa: BLE001 - fail this batch's requests, keep serving the rest
+            log.exception("a step failed; its requests end with an error")
+            self._post_mortem(exc)
+            self._fail(plan.requests, f"the step failed: {exc!r}")
+            return None
+
+    def _read(self, launched: Launched, t: StepTimings, successor: Launched | None) -> None:
+        """Read a step's tokens back and hand them over; daemon calls wait until no step is in flight."""
+        if launched is self._in_flight:
+            self._in_flight = None
         with t.phase("sample"):
-            rows, prefilled = [], []
-            for row, (req, item) in enumerate(zip(plan.requests, plan.items)):
-                req.num_computed = item.start + len(item.tokens)
-                if req.num_computed == req.num_tokens:
-                    rows.append(row)
-                    if len(item.tokens) > 1:
-                        prefilled.append(req)
-            chosen = self.sampler.sample(logits[rows], [plan.requests[r] for r in rows]) if rows else []
-            done = [req for req, tok in zip((plan.requests[r] for r in rows), chosen) if self._append(req, tok)]
-        live = [r.seq for r in prefilled if r.finish_reason is None]
+            try:
+                tokens = launched.read()
+            except Exception as exc:  # noqa: BLE001 - the device failed: this step's and the next one's requests end
+                log.exception("a step failed; its requests end with an error")
+                self._post_mortem(exc)
+                self._fail(launched.plan.requests + (successor.plan.requests if successor else []),
+                           f"the step failed: {exc!r}")
+                return
+            done = []
+            for req, tok in zip(launched.sampling, tokens):
+                req.unread -= 1
+                if req.finish_reason is not None:
+                    continue  # it stopped at the last step: this token was computed ahead, and is dropped
+                if req.num_computed > req.num_tokens:  # the step in flight already computes this position
+                    self.client.fill_token(req.seq, req.num_tokens, tok)
+                if self._append(req, tok):
+                    done.append(req)
+        self._owed_marks += [r for r in launched.prefilled if r.finish_reason is None]
+        self._owed_frees += done
+        if successor is None:
+            try:
+                self._settle(t)
+            except Exception as exc:  # noqa: BLE001 - the daemon is gone or refused: end this step's requests
+                log.exception("a daemon call after a step failed; its requests end with an error")
+                self._post_mortem(exc)
+                self._fail(launched.plan.requests, f"the step failed: {exc!r}")
+
+    def _settle(self, t: StepTimings) -> None:
+        """The daemon calls owed: prompts other processes may reuse from now on, and finished requests' frees."""
+        if not (self._owed_marks or self._owed_frees):
+            return
+        marks, frees = self._owed_marks, self._owed_frees
+        self._owed_marks, self._owed_frees = [], []
         with t.phase("daemon"):
-            if live:  # other processes may reuse these prompts' blocks from now on
+            live = [r.seq for r in marks if r.seq is not None and r.finish_reason is None]
+            if live:
                 self.client.mark_written(live)
-            self._release(done)
+            self._release(frees)
 
     def _append(self, req: Request, token: int) -> bool:
         """Add a sampled token, check the stop conditions, stream the update; whether it finished."""
@@ -131,7 +227,11 @@ class StepLoop:
 
     def end_all(self) -> None:
         """End every request, queued or running, with ``"abort"`` (the engine stopped)."""
-        self._take_inbox(StepTimings())
+        t = StepTimings()
+        self._take_inbox()
+        if self._in_flight is not None:
+            self._read(self._in_flight, t, successor=None)
+        self._settle(t)
         for req in list(self.requests.values()):
             self._finish(req, "abort")
 
@@ -161,6 +261,10 @@ class StepLoop:
             self.client.free(seqs, written=written)
 
     def _fail(self, reqs: list[Request], message: str) -> None:
+        try:  # positions queued ahead for a step that did not run (the daemon must never hear of them)
+            self.client.drop_unknown([r.seq for r in reqs if r.seq is not None and r.finish_reason is None])
+        except Exception:  # noqa: BLE001 - ending the requests comes first
+            log.exception("could not take back the positions queued ahead")
         for req in reqs:
             if req.finish_reason is None:
                 try:
@@ -169,12 +273,16 @@ class StepLoop:
                     req.seq = None
                     req.stream.put(req.snapshot([], "", message))
 
-    def _take_inbox(self, t: StepTimings) -> None:
+    def _take_inbox(self) -> list[str]:
+        """Queue the new requests; returns the ids to abort."""
         new, aborts = self._inbox.take()
         for req in new:
             self.requests[req.id] = req
             self.counts["prompt_tokens"] += len(req.prompt)
             self.scheduler.add(req)
+        return aborts
+
+    def _abort(self, aborts: list[str], t: StepTimings) -> None:
         for rid in aborts:
             req = self.requests.get(rid)
             if req is not None:
@@ -184,6 +292,7 @@ class StepLoop:
 
     def run(self) -> None:
         """Step whenever there is work, until the inbox stops (the engine's background thread)."""
-        while self._inbox.wait_for_work(lambda: self.scheduler.has_work):
-            if not self.step().num_seqs:
+        while self._inbox.wait_for_work(lambda: self.has_work):
+            t = self.step()
+            if not t.num_seqs and not t.sample:
                 time.sleep(0.005)  # nothing could run (the pool is held by others): do not spin on the daemon

@@ -30,6 +30,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fused-layers", choices=("auto", "on", "off"), default="off",
                    help="run Llama / Mistral / Qwen2 layers through kvpool.fused (merged matmuls, one kernel per "
                         "norm, RoPE and SiLU-gate); auto: on a GPU where the model is one of them")
+    p.add_argument("--overlap-steps", choices=("auto", "on", "off"), default="auto",
+                   help="queue each step on the GPU before reading the last one's tokens back, so host work runs "
+                        "beside the GPU; auto: on a GPU")
     p.add_argument("--model-id", default=None,
                    help="the pool layout's model id (default: the directory's name; its files make the revision)")
     p.add_argument("--name", default=None, help="this process's name in kvpoolctl clients")
@@ -67,7 +70,8 @@ def serve(args: argparse.Namespace) -> int:
     model, tokenizer = load_model(path, dtype=args.dtype, device=args.device)
     config = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           max_model_len=args.max_model_len, cuda_graphs=not args.enforce_eager,
-                          fused_layers={"auto": None, "on": True, "off": False}[args.fused_layers])
+                          fused_layers={"auto": None, "on": True, "off": False}[args.fused_layers],
+                          overlap_steps={"auto": None, "on": True, "off": False}[args.overlap_steps])
     engine = Engine.connect(model, args.socket, name=args.name or f"kvpool-serve-{name}-{os.getpid()}",
                             model_id=args.model_id or Path(path).name, revision=weights_fingerprint(path),
                             block_size=args.block_size, tokenizer=tokenizer, config=config)

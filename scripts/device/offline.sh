@@ -4,7 +4,8 @@
 #
 #   bash scripts/device/offline.sh [bench_offline.py arguments]    # carry: [".whl"]; about 8 minutes
 #
-# 1. the fused layers' GPU tests (tests/hf/test_fused_gpu.py), then
+# 1. the fused layers' and the engine's GPU tests (tests/hf/test_fused_gpu.py, tests/engine/test_engine_gpu.py,
+#    tests/engine/test_differential_gpu.py: serial and overlapped steps against transformers), or those in $TESTS,
 # 2. benchmarks/bench_offline.py (default: --fused both, Llama-3.1-8B and -3.2-1B shapes): 1,000 ShareGPT-like
 #    requests at once, output tok/s against the measured limit; decode steps at 32/64/128 x 1k tokens, wall
 #    time against GPU time against the bandwidth floor.
@@ -14,7 +15,9 @@ cd "$(dirname "$0")/../.."
 source scripts/device/prepare.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv 2>&1 | tee "$OUT/gpu.txt"
 
-timeout --kill-after=10 ${TESTS_TIMEOUT:-150} bash scripts/gpu_tests.sh tests/hf/test_fused_gpu.py -rs -s ${TESTS_K:+-k "$TESTS_K"} 2>&1 \
+TESTS=${TESTS:-tests/hf/test_fused_gpu.py tests/engine/test_engine_gpu.py tests/engine/test_differential_gpu.py}
+# shellcheck disable=SC2086
+timeout --kill-after=10 ${TESTS_TIMEOUT:-240} bash scripts/gpu_tests.sh $TESTS -rs ${TESTS_K:+-k "$TESTS_K"} 2>&1 \
     | grep -v "^$" | tee "$OUT/gpu_tests_fused.log" | tail -15
 
 args=("$@")

@@ -54,6 +54,7 @@ class Scenario:
     bytes_per_token: int = BYTES_PER_TOKEN  # of the model's K/V in the pool
     chunk_bytes: int = 0  # the daemon's --chunk-bytes (0: one block)
     backend: str = "cpu"
+    overlap_steps: bool = False  # the engine reads each step's tokens after queuing the next (StepLoop)
 
     @property
     def block_bytes(self) -> int:
@@ -119,7 +120,7 @@ def scenarios(draw, max_requests: int = 8, max_prompt: int = 64, block_sizes=(8,
         max_num_batched_tokens=draw(st.integers(max(16, max_num_seqs), 160)),
         flush_every=draw(st.sampled_from([1, 2, 5, 32])),
         max_reserve_blocks=draw(st.sampled_from([0, 2, 16, 1024])),
-        requests=reqs, **geometry,
+        requests=reqs, overlap_steps=draw(st.booleans()), **geometry,
     )
 
 
@@ -176,7 +177,7 @@ def play(eng, reqs: tuple[Req, ...], prefix: str = "r") -> dict[int, object]:
 def connect_engine(model, socket: str, scenario: Scenario, name: str = "m", model_id: str = "diff-llama"):
     config = ke.EngineConfig(max_num_seqs=scenario.max_num_seqs,
                              max_num_batched_tokens=scenario.max_num_batched_tokens,
-                             flush_every=scenario.flush_every)
+                             flush_every=scenario.flush_every, overlap_steps=scenario.overlap_steps)
     return ke.Engine.connect(model, socket, name=name, model_id=model_id, block_size=scenario.block_size,
                              config=config)
 

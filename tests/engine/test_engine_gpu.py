@@ -98,3 +98,26 @@ def test_graph_decode_survives_preemption(gpu_pool, llama, request):
         assert eng.stats().preemptions > 0
     for p, out in zip(prompts, outs):
         assert list(out.token_ids) == reference_generate(ref, p, 24)[0]
+
+
+def test_overlapped_graph_steps_equal_serial_ones(gpu_pool, llama):
+    """Steps queued before the last one's tokens are read back (the default on a GPU) give the serial loop's
+    tokens, with seeded sampling, a stop token and staggered arrivals, and most decode steps are planned ahead."""
+    model, _ = llama
+    prompts = [tokens(n, seed=70 + i) for i, n in enumerate([14, 30, 8, 22, 17, 40])]
+    params = [ke.SamplingParams(max_tokens=24, temperature=0.8, top_k=40, seed=i) for i in range(3)]
+    params += [ke.SamplingParams(max_tokens=24, temperature=0) for _ in range(3)]
+    results, stats = {}, {}
+    for overlap in (False, True):
+        with engine(model, gpu_pool, f"gpu-engine-overlap-{overlap}", overlap_steps=overlap) as eng:
+            assert eng.step_loop.overlap is overlap
+            results[overlap] = run_staggered(eng, prompts, [0, 0, 1, 3, 3, 5], params)
+            stats[overlap] = eng.stats()
+        if not overlap:  # a stop token the serial run draws at request 4's 6th token ends it early in both runs
+            params[4] = ke.SamplingParams(max_tokens=24, temperature=0,
+                                          stop_token_ids=[results[False][4].token_ids[5]])
+            with engine(model, gpu_pool, "gpu-engine-overlap-stop", overlap_steps=False) as eng:
+                results[False] = run_staggered(eng, prompts, [0, 0, 1, 3, 3, 5], params)
+    assert [o.token_ids for o in results[True]] == [o.token_ids for o in results[False]]
+    assert results[True][4].finish_reason == "stop" and len(results[True][4].token_ids) <= 6
+    assert stats[False].steps_ahead == 0 and stats[True].steps_ahead >= 10, stats[True]
