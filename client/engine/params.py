@@ -65,9 +65,9 @@ class EngineConfig:
     Llama-family model (Llama, Mistral, Qwen2) through ``kvpool.fused``
     (merged QKV and gate/up matmuls, RMSNorm with the residual add, RoPE and
     SiLU-gate each one kernel); ``True``: always, refusing a model it cannot
-    run; ``None``: on a GPU where the model is one it computes, off elsewhere;
-    ``False`` (the default until a GPU run has timed it against transformers'
-    layers: benchmarks/NOTES-offline.md): off.  ``overlap_steps``: read each
+    run; ``None`` (the default): on a GPU where the model is one it computes,
+    off elsewhere (on an H100 it took 24-42% off a decode step's GPU time:
+    benchmarks/NOTES-offline.md); ``False``: off.  ``overlap_steps``: read each
     step's tokens back after the next step is queued on the device
     (``StepLoop``), so host work runs beside the GPU; ``None`` (the default):
     on a GPU, off on the CPU (where the forward runs on the same cores).
@@ -79,7 +79,7 @@ class EngineConfig:
     flush_every: int = 32
     eos_token_ids: tuple[int, ...] = field(default=())
     cuda_graphs: bool = True
-    fused_layers: bool | None = False
+    fused_layers: bool | None = None
     overlap_steps: bool | None = None
 
     def __post_init__(self) -> None:

@@ -27,7 +27,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="prompt + output (default: the model's)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="run decode steps eagerly (default on a GPU: CUDA graphs, one per batch-size bucket)")
-    p.add_argument("--fused-layers", choices=("auto", "on", "off"), default="off",
+    p.add_argument("--fused-layers", choices=("auto", "on", "off"), default="auto",
                    help="run Llama / Mistral / Qwen2 layers through kvpool.fused (merged matmuls, one kernel per "
                         "norm, RoPE and SiLU-gate); auto: on a GPU where the model is one of them")
     p.add_argument("--overlap-steps", choices=("auto", "on", "off"), default="auto",
