@@ -167,7 +167,7 @@ def make_engine(model, sock: str, tag: str, args, *, variant: tuple, max_seqs: i
     fused, overlap = variant
     config = ke.EngineConfig(max_num_seqs=max_seqs, max_num_batched_tokens=max(args.max_batched_tokens, max_seqs),
                              max_model_len=max_len, fused_layers=fused, cuda_graphs=args.backend == "cuda",
-                             overlap_steps=overlap)
+                             **({} if overlap is None else {"overlap_steps": overlap}))
     return ke.Engine.connect(model, sock, name=f"bench-offline-{tag}", model_id=f"bench-offline-{tag}",
                              config=config)
 
@@ -291,7 +291,7 @@ def main() -> None:
     p.add_argument("--fused", default="default", choices=("default", "off", "on", "both"),
                    help="EngineConfig.fused_layers: the engine's default, off, on, or both in turn")
     p.add_argument("--overlap", default="default", choices=("default", "off", "on", "both"),
-                   help="EngineConfig.overlap_steps: the engine's default (on a GPU: on), off, on, or both in turn")
+                   help="EngineConfig.overlap_steps: the engine's default, off, on, or both in turn")
     p.add_argument("--step-batches", default=None,
                    help="decode-step breakdown batch sizes (default 32,64,128; 4,8 with --quick on the CPU; '' skips it)")
     p.add_argument("--step-len", type=int, default=1024)

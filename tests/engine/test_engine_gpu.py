@@ -101,7 +101,7 @@ def test_graph_decode_survives_preemption(gpu_pool, llama, request):
 
 
 def test_overlapped_graph_steps_equal_serial_ones(gpu_pool, llama):
-    """Steps queued before the last one's tokens are read back (the default on a GPU) give the serial loop's
+    """Steps queued before the last one's tokens are read back (EngineConfig.overlap_steps) give the serial loop's
     tokens, with seeded sampling, a stop token and staggered arrivals, and most decode steps are planned ahead."""
     model, _ = llama
     prompts = [tokens(n, seed=70 + i) for i, n in enumerate([14, 30, 8, 22, 17, 40])]
