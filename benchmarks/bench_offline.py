@@ -187,7 +187,8 @@ def run_offline(model, sock: str, tag: str, args, variant, inp: np.ndarray, out:
         t0 = time.perf_counter()
         streams = [eng.add_request(p, ke.SamplingParams(max_tokens=int(n), temperature=0, ignore_eos=True))
                    for p, n in zip(prompts, out)]
-        phases = dict.fromkeys(("schedule", "daemon", "gpu_wait", "prepare", "forward", "sample", "total"), 0.0)
+        phases = dict.fromkeys(("schedule", "daemon", "gpu_wait", "chunk_sync", "prepare", "forward", "sample",
+                                "total", "daemon_calls"), 0.0)
         while not all(s.last is not None and s.last.finished for s in streams):
             t = eng.step()
             for k in phases:
@@ -247,9 +248,10 @@ def run_decode_steps(model, sock: str, tag: str, args, variant, batch: int, figs
     steps = steps[2:]  # the first decode steps may still capture or compile
     wall = statistics.median(t.total for t in steps) * 1e3
     phases = {k: statistics.median(getattr(t, k) for t in steps) * 1e3
-              for k in ("schedule", "daemon", "gpu_wait", "prepare", "forward", "sample")}
+              for k in ("schedule", "daemon", "gpu_wait", "chunk_sync", "prepare", "forward", "sample")}
     row = {"batch": batch, "seq_len": args.step_len, "wall_ms": wall, "gpu_ms": gpu, "phases_ms": phases,
-           "decode_steps": len(steps), "steps_ahead": ahead}
+           "decode_steps": len(steps), "steps_ahead": ahead,
+           "daemon_calls_per_step": statistics.mean(t.daemon_calls for t in steps)}
     if ceil["copy_tbps"]:
         moved = figs["weight_bytes"] + batch * args.step_len * figs["kv_bytes_per_token"]
         row["floor_ms"] = moved / (ceil["copy_tbps"] * 1e12) * 1e3
@@ -361,6 +363,7 @@ def main() -> None:
                     fmt = lambda v: f"{v:.2f}" if v else "-"  # noqa: E731
                     step_rows.append([tag, batch, f"{s['wall_ms']:.2f}", fmt(s["gpu_ms"]), fmt(s.get("floor_ms")),
                                       fmt(s.get("gpu_over_floor")), fmt(s.get("wall_over_gpu")),
+                                      f"{s['daemon_calls_per_step']:.2f}",
                                       " / ".join(f"{k} {v:.2f}" for k, v in s["phases_ms"].items())])
                     print(f"{tag} B{batch}: wall {s['wall_ms']:.2f} ms, GPU {fmt(s['gpu_ms'])} ms", flush=True)
                     write_json(f"offline_{device}_{stamp}", report)
@@ -377,7 +380,7 @@ def main() -> None:
                                        "of limit", "vs vLLM 12553"], offline_rows)
     if step_rows:
         print_table(f"decode steps at ~{args.step_len} tokens", ["run", "batch", "wall ms", "GPU ms", "floor ms",
-                                                                 "GPU/floor", "wall/GPU", "phases ms"], step_rows)
+                                                                 "GPU/floor", "wall/GPU", "calls/step", "phases ms"], step_rows)
     write_json(f"offline_{device}_{stamp}", report)
 
 

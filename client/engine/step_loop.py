@@ -72,7 +72,7 @@ class StepLoop:
             The step's ``StepTimings`` (also kept in ``timings``).
         """
         t, t0 = StepTimings(), time.perf_counter()
-        waited = self.client.device_wait_seconds
+        before = self._daemon_counters()
         aborts = self._take_inbox()
         ahead = None if aborts else self._ahead()
         if self._in_flight is not None and ahead is None:
@@ -86,7 +86,7 @@ class StepLoop:
             log.exception("scheduling failed; every request ends with an error")
             self._post_mortem(exc)  # a CUDA fault of the last step surfaces here, at the synchronize before a call
             self._fail(list(self.requests.values()), f"the pool refused the step: {exc!r}")
-            return self._close(t, t0, waited)
+            return self._close(t, t0, before)
         t.schedule -= t.daemon  # report the two apart
         self.counts["steps_ahead"] += bool(ahead)
         for req, message in plan.failed:
@@ -98,7 +98,7 @@ class StepLoop:
         if launched is not None and not self.overlap:
             self._read(launched, t, successor=None)
         self.counts["steps"] += 1
-        self._timings.add(self._close(t, t0, waited))
+        self._timings.add(self._close(t, t0, before))
         return t
 
     def _ahead(self) -> list[Request] | None:
@@ -120,9 +120,14 @@ class StepLoop:
             self._post_mortem_done = True
             log.error("%s", self.runner.post_mortem())
 
-    def _close(self, t: StepTimings, t0: float, waited: float) -> StepTimings:
-        """The step's total, and how long its daemon calls waited for the GPU."""
-        t.gpu_wait = self.client.device_wait_seconds - waited
+    def _daemon_counters(self) -> tuple[float, float, int]:
+        c = self.client
+        return c.device_wait_seconds, c.chunk_sync_seconds, c.rpcs
+
+    def _close(self, t: StepTimings, t0: float, before: tuple[float, float, int]) -> StepTimings:
+        """The step's total; how long its daemon calls waited for the GPU and mapped chunks, and how many."""
+        now = self._daemon_counters()
+        t.gpu_wait, t.chunk_sync, t.daemon_calls = (a - b for a, b in zip(now, before))
         t.total = time.perf_counter() - t0
         return t
 

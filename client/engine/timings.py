@@ -17,12 +17,15 @@ class StepTimings:
     model; ``sample``: sampling, stop checks and handing outputs over.
     ``gpu_wait`` is not a phase of its own but the part of the step's daemon
     calls spent waiting for this process's queued GPU work (a call that says
-    blocks are written synchronizes the device first).
+    blocks are written synchronizes the device first); ``chunk_sync`` the
+    part spent mapping pool chunks (CUDA VMM); ``daemon_calls`` counts the
+    calls the step made.
     """
 
     schedule: float = 0.0
     daemon: float = 0.0
     gpu_wait: float = 0.0
+    chunk_sync: float = 0.0
     prepare: float = 0.0
     forward: float = 0.0
     sample: float = 0.0
@@ -30,6 +33,7 @@ class StepTimings:
     num_tokens: int = 0
     num_seqs: int = 0
     num_prefill_tokens: int = 0
+    daemon_calls: int = 0
 
     @contextmanager
     def phase(self, name: str):

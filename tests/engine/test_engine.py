@@ -330,9 +330,11 @@ def test_timings_reset_starts_a_new_stretch(daemon_factory, llama):
         assert eng.timings.summary()["steps"] > 0
         eng.timings.reset()
         assert eng.timings.summary()["steps"] == 0 and not eng.timings.steps
-        before = eng.stats()
+        before, calls = eng.stats(), eng.client.rpcs
         eng.generate([tokens(5, seed=1201)], ke.SamplingParams(max_tokens=3, temperature=0))
         summary = eng.timings.summary()
+        calls = eng.client.rpcs - calls
     assert summary["steps"] == (eng.stats() - before).steps == 3  # a 5-token prefill, then 2 decodes
     assert summary["num_tokens"] == 5 + 2 and summary["forward"] > 0
-    assert summary["gpu_wait"] == 0.0  # on the CPU a daemon call has no device to wait for
+    assert summary["gpu_wait"] == summary["chunk_sync"] == 0.0  # on the CPU a call has no device to wait for
+    assert summary["daemon_calls"] == calls >= 2  # the create and the free at least, every one in a step
