@@ -176,10 +176,17 @@ __device__ __forceinline__ void cluster_wait() {
 #endif
 }
 
-// 16 bytes global -> shared without registers; ok == false writes zeros.
+// 16 bytes global -> shared without registers; ok == false writes zeros with a plain store and issues no copy:
+// a zero-size cp.async would still name a global address, and a masked lane's address (a position past the
+// sequence, a block id outside the pool) may lie where this process maps nothing.  The zeros land at once, as an
+// early copy may (the rings' waits and barriers allow both).
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool ok) {
-    const u32 d = (u32)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(d), "l"(src), "r"(ok ? 16 : 0) : "memory");
+    if (ok) {
+        const u32 d = (u32)__cvta_generic_to_shared(dst);
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(d), "l"(src) : "memory");
+    } else {
+        *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
+    }
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N> __device__ __forceinline__ void cp_async_wait() {

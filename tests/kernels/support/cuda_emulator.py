@@ -210,10 +210,12 @@ __device__ __forceinline__ void cluster_wait() {
 // cp.async: in "early" mode a copy lands when issued, in "late" mode only when
 // cp.async.wait_group retires its group. A kernel correct under both has its
 // waits and barriers in the right places (late catches reading too soon,
-// early catches overwriting a stage another warp may still read).
+// early catches overwriting a stage another warp may still read). A masked
+// lane (ok false) stores its zeros at once, as the kernel's primitive does.
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool ok) {
+    if (!ok) { std::memset(dst, 0, 16); return; }
     if (cp_mode_late) { pending[cur].push_back(Copy{dst, src, ok}); return; }
-    if (ok) std::memcpy(dst, src, 16); else std::memset(dst, 0, 16);
+    std::memcpy(dst, src, 16);
 }
 __device__ __forceinline__ void cp_async_commit() {
     groups[cur].push_back(pending[cur].size());
