@@ -85,9 +85,12 @@ class StepRunner:
         self.buffers.upload(rows)
         return total, int(lens.max())
 
-    def feed(self, tokens: torch.Tensor) -> None:
-        """Rows ``0 .. len(tokens) - 1`` (one decode token each) take their input ids from ``tokens``, the last
-        step's sampled ids, on the device: after ``prepare``, before ``forward``, with nothing waiting."""
+    def feed(self, tokens: torch.Tensor, rows: list[int] | None = None) -> None:
+        """Decode rows ``0 ..`` (one token each) take their input ids from ``tokens[rows]`` (all of ``tokens`` when
+        ``rows`` is None), the last step's sampled ids, on the device: after ``prepare``, before ``forward``, with
+        nothing waiting for the device."""
+        if rows is not None:
+            tokens = tokens.index_select(0, torch.tensor(rows, dtype=torch.int64).to(tokens.device, non_blocking=True))
         self.buffers.dev["input_ids"][: len(tokens)].copy_(tokens, non_blocking=True)
 
     def post_mortem(self) -> str:

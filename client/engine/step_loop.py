@@ -32,11 +32,11 @@ class StepLoop:
     it is planned before the last tokens are known: its input ids come from
     the last step's sampled ids on the device, its positions are queued as
     tokens of unknown id (``Client.extend_ahead``) and filled in when read.
-    Anything else (admissions, aborts, frees, a call to the daemon) first
+    Anything else (admissions, swap-ins, aborts, a call to the daemon) first
     reads the step in flight, so the daemon hears only of tokens that are
     known and computed.  A request that stopped at step n was already in
-    step n+1: that step's token for it is dropped, and its sequence is freed
-    once step n+1 is read.
+    step n+1: that step's token for it is dropped, the others go on ahead
+    without it, and its sequence is freed at the next step that reads first.
 
     Args:
         client: the ``kvpool.Client`` (frees, marks prompts written).
@@ -102,11 +102,15 @@ class StepLoop:
         return t
 
     def _ahead(self) -> list[Request] | None:
-        """The requests of the next step when it can be planned before the step in flight is read, else None."""
+        """The requests of the next step when it can be planned before the step in flight is read, else None.
+
+        Requests that stopped before the step in flight are left out; their frees (and prompts to mark
+        written) wait for the next step that reads first, at the latest the ``flush_every``-th.
+        """
         flight = self._in_flight
-        if flight is None or self._owed_frees or self._owed_marks:
+        if flight is None:
             return None
-        reqs = flight.sampling
+        reqs = [r for r in flight.sampling if r.finish_reason is None]
         for req in reqs:
             if (req.unread != 1 or req.num_computed != req.num_tokens or req.finish_reason is not None
                     or len(req.output) + 1 >= req.params.max_tokens or req.num_tokens + 1 >= self._max_model_len):
@@ -137,8 +141,9 @@ class StepLoop:
         try:
             with t.phase("prepare"):
                 num_tokens, max_len = self.runner.prepare(plan.items)
-                if feed is not None:
-                    self.runner.feed(feed.tokens)
+                if feed is not None:  # the rows of feed's requests still running, in order
+                    keep = [i for i, r in enumerate(feed.sampling) if r.finish_reason is None]
+                    self.runner.feed(feed.tokens, None if len(keep) == len(feed.rows) else keep)
             t.num_tokens, t.num_seqs = num_tokens, len(plan.items)
             t.num_prefill_tokens = sum(len(it.tokens) for it in plan.items if len(it.tokens) > 1)
             with t.phase("forward"):

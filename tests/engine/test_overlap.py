@@ -106,13 +106,15 @@ def test_a_steady_decode_is_planned_ahead_and_a_stop_drops_the_token_computed_ah
     config = dict(max_num_seqs=4, max_num_batched_tokens=64, flush_every=32)
     reqs = [(prompt(9 + i, i), dict(max_tokens=20, temperature=0.0), 0, None) for i in range(3)]
     probe, _ = play(llama, daemon.socket, "probe", reqs, config, overlap=False)
-    stop = probe[1].token_ids[6]  # request 1 stops at its 7th token (or earlier, where the same id comes first)
-    reqs[1] = (reqs[1][0], dict(max_tokens=20, temperature=0.0, stop_token_ids=[stop]), 0, None)
+    drawn = probe[1].token_ids
+    at = next(k for k in range(3, len(drawn)) if drawn[k] not in drawn[:k])  # its first time, mid-decode
+    reqs[1] = (reqs[1][0], dict(max_tokens=20, temperature=0.0, stop_token_ids=[drawn[at]]), 0, None)
     serial, s_stats = play(llama, daemon.socket, "serial", reqs, config, overlap=False)
     overlapped, o_stats = play(llama, daemon.socket, "overlapped", reqs, config, overlap=True)
     assert [o.token_ids for o in overlapped] == [o.token_ids for o in serial]
-    assert overlapped[1].finish_reason == "stop" and overlapped[1].token_ids[-1] == stop
-    assert len(overlapped[1].token_ids) <= 7 < len(overlapped[0].token_ids)
+    assert overlapped[1].finish_reason == "stop" and len(overlapped[1].token_ids) == at + 1
+    assert len(overlapped[0].token_ids) == len(overlapped[2].token_ids) == 20
     assert s_stats.steps_ahead == 0
-    # every decode step but those around the prefill, the stop and the reserve's calls is planned ahead
-    assert o_stats.steps_ahead >= 12, o_stats
+    # every step but the prefill and the last read is planned ahead: the stop and its free do not break the run
+    # (the other two go on from the last step's sampled ids without request 1's row)
+    assert o_stats.steps_ahead >= o_stats.steps - 2, o_stats
