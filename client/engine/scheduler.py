@@ -48,6 +48,7 @@ class Scheduler:
         self.swapped: list[Request] = []  # by arrival: resumed oldest first
         self.num_preemptions = self.num_swaps = self.num_recomputes = 0
         self.prefix_hit_tokens = 0
+        self._admission_refused = False  # a create planned ahead found no room: plan the next step the usual way
 
     def add(self, req: Request) -> None:
         bisect.insort(self.waiting, req, key=lambda r: r.arrival)
@@ -68,6 +69,7 @@ class Scheduler:
             timings: the step's timings; the pool calls count in its ``daemon`` phase.
         """
         plan, budget = Plan(), self.max_tokens
+        self._admission_refused = False
         wants = self._extend_running(plan, budget, timings)
         for req in self.running:
             if wants.get(req):
@@ -79,23 +81,27 @@ class Scheduler:
                 budget = self._admit(plan, budget, timings)
         return plan
 
-    def can_plan_ahead(self, reqs: list[Request]) -> bool:
+    def can_plan_ahead(self, reqs: list[Request], ending: int = 0) -> bool:
         """Whether the next step can be planned before the tokens ``reqs`` are sampling now are read back.
 
-        That step is ``reqs``' next decode tokens and nothing else: it needs
-        every running request to be one of them, no admission or swap-in to
-        try (those call the daemon, which must not hear of a token it cannot
-        see), room in the step, and blocks from the reserve alone.
+        That step is ``reqs``' next decode tokens, and waiting prompts that fit it whole: it needs every
+        running request to be one of them or one of the ``ending`` ones the step in flight ends, nothing
+        swapped out, blocks for the decodes from the reserve
+        alone, and no call that carries tokens (a ``Step``: the daemon must not hear of a token whose id is
+        still on the device).  A ``Create`` carries none, so whole prompts may join; a prompt that needs a
+        chunked create, or a create the pool refused, waits for a step planned the usual way.
         """
-        if self.swapped or (self.waiting and len(self.running) < self.max_num_seqs):
+        if (self.swapped or self._admission_refused or len(self.running) != len(reqs) + ending
+                or len(reqs) > self.max_tokens):
             return False
-        if len(self.running) != len(reqs) or len(reqs) > self.max_tokens:
+        if self._wants_admission() and not self._whole_prompts(self.max_tokens - len(reqs)):
             return False
         return self.client.can_extend_ahead([r.seq for r in reqs])
 
     def plan_ahead(self, reqs: list[Request], timings: StepTimings) -> Plan:
         """The step after the one sampling ``reqs``' tokens now: one token each, its id still on the device
-        (``Client.extend_ahead`` queues it as unknown; the step loop fills it in once read)."""
+        (``Client.extend_ahead`` queues it as unknown; the step loop fills it in once read), then the waiting
+        prompts that fit the rest of the budget whole, in one ``Create``."""
         with timings.phase("daemon"):
             self.client.extend_ahead([r.seq for r in reqs])
         plan = Plan()
@@ -104,7 +110,21 @@ class Scheduler:
             plan.items.append(StepItem(seq=req.seq, table_key=(req.id, req.num_preemptions), start=start,
                                        tokens=[UNKNOWN_TOKEN], write_from=max(start, req.write_from)))
             plan.requests.append(req)
+        budget = self.max_tokens - len(reqs)
+        group = self._whole_prompts(budget) if self._wants_admission() else []
+        if group:
+            try:
+                with timings.phase("daemon"):
+                    seqs = self.client.create_sequences([r.all_tokens for r in group])
+            except OutOfBlocks:
+                self._admission_refused = True  # room comes back with frees: the next plan made the usual way
+            else:
+                for req, seq in zip(group, seqs):
+                    budget = self._start(plan, req, seq, budget)
         return plan
+
+    def _wants_admission(self) -> bool:
+        return bool(self.waiting) and len(self.running) < self.max_num_seqs
 
     def _wants(self, budget: int) -> dict[Request, int]:
         """Tokens each running request computes this step: decodes first, prefill chunks after."""

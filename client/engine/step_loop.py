@@ -27,14 +27,15 @@ class StepLoop:
     Overlapped steps (``overlap``): a step's tokens are read back during the
     next ``step`` call, after that call has queued its own forward, so the
     host's work (planning, filling buffers, streaming tokens) runs while the
-    device computes.  When the next step is nothing but the same requests'
-    next decode tokens and needs no daemon call (``Scheduler.can_plan_ahead``),
-    it is planned before the last tokens are known: its input ids come from
-    the last step's sampled ids on the device, its positions are queued as
-    tokens of unknown id (``Client.extend_ahead``) and filled in when read.
-    Anything else (admissions, swap-ins, aborts, a call to the daemon) first
-    reads the step in flight, so the daemon hears only of tokens that are
-    known and computed.  A request that stopped at step n was already in
+    device computes.  When the next step is the running requests' next
+    decode tokens, and waiting prompts that fit it whole, with no call that
+    carries tokens (``Scheduler.can_plan_ahead``), it is planned before the
+    last tokens are known: the decode rows' input ids come from the last
+    step's sampled ids on the device, their positions are queued as tokens
+    of unknown id (``Client.extend_ahead``) and filled in when read.
+    Anything else (chunked admissions, swap-ins, aborts, a ``Step`` call)
+    first reads the step in flight, so the daemon hears only of tokens that
+    are known and computed.  A request that stopped at step n was already in
     step n+1: that step's token for it is dropped, the others go on ahead
     without it, and its sequence is freed at the next step that reads first.
 
@@ -80,7 +81,8 @@ class StepLoop:
         try:
             with t.phase("schedule"):
                 self._abort(aborts, t)
-                self._settle(t)
+                if not ahead:  # (a daemon call now would wait for the step in flight)
+                    self._settle(t)
                 plan = self.scheduler.plan_ahead(ahead, t) if ahead else self.scheduler.plan(t)
         except Exception as exc:  # noqa: BLE001 - the daemon is gone or refused: end every request, keep the thread
             log.exception("scheduling failed; every request ends with an error")
@@ -104,18 +106,24 @@ class StepLoop:
     def _ahead(self) -> list[Request] | None:
         """The requests of the next step when it can be planned before the step in flight is read, else None.
 
-        Requests that stopped before the step in flight are left out; their frees (and prompts to mark
-        written) wait for the next step that reads first, at the latest the ``flush_every``-th.
+        Left out: requests that stopped before the step in flight, and those its token ends by length.  Their
+        frees (and prompts to mark written) wait for the next step that reads first, at the latest the
+        ``flush_every``-th.
         """
         flight = self._in_flight
-        if flight is None:
-            return None
-        reqs = [r for r in flight.sampling if r.finish_reason is None]
-        for req in reqs:
-            if (req.unread != 1 or req.num_computed != req.num_tokens or req.finish_reason is not None
-                    or len(req.output) + 1 >= req.params.max_tokens or req.num_tokens + 1 >= self._max_model_len):
-                return None  # a prefill chunk, or the token in flight may end it by length
-        return reqs if reqs and self.scheduler.can_plan_ahead(reqs) else None
+        if flight is None or (self._owed_frees and self.scheduler.waiting):
+            return None  # waiting requests need the room those frees give back first
+        reqs, ending = [], 0
+        for req in flight.sampling:
+            if req.finish_reason is not None:
+                continue
+            if req.unread != 1 or req.num_computed != req.num_tokens:
+                return None  # a prefill chunk
+            if len(req.output) + 1 >= req.params.max_tokens or req.num_tokens + 1 >= self._max_model_len:
+                ending += 1
+            else:
+                reqs.append(req)
+        return reqs if reqs and self.scheduler.can_plan_ahead(reqs, ending=ending) else None
 
     def _post_mortem(self, exc: Exception) -> None:
         """After the first CUDA error: whether the inputs of the last step that ran kernels were sound (the fault
@@ -141,8 +149,9 @@ class StepLoop:
         try:
             with t.phase("prepare"):
                 num_tokens, max_len = self.runner.prepare(plan.items)
-                if feed is not None:  # the rows of feed's requests still running, in order
-                    keep = [i for i, r in enumerate(feed.sampling) if r.finish_reason is None]
+                if feed is not None:  # the rows of feed's requests that this step continues, in order
+                    going_on = {id(r) for r in plan.requests}
+                    keep = [i for i, r in enumerate(feed.sampling) if id(r) in going_on]
                     self.runner.feed(feed.tokens, None if len(keep) == len(feed.rows) else keep)
             t.num_tokens, t.num_seqs = num_tokens, len(plan.items)
             t.num_prefill_tokens = sum(len(it.tokens) for it in plan.items if len(it.tokens) > 1)

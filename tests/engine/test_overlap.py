@@ -46,10 +46,14 @@ def workloads(draw):
     return reqs, config, pool_blocks
 
 
-def play(llama, socket, name, reqs, config, overlap, aborts=None):
-    """Step one engine by hand through ``reqs``; (final outputs, engine stats)."""
+def play(llama, socket, name, reqs, config, overlap, aborts=None, syncs=None):
+    """Step one engine by hand through ``reqs``; (final outputs, engine stats).  ``syncs``: a list that gets,
+    for each time the client makes the device's writes visible to the daemon, whether a step was in flight."""
     eng = ke.Engine.connect(llama, socket, name=name, model_id=name, block_size=8,
                             config=ke.EngineConfig(**config, overlap_steps=overlap))
+    if syncs is not None:
+        mapping, sync = eng.client._mapping, eng.client._mapping.sync_device
+        mapping.sync_device = lambda: (syncs.append(eng.step_loop._in_flight is not None), sync())[1]
     try:
         streams, step = {}, 0
         while len(streams) < len(reqs) or not all(s.last and s.last.finished for s in streams.values()):
@@ -105,16 +109,21 @@ def compare_loops(llama, daemon, reqs, config, data):
 def test_a_steady_decode_is_planned_ahead_and_a_stop_drops_the_token_computed_ahead(llama, daemon):
     config = dict(max_num_seqs=4, max_num_batched_tokens=64, flush_every=32)
     reqs = [(prompt(9 + i, i), dict(max_tokens=20, temperature=0.0), 0, None) for i in range(3)]
+    reqs.append((prompt(12, 3), dict(max_tokens=6, temperature=0.0), 4, None))  # joins a step planned ahead
     probe, _ = play(llama, daemon.socket, "probe", reqs, config, overlap=False)
     drawn = probe[1].token_ids
     at = next(k for k in range(3, len(drawn)) if drawn[k] not in drawn[:k])  # its first time, mid-decode
     reqs[1] = (reqs[1][0], dict(max_tokens=20, temperature=0.0, stop_token_ids=[drawn[at]]), 0, None)
     serial, s_stats = play(llama, daemon.socket, "serial", reqs, config, overlap=False)
-    overlapped, o_stats = play(llama, daemon.socket, "overlapped", reqs, config, overlap=True)
+    syncs = []
+    overlapped, o_stats = play(llama, daemon.socket, "overlapped", reqs, config, overlap=True, syncs=syncs)
     assert [o.token_ids for o in overlapped] == [o.token_ids for o in serial]
     assert overlapped[1].finish_reason == "stop" and len(overlapped[1].token_ids) == at + 1
-    assert len(overlapped[0].token_ids) == len(overlapped[2].token_ids) == 20
+    # no daemon call that says blocks are written (on a GPU: a synchronize) while a step is queued on the device
+    assert syncs and not any(syncs), syncs
+    assert len(overlapped[0].token_ids) == len(overlapped[2].token_ids) == 20 and len(overlapped[3].token_ids) == 6
     assert s_stats.steps_ahead == 0
-    # every step but the prefill and the last read is planned ahead: the stop and its free do not break the run
-    # (the other two go on from the last step's sampled ids without request 1's row)
-    assert o_stats.steps_ahead >= o_stats.steps - 2, o_stats
+    # every step is planned ahead but the first prefill, the last read and one read when the reserve runs low
+    # (a Step tops it up): neither the late prompt (one Create, no Step) nor the stop and its free break the run
+    # (the others go on from the last step's sampled ids)
+    assert o_stats.steps_ahead >= o_stats.steps - 3, o_stats
