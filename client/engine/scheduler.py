@@ -86,10 +86,10 @@ class Scheduler:
 
         That step is ``reqs``' next decode tokens, and waiting prompts that fit it whole: it needs every
         running request to be one of them or one of the ``ending`` ones the step in flight ends, nothing
-        swapped out, blocks for the decodes from the reserve
-        alone, and no call that carries tokens (a ``Step``: the daemon must not hear of a token whose id is
-        still on the device).  A ``Create`` carries none, so whole prompts may join; a prompt that needs a
-        chunked create, or a create the pool refused, waits for a step planned the usual way.
+        swapped out, blocks for the decodes from the reserve alone, and no call that carries tokens (a
+        ``Step``: the daemon must not hear of a token whose id is still on the device).  A ``Create``
+        carries none, so whole prompts may join; a prompt that needs a chunked create, or a create the pool
+        refused, waits for a step planned the usual way.
         """
         if (self.swapped or self._admission_refused or len(self.running) != len(reqs) + ending
                 or len(reqs) > self.max_tokens):
