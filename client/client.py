@@ -212,9 +212,10 @@ class Client:
         For a step loop that runs step n+1 before it reads step n's sampled
         tokens back: the new position gets its block (from the reserve) and
         its slot now, and ``fill_token`` gives it its id once read.  No call
-        to the daemon may carry a token of unknown id, so until every one is
-        filled, anything that would make one (``extend``, ``free``, ``flush``,
-        ...) raises ``FailedPrecondition``; ``drop_unknown`` takes them back.
+        to the daemon may carry a token of unknown id: until every one is
+        filled, a call that would (``extend`` reaching the daemon, ``free``,
+        ``flush``, ...) raises ``FailedPrecondition`` and changes nothing;
+        ``drop_unknown`` takes them back.
 
         Raises:
             InvalidArgument: it would need a call (check ``can_extend_ahead``), or a sequence appears twice.
