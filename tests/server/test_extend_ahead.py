@@ -114,7 +114,7 @@ class ExtendAhead(RuleBasedStateMachine):
             assert len(self.client.block_ids(seq)) >= -(-len(toks) // BLOCK)
 
 
-ExtendAhead.TestCase.settings = settings(max_examples=40, stateful_step_count=25, deadline=None,
+ExtendAhead.TestCase.settings = settings(max_examples=20, stateful_step_count=30, deadline=None,
                                          suppress_health_check=[HealthCheck.too_slow])
 test_extend_ahead_state_machine = pytest.mark.timeout(600)(ExtendAhead.TestCase)
 
