@@ -71,7 +71,7 @@ class EngineConfig:
     step's tokens back after the next step is queued on the device
     (``StepLoop``), so host work runs beside the GPU; ``None``: on a GPU, off
     on the CPU (where the forward runs on the same cores); ``False`` (the
-    default until the GPU tests have run the overlapped loop): off.
+    default until a GPU run has timed the overlapped loop): off.
     """
 
     max_num_seqs: int = 64

@@ -32,7 +32,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "norm, RoPE and SiLU-gate); auto: on a GPU where the model is one of them")
     p.add_argument("--overlap-steps", choices=("auto", "on", "off"), default="off",
                    help="queue each step on the GPU before reading the last one's tokens back, so host work runs "
-                        "beside the GPU; auto: on a GPU (default off until the GPU tests have run it)")
+                        "beside the GPU; auto: on a GPU (default off until a GPU run has timed it)")
     p.add_argument("--model-id", default=None,
                    help="the pool layout's model id (default: the directory's name; its files make the revision)")
     p.add_argument("--name", default=None, help="this process's name in kvpoolctl clients")
