@@ -36,7 +36,7 @@ class Launched:
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
         ready = torch.cuda.Event()
-        ready.record()
+        ready.record(torch.cuda.current_stream(tokens.device))  # the copy's stream, whichever GPU is current
         return cls(plan, rows, tokens, host, ready, prefilled)
 
     @property
