@@ -8,6 +8,7 @@ import numpy as np
 
 from .batch import slot_mapping
 from .errors import FailedPrecondition, InvalidArgument, NotFound
+from .protocol.sizes import cdiv
 from .protocol.wire import I32, unpack
 from .step_wire import StepReply
 
@@ -151,7 +152,7 @@ class Mirror:
         while count < len(st.pending) and st.pending[-1 - count] == UNKNOWN_TOKEN:
             count += 1
         if count:
-            keep = -(-(st.num_tokens - count) // self.block_size)
+            keep = cdiv(st.num_tokens - count, self.block_size)
             self.unassign(st, count, min(max(len(st.blocks) - keep, 0), len(st.claims)))
         return count
 

@@ -73,7 +73,7 @@ class Scheduler:
         wants = self._extend_running(plan, budget, timings)
         for req in self.running:
             if wants.get(req):
-                self._add_item(plan, req, wants[req])
+                self._add_item(plan, req, req.token_slice(req.num_computed, req.num_computed + wants[req]))
                 budget -= wants[req]
         if not plan.preempted and not plan.failed:  # a failed request frees its blocks after this step
             self._resume_swapped(plan, timings)
@@ -106,10 +106,7 @@ class Scheduler:
             self.client.extend_ahead([r.seq for r in reqs])
         plan = Plan()
         for req in reqs:
-            start = req.num_computed
-            plan.items.append(StepItem(seq=req.seq, table_key=(req.id, req.num_preemptions), start=start,
-                                       tokens=[UNKNOWN_TOKEN], write_from=max(start, req.write_from)))
-            plan.requests.append(req)
+            self._add_item(plan, req, [UNKNOWN_TOKEN])
         budget = self.max_tokens - len(reqs)
         group = self._whole_prompts(budget) if self._wants_admission() else []
         if group:
@@ -163,11 +160,11 @@ class Scheduler:
                 self._preempt(max(self.running, key=lambda r: r.arrival), timings)
                 plan.preempted += 1
 
-    def _add_item(self, plan: Plan, req: Request, want: int) -> None:
+    def _add_item(self, plan: Plan, req: Request, tokens: list[int]) -> None:
+        """``req`` computes ``tokens`` from its first position not computed yet."""
         start = req.num_computed
         plan.items.append(StepItem(seq=req.seq, table_key=(req.id, req.num_preemptions), start=start,
-                                   tokens=req.token_slice(start, start + want),
-                                   write_from=max(start, req.write_from)))
+                                   tokens=tokens, write_from=max(start, req.write_from)))
         plan.requests.append(req)
 
     def _preempt(self, req: Request, timings: StepTimings) -> None:
@@ -284,5 +281,5 @@ class Scheduler:
         req.status = Status.RUNNING
         self.running.append(req)
         want = min(seq.num_tokens - req.num_computed, budget)
-        self._add_item(plan, req, want)
+        self._add_item(plan, req, req.token_slice(req.num_computed, req.num_computed + want))
         return budget - want

@@ -85,9 +85,8 @@ class StepLoop:
                     self._settle(t)
                 plan = self.scheduler.plan_ahead(ahead, t) if ahead else self.scheduler.plan(t)
         except Exception as exc:  # noqa: BLE001 - the daemon is gone or refused: end every request, keep the thread
-            log.exception("scheduling failed; every request ends with an error")
-            self._post_mortem(exc)  # a CUDA fault of the last step surfaces here, at the synchronize before a call
-            self._fail(list(self.requests.values()), f"the pool refused the step: {exc!r}")
+            # (a CUDA fault of the last step surfaces here, at the synchronize before a call)
+            self._step_failed(exc, "scheduling failed", list(self.requests.values()), "the pool refused the step")
             return self._close(t, t0, before)
         t.schedule -= t.daemon  # report the two apart
         self.counts["steps_ahead"] += bool(ahead)
@@ -124,6 +123,12 @@ class StepLoop:
             else:
                 reqs.append(req)
         return reqs if reqs and self.scheduler.can_plan_ahead(reqs, ending=ending) else None
+
+    def _step_failed(self, exc: Exception, what: str, reqs: list[Request], message: str = "the step failed") -> None:
+        """Log ``what`` failed (and, after a CUDA error, whether the last step's inputs were sound); end ``reqs``."""
+        log.exception("%s; its requests end with an error", what)
+        self._post_mortem(exc)
+        self._fail(reqs, f"{message}: {exc!r}")
 
     def _post_mortem(self, exc: Exception) -> None:
         """After the first CUDA error: whether the inputs of the last step that ran kernels were sound (the fault
@@ -172,9 +177,7 @@ class StepLoop:
                     req.unread += 1
                 return Launched.queue(plan, rows, tokens, prefilled)
         except Exception as exc:  # noqa: BLE001 - fail this batch's requests, keep serving the rest
-            log.exception("a step failed; its requests end with an error")
-            self._post_mortem(exc)
-            self._fail(plan.requests, f"the step failed: {exc!r}")
+            self._step_failed(exc, "a step failed", plan.requests)
             return None
 
     def _read(self, launched: Launched, t: StepTimings, successor: Launched | None) -> None:
@@ -185,10 +188,8 @@ class StepLoop:
             try:
                 tokens = launched.read()
             except Exception as exc:  # noqa: BLE001 - the device failed: this step's and the next one's requests end
-                log.exception("a step failed; its requests end with an error")
-                self._post_mortem(exc)
-                self._fail(launched.plan.requests + (successor.plan.requests if successor else []),
-                           f"the step failed: {exc!r}")
+                self._step_failed(exc, "a step failed",
+                                  launched.plan.requests + (successor.plan.requests if successor else []))
                 return
             done = []
             for req, tok in zip(launched.sampling, tokens):
@@ -205,9 +206,7 @@ class StepLoop:
             try:
                 self._settle(t)
             except Exception as exc:  # noqa: BLE001 - the daemon is gone or refused: end this step's requests
-                log.exception("a daemon call after a step failed; its requests end with an error")
-                self._post_mortem(exc)
-                self._fail(launched.plan.requests, f"the step failed: {exc!r}")
+                self._step_failed(exc, "a daemon call after a step failed", launched.plan.requests)
 
     def _settle(self, t: StepTimings) -> None:
         """The daemon calls owed: prompts other processes may reuse from now on, and finished requests' frees."""

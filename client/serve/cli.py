@@ -45,6 +45,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         f"ones get 429 with Retry-After (default: {DEFAULT_MAX_WAITING_REQUESTS})")
 
 
+#: an ``auto`` / ``on`` / ``off`` option as the engine's ``None`` / ``True`` / ``False``
+AUTO_ON_OFF = {"auto": None, "on": True, "off": False}
+
+
 def positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -70,8 +74,7 @@ def serve(args: argparse.Namespace) -> int:
     model, tokenizer = load_model(path, dtype=args.dtype, device=args.device)
     config = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           max_model_len=args.max_model_len, cuda_graphs=not args.enforce_eager,
-                          fused_layers={"auto": None, "on": True, "off": False}[args.fused_layers],
-                          overlap_steps={"auto": None, "on": True, "off": False}[args.overlap_steps])
+                          fused_layers=AUTO_ON_OFF[args.fused_layers], overlap_steps=AUTO_ON_OFF[args.overlap_steps])
     engine = Engine.connect(model, args.socket, name=args.name or f"kvpool-serve-{name}-{os.getpid()}",
                             model_id=args.model_id or Path(path).name, revision=weights_fingerprint(path),
                             block_size=args.block_size, tokenizer=tokenizer, config=config)
