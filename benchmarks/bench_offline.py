@@ -50,7 +50,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests" / "hf"))
 
-from _common import print_table, write_json  # noqa: E402
+from _common import die_with_parent, print_table, write_json  # noqa: E402
 from bench_serve import llama_1b_config, wait  # noqa: E402
 
 MEAN_INPUT, MEAN_OUTPUT, SIGMA = 161.31, 337.99, 1.0  # ShareGPT, vLLM paper section 6.1
@@ -208,22 +208,12 @@ def run_offline(model, sock: str, tag: str, args, variant, inp: np.ndarray, out:
 
 
 def graph_gpu_ms(runner, batch: int) -> float | None:
-    """The captured decode graph of ``batch`` sequences, replayed between CUDA events (median of 5 x 10)."""
-    import torch
-
+    """The median GPU time of the engine's own replays of its decode graph at ``batch`` sequences (CUDA events
+    around each replay; the first two left out, as for the wall time), or None without graphs."""
     if not getattr(runner, "capture", False):
         return None
-    graph, _ = runner._graphs[runner.size_for(batch)]
-    times = []
-    for _ in range(5):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(10):
-            graph.replay()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e) / 10)
-    return statistics.median(times)
+    times = [ms for n, _, ms in runner.replay_ms() if n == batch][2:]
+    return statistics.median(times) if times else None
 
 
 def run_decode_steps(model, sock: str, tag: str, args, variant, batch: int, figs: dict, ceil: dict) -> dict:
@@ -236,6 +226,8 @@ def run_decode_steps(model, sock: str, tag: str, args, variant, batch: int, figs
     with make_engine(model, sock, f"{tag}-b{batch}", args, variant=variant, max_seqs=batch,
                      max_len=plen + new + 16) as eng:
         eng.warm_up()
+        if getattr(eng.runner, "capture", False):
+            eng.runner.time_replays()
         params = ke.SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
         streams = [eng.add_request(p.tolist(), params) for p in prompts]
         steps = []
@@ -243,6 +235,9 @@ def run_decode_steps(model, sock: str, tag: str, args, variant, batch: int, figs
             t = eng.step()
             if t.num_seqs == batch and t.num_tokens == batch:
                 steps.append(t)
+        failed = [r.error for r in (s.result() for s in streams) if r.error]
+        if failed:
+            raise RuntimeError(f"{tag} B{batch}: {len(failed)} requests failed: {failed[0]}")
         gpu = graph_gpu_ms(eng.runner, batch)
         ahead = eng.stats().steps_ahead
     steps = steps[2:]  # the first decode steps may still capture or compile
@@ -326,7 +321,8 @@ def main() -> None:
     tmp = tempfile.mkdtemp(prefix="bench-offline-")
     sock = os.path.join(tmp, "kvpoold.sock")
     daemon = subprocess.Popen([sys.executable, "-m", "kvpoold", "--socket", sock, "--pool-bytes", pool,
-                               "--log-level", "warning", *([] if cpu else ["--backend", "cuda"])])
+                               "--log-level", "warning", *([] if cpu else ["--backend", "cuda"])],
+                              preexec_fn=die_with_parent)
     offline_rows, step_rows = [], []
     try:
         wait(lambda: os.path.exists(sock), 120, "kvpoold", daemon)

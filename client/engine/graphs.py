@@ -52,6 +52,7 @@ class GraphRunner(StepRunner):
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
         self.capture_seconds = 0.0
+        self._replays: list | None = None  # (sequences, graph size, start event, end event) while timed
 
     def size_for(self, num_seqs: int) -> int:
         """The graph size that runs a decode step of ``num_seqs`` sequences."""
@@ -69,8 +70,26 @@ class GraphRunner(StepRunner):
             entry = self._graphs[size] = self._capture(size)
         graph, logits = entry
         with torch.cuda.device(self.model.device):  # the model's GPU, whichever is current
-            graph.replay()
+            if self._replays is None:
+                graph.replay()
+            else:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                graph.replay()
+                end.record()
+                self._replays.append((num_seqs, size, start, end))
         return logits[:num_seqs]
+
+    def time_replays(self) -> None:
+        """From now on, record CUDA events around every replay (``replay_ms`` reads them): for benchmarks."""
+        self._replays = []
+
+    def replay_ms(self) -> list[tuple[int, int, float]]:
+        """``(sequences, graph size, GPU ms)`` of each replay since ``time_replays``, in order (waits for them)."""
+        if not self._replays:
+            return []
+        self._replays[-1][3].synchronize()
+        return [(n, size, start.elapsed_time(end)) for n, size, start, end in self._replays]
 
     def capture_all(self) -> None:
         """Capture every size's graph now, largest first (the smaller ones reuse its memory pool).

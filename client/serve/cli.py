@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import faulthandler
 import logging
 import os
 import signal
@@ -30,9 +32,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fused-layers", choices=("auto", "on", "off"), default="auto",
                    help="run Llama / Mistral / Qwen2 layers through kvpool.fused (merged matmuls, one kernel per "
                         "norm, RoPE and SiLU-gate); auto: on a GPU where the model is one of them")
-    p.add_argument("--overlap-steps", choices=("auto", "on", "off"), default="off",
+    p.add_argument("--overlap-steps", choices=("auto", "on", "off"), default="auto",
                    help="queue each step on the GPU before reading the last one's tokens back, so host work runs "
-                        "beside the GPU; auto: on a GPU (default off until a GPU run has timed it)")
+                        "beside the GPU; auto: on a GPU, off on the CPU")
     p.add_argument("--model-id", default=None,
                    help="the pool layout's model id (default: the directory's name; its files make the revision)")
     p.add_argument("--name", default=None, help="this process's name in kvpoolctl clients")
@@ -100,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="command", required=True)
     add_serve_args(sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs kvpool[serve])"))
     args = p.parse_args(argv)
+    # a native crash (a driver, a C extension) leaves every thread's stack in the log
+    with contextlib.suppress(OSError, ValueError, AttributeError):  # a stderr with no file (embedded)
+        faulthandler.enable()
     return serve(args)
 
 

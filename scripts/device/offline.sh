@@ -23,8 +23,7 @@ timeout --kill-after=10 ${TESTS_TIMEOUT:-150} bash scripts/gpu_tests.sh $TESTS -
 
 args=("$@")
 [ ${#args[@]} -eq 0 ] && args=(--fused on --overlap both)
-# the JSON is rewritten after every run: a run stopped by the timeout keeps what it measured
-timeout --kill-after=30 ${BENCH_TIMEOUT:-420} python3 benchmarks/bench_offline.py "${args[@]}" 2>&1 \
-    | tee "$OUT/bench_offline.log"
-cp benchmarks/results/offline_cuda_*.json "$OUT"/ 2>/dev/null
+# the JSON, in $OUT, is rewritten after every run: a run stopped by the timeout keeps what it measured
+KVPOOL_BENCH_RESULTS=$OUT timeout --kill-after=30 ${BENCH_TIMEOUT:-420} python3 benchmarks/bench_offline.py "${args[@]}" \
+    2>&1 | tee "$OUT/bench_offline.log"
 ls -la "$OUT"

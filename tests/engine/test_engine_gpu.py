@@ -61,9 +61,13 @@ def test_graph_decode_matches_eager_generate(gpu_pool, llama):
         assert isinstance(eng.runner, ke.GraphRunner)
         eng.warm_up()
         assert eng.runner.captured_sizes == ke.graph_batch_sizes(16)
+        eng.runner.time_replays()
         outs = run_staggered(eng, prompts, [0, 0, 1, 2, 2, 4, 6, 6, 9, 13, 20], params)
-        decode = {t.num_seqs for t in eng.timings.steps if t.num_seqs and t.num_tokens == t.num_seqs}
-        assert decode - set(ke.graph_batch_sizes(16)), decode  # padded replays ran
+        decode = [t.num_seqs for t in eng.timings.steps if t.num_seqs and t.num_tokens == t.num_seqs]
+        assert set(decode) - set(ke.graph_batch_sizes(16)), decode  # padded replays ran
+        replays = eng.runner.replay_ms()  # one timed replay per decode step, at its padded size
+        assert [(n, size) for n, size, _ in replays] == [(n, eng.runner.size_for(n)) for n in decode]
+        assert all(ms > 0 for _, _, ms in replays)
         assert eng.client.stats().sequences == 0
     for p, out in zip(prompts, outs):
         assert list(out.token_ids) == reference_generate(ref, p, 12)[0]
