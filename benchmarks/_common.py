@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -12,7 +14,19 @@ import tempfile
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+# KVPOOL_BENCH_RESULTS: another folder (the device scripts write straight into their $OUT, so a run cut short
+# by a time limit still hands back what it wrote)
+RESULTS = Path(os.environ.get("KVPOOL_BENCH_RESULTS") or Path(__file__).resolve().parent / "results")
+
+
+_PRCTL = ctypes.CDLL(None).prctl if sys.platform.startswith("linux") else None  # looked up before any fork
+
+
+def die_with_parent() -> None:
+    """``preexec_fn`` for a child the benchmark starts from its main thread (a daemon, a server): SIGTERM when the
+    benchmark dies, even by SIGKILL or abort, so no orphan keeps the GPU or the output pipe of a device script."""
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def median_ns(fn, *, repeat: int = 15, number: int = 1000) -> float:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import kvpool
+from _common import die_with_parent
 from bench_serve import wait
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -68,7 +69,7 @@ class DaemonProc:
     def start(self) -> "DaemonProc":
         out = open(self.log, "w")
         self.proc = subprocess.Popen([sys.executable, "-m", "kvpoold", "--socket", self.socket, *self.args],
-                                     stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
+                                     stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, preexec_fn=die_with_parent,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
         wait_until(lambda: "kvpoold ready" in tail(self.log, 100000), 120, f"kvpoold {self.name}", self.proc, self.log)
         return self
@@ -133,7 +134,7 @@ class ServeProc:
         cmd = [sys.executable, "-m", "kvpool.serve", "--model", self.model_dir, "--socket", self.daemon.socket,
                "--port", str(self.port), "--served-model-name", self.key, "--log-level", "warning",
                *self.options, *(["--enforce-eager"] if self.eager else [])]
-        self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
+        self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, preexec_fn=die_with_parent,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
     def wait_ready(self, timeout: float = 900) -> None:

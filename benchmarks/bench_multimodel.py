@@ -56,6 +56,7 @@ import signal
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -100,7 +101,9 @@ def defaults_help(name: str, what: str = "") -> str:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--backend", choices=("cpu", "cuda"), required=True)
+    p.add_argument("--backend", choices=("cpu", "cuda"), help="where the daemons and servers run (required)")
+    p.add_argument("--report", metavar="JSON", default=None,
+                   help="run nothing: print the tables and targets of a stored run and draw its picture again")
     p.add_argument("--quick", action="store_true", help="shorter traces and a shorter long prompt")
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"which of {', '.join(CONFIGS)}")
     p.add_argument("--pool-bytes", default=None,
@@ -133,6 +136,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model-dirs", default=None, help="a folder with llama/, qwen/, gemma/ built by an earlier run")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    if args.report:
+        return args
+    if args.backend is None:
+        p.error("--backend is required (cpu or cuda)")
     gpu = args.backend == "cuda"
     args.configs = [c for c in args.configs.split(",") if c]
     unknown = set(args.configs) - set(CONFIGS)
@@ -539,11 +546,20 @@ def run_config(config: str, args, plan: Plan, shapes, model_dirs, workdir: str) 
             print(f"   {pattern.name}: {out['patterns'][pattern.name]['duration_s']:.1f} s", flush=True)
         sampler.stop()
         out["samples"], out["server_samples"] = sampler.samples, sampler.server_samples
+    except Exception as exc:  # noqa: BLE001 - the patterns done are kept; the report says this configuration failed
+        traceback.print_exc()
+        out["error"] = repr(exc)
     finally:
         for s in fleet.servers.values():
             s.stop()
-        out["after_servers_left"] = leftovers(fleet)
+        out["daemon_exit_codes"] = {name: d.proc.poll() if d.proc else None for name, d in fleet.daemons.items()}
+        try:
+            out["after_servers_left"] = leftovers(fleet)
+        except Exception as exc:  # noqa: BLE001 - e.g. a daemon that died: its exit code is above
+            out["after_servers_left"] = {"error": repr(exc)}
         fleet.stop()
+    if "error" in out:
+        print(f"   {config} FAILED: {out['error']}; daemons' exit codes {out['daemon_exit_codes']}", flush=True)
     return out
 
 
@@ -701,8 +717,32 @@ def stop_on_sigterm(*_) -> None:
     raise KeyboardInterrupt("SIGTERM")
 
 
+def report_again(path: str) -> None:
+    """``--report``: the tables, targets and picture of a stored run (its JSON gains the targets and picture)."""
+    payload = json.loads(Path(path).read_text())
+    args, plan = argparse.Namespace(**payload["args"]), Plan(**payload["plan"])
+    summary = report(payload["runs"], plan, args)
+    png = draw(payload["runs"], Path(path).with_suffix(".png"), args)
+    Path(path).write_text(json.dumps({**payload, **summary, "png": png}, indent=2))
+
+
+def draw(runs: dict, png: Path, args) -> str | None:
+    """The TTFT-over-time picture (``_multimodel_plot``), or None without matplotlib."""
+    try:
+        from _multimodel_plot import plot
+    except ImportError as exc:
+        print(f"no picture: {exc} (pip install matplotlib)")
+        return None
+    plot(runs, png, crash_model=args.crash_model)
+    print(f"wrote {png}")
+    return str(png)
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.report:
+        report_again(args.report)
+        return
     signal.signal(signal.SIGTERM, stop_on_sigterm)  # a timeout stops the daemons and servers started here too
     started = time.perf_counter()
     model_dirs, shapes = build_models(args)
@@ -719,17 +759,8 @@ def main(argv=None) -> None:
         runs[config] = run_config(config, args, plan, shapes, model_dirs, workdir)
         write_json(stamp, {**payload, "runs": runs, "seconds": time.perf_counter() - started})  # kept if cut short
     summary = report(runs, plan, args)
-    png = RESULTS / f"{stamp}.png"
-    try:
-        from _multimodel_plot import plot
-
-        plot(runs, png, crash_model=args.crash_model)
-        print(f"wrote {png}")
-    except ImportError as exc:
-        png = None
-        print(f"no picture: {exc} (pip install matplotlib)")
-    write_json(stamp, {**payload, "runs": runs, **summary, "png": str(png) if png else None,
-                       "seconds": time.perf_counter() - started})
+    png = draw(runs, RESULTS / f"{stamp}.png", args)
+    write_json(stamp, {**payload, "runs": runs, **summary, "png": png, "seconds": time.perf_counter() - started})
     print(f"total {time.perf_counter() - started:.0f} s")
 
 

@@ -9,6 +9,8 @@ and exits.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import faulthandler
 import json
 import sys
 
@@ -190,6 +192,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from kvpoold.server.app import run
 
+    # a native crash (a driver, a C extension) leaves every thread's stack in the journal
+    with contextlib.suppress(OSError, ValueError, AttributeError):  # a stderr with no file (embedded)
+        faulthandler.enable()
     return run(config, reload=lambda: load_config(path=args.config, flags=flags))
 
 

@@ -27,9 +27,8 @@ timeout --kill-after=10 90 bash scripts/gpu_tests.sh tests/server/test_gpu_vmm.p
 
 # each configuration's figures are in the JSON as soon as it is done: a run stopped by the timeout keeps them
 # (SIGTERM stops the daemons and servers it started)
-timeout --kill-after=30 380 python3 benchmarks/bench_multimodel.py --backend cuda "$@" 2>&1 \
+KVPOOL_BENCH_RESULTS=$OUT timeout --kill-after=30 380 python3 benchmarks/bench_multimodel.py --backend cuda "$@" 2>&1 \
     | tee "$OUT/bench_multimodel.log"
-cp benchmarks/results/multimodel_cuda_*.json benchmarks/results/multimodel_cuda_*.png "$OUT"/ 2>/dev/null
 logs=$(sed -n 's/^run logs: \(.*\)$/\1/p' "$OUT/bench_multimodel.log" | tail -1)
 [ -n "$logs" ] && tar -czf "$OUT/bench_multimodel_logs.tgz" -C "$logs" . 2>/dev/null
 
