@@ -46,6 +46,7 @@ _PRELUDE = r"""
 #include <algorithm>
 #include <ucontext.h>
 #include <vector>
+#include <utility>
 using std::min;
 using std::max;
 
@@ -89,6 +90,23 @@ static std::vector<Copy> pending[MAXT];
 static std::vector<size_t> groups[MAXT];   // end index in pending[] of each committed group
 static int cp_mode_late = 0;
 extern "C" void emu_set_cp_async_late(int late) { cp_mode_late = late; }
+
+// Places no kernel may read (a pool's chunks given back: on the GPU, unmapped). A global
+// read by a primitive that touches one is recorded (the first address) and reads zeros.
+static std::vector<std::pair<uintptr_t, uintptr_t>> forbidden;
+static uintptr_t forbidden_hit;
+extern "C" void emu_forbid(uint64_t lo, uint64_t hi) { forbidden.push_back({(uintptr_t)lo, (uintptr_t)hi}); }
+extern "C" void emu_allow_all() { forbidden.clear(); forbidden_hit = 0; }
+extern "C" uint64_t emu_forbidden_hit() { return forbidden_hit; }
+static inline bool readable(const void* p, size_t n) {
+    const uintptr_t a = (uintptr_t)p;
+    for (const auto& r : forbidden)
+        if (a < r.second && a + n > r.first) {
+            if (!forbidden_hit) forbidden_hit = a;
+            return false;
+        }
+    return true;
+}
 
 static inline dim3 cur_tid() { return dim3{fib[cur].tid, 0, 0}; }
 #define threadIdx (cur_tid())
@@ -188,9 +206,13 @@ static inline float bf16_to_f32(uint16_t h) { return __uint_as_float((unsigned)h
 """
 
 _PRIMITIVES = r"""
-__device__ __forceinline__ uint4 ld16(const void* p) { uint4 r; std::memcpy(&r, p, 16); return r; }
-__device__ __forceinline__ float2 ldcg2(const float* p) { return float2{p[0], p[1]}; }
-__device__ __forceinline__ float ldcg1(const float* p) { return *p; }
+__device__ __forceinline__ uint4 ld16(const void* p) {
+    uint4 r{0, 0, 0, 0};
+    if (readable(p, 16)) std::memcpy(&r, p, 16);
+    return r;
+}
+__device__ __forceinline__ float2 ldcg2(const float* p) { return readable(p, 8) ? float2{p[0], p[1]} : float2{0, 0}; }
+__device__ __forceinline__ float ldcg1(const float* p) { return readable(p, 4) ? *p : 0.f; }
 // CTAs run one after another here, so an arrival is a plain increment.
 __device__ __forceinline__ int arrive(int* c) { return (*c)++; }
 
@@ -213,7 +235,7 @@ __device__ __forceinline__ void cluster_wait() {
 // early catches overwriting a stage another warp may still read). A masked
 // lane (ok false) stores its zeros at once, as the kernel's primitive does.
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool ok) {
-    if (!ok) { std::memset(dst, 0, 16); return; }
+    if (!ok || !readable(src, 16)) { std::memset(dst, 0, 16); return; }
     if (cp_mode_late) { pending[cur].push_back(Copy{dst, src, ok}); return; }
     std::memcpy(dst, src, 16);
 }
@@ -461,6 +483,10 @@ def available() -> bool:
     return shutil.which("g++") is not None
 
 
+class ForbiddenRead(RuntimeError):
+    """A kernel read memory in one of ``EmulatorLauncher.forbidden``'s ranges (on a GPU: a place not mapped)."""
+
+
 class EmulatorLauncher:
     """Drop-in for ``CupyLauncher`` that runs kernels on CPU tensors (slowly)."""
 
@@ -471,6 +497,7 @@ class EmulatorLauncher:
         self._late = int(cp_async == "late")
         self._sms = num_sms
         self._libs: dict = {}
+        self.forbidden: list[tuple[int, int]] = []  # [lo, hi) byte ranges no kernel may read (``ForbiddenRead``)
         self._cache = os.path.join(tempfile.gettempdir(), f"kvpool-cuda-emulator-{os.getuid()}")
 
     def num_sms(self, device: torch.device) -> int:
@@ -495,7 +522,10 @@ class EmulatorLauncher:
                 if res.returncode:
                     raise RuntimeError(f"emulator build failed:\n{res.stderr[-4000:]}")
                 os.replace(tmp, so)
-            self._libs[module_key] = (ctypes.CDLL(so), symbols)
+            lib = ctypes.CDLL(so)
+            lib.emu_forbid.argtypes = [ctypes.c_uint64, ctypes.c_uint64]
+            lib.emu_forbidden_hit.restype = ctypes.c_uint64
+            self._libs[module_key] = (lib, symbols)
         return self._libs[module_key]
 
     def launch(self, module_key: tuple, name: str, device: torch.device, grid, args, smem: int = 0) -> None:
@@ -510,7 +540,13 @@ class EmulatorLauncher:
         values = [int(a) if isinstance(a, np.uint64) else a.item() for a in args]
         with _LOCK:  # the fiber scheduler is global state
             lib.emu_set_cp_async_late(self._late)
+            lib.emu_allow_all()
+            for lo, hi in self.forbidden:
+                lib.emu_forbid(ctypes.c_uint64(lo), ctypes.c_uint64(hi))
             rc = fn(*[int(g) for g in grid], block_threads(module_key), *values)
+            hit = ctypes.c_uint64(lib.emu_forbidden_hit()).value
+        if hit:
+            raise ForbiddenRead(f"emulated {name} read {hit:#x}, in a forbidden range")
         if rc == 3:
             raise RuntimeError(f"emulated {name}: a cluster barrier wait found a CTA of its cluster not yet arrived")
         if rc == 4:
