@@ -342,7 +342,9 @@ def main() -> None:
                 yard = f"{r['output_tok_s'] / PUBLISHED_8B_H100['vLLM']:.2f}" if name == "8b" else "-"
                 offline_rows.append([tag, f"{r['output_tok_s']:.0f}", f"{r['seconds']:.1f}", f"{r['steps']} / {r['steps_ahead']}",
                                      r["preemptions"], f"{limit.get('limit_tok_s', 0):.0f}", of_limit, yard])
-                print(f"{tag}: {r['output_tok_s']:.0f} output tok/s in {r['seconds']:.1f} s", flush=True)
+                print(f"{tag}: {r['output_tok_s']:.0f} output tok/s in {r['seconds']:.1f} s; "
+                      + ", ".join(f"{k} {max(v, 0.0):.1f}" for k, v in r["phases_s"].items() if k != "daemon_calls")
+                      + f" s; {r['phases_s']['daemon_calls']:.0f} daemon calls", flush=True)
                 write_json(f"offline_{device}_{stamp}", report)
             runs = [r for r in entry["offline"].values() if r]
             if len(runs) == 2:  # bf16 near-ties may part some greedy continuations; most should agree
