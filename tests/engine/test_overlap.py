@@ -77,7 +77,8 @@ def play(llama, socket, name, reqs, config, overlap, aborts=None, syncs=None):
 EXAMPLES = int(os.environ.get("KVPOOL_OVERLAP_EXAMPLES", "12"))
 
 
-@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=EXAMPLES, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(workloads(), st.data())
 def test_overlapped_steps_give_the_serial_loops_tokens(llama, workload, data):
     reqs, config, pool_blocks = workload
