@@ -9,8 +9,6 @@ and exits.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import faulthandler
 import json
 import sys
 
@@ -190,11 +188,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.check_config:
         print(json.dumps(config_as_dict(config), indent=2, allow_nan=False))
         return 0
+    from kvpool.crash_stacks import show_stacks_on_native_crash
     from kvpoold.server.app import run
 
-    # a native crash (a driver, a C extension) leaves every thread's stack in the journal
-    with contextlib.suppress(OSError, ValueError, AttributeError):  # a stderr with no file (embedded)
-        faulthandler.enable()
+    show_stacks_on_native_crash()
     return run(config, reload=lambda: load_config(path=args.config, flags=flags))
 
 

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
-import faulthandler
 import logging
 import os
 import signal
 import sys
 from pathlib import Path
 
+from ..crash_stacks import show_stacks_on_native_crash
 from .limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS, ServeLimits
 
 
@@ -102,9 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="command", required=True)
     add_serve_args(sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs kvpool[serve])"))
     args = p.parse_args(argv)
-    # a native crash (a driver, a C extension) leaves every thread's stack in the log
-    with contextlib.suppress(OSError, ValueError, AttributeError):  # a stderr with no file (embedded)
-        faulthandler.enable()
+    show_stacks_on_native_crash()
     return serve(args)
 
 
