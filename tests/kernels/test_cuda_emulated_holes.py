@@ -21,7 +21,8 @@ from kvpool.kernels import cuda_attention
 from kvpool.kernels._validate import check_attention
 from tests.kernels.support import cuda_emulator
 from tests.kernels.support import reference as ref
-from tests.kernels.support.testing import assert_matches_reference, poisoned, random_pool
+from tests.kernels.support.testing import (assert_matches_reference, mixed_batch, poisoned, random_pool,
+                                           tables_with_stale_columns)
 
 pytestmark = pytest.mark.skipif(not cuda_emulator.available(), reason="needs g++ for the CUDA emulator")
 
@@ -47,23 +48,14 @@ def batches(draw):
 
 def _case(decodes, chunks, head_dim, group, dtype, holes, seed):
     g = torch.Generator().manual_seed(seed)
-    q_lens = [1] * len(decodes) + [n for _, n in chunks]
-    seq_lens = decodes + [c + n for c, n in chunks]
-    need = [-(-n // BLOCK) for n in seq_lens]
-    num_blocks = sum(need) + holes
+    q_lens, seq_lens, cu = mixed_batch(decodes, chunks)
+    num_blocks = sum(-(-int(n) // BLOCK) for n in seq_lens) + holes
     pool = random_pool(num_blocks, 2, 2, BLOCK, head_dim, dtype, generator=g)
     perm = torch.randperm(num_blocks, generator=g).to(torch.int32)
     given_back, usable = perm[:holes], perm[holes:]
-    cols = max(need) + 3
-    # every column past a row's blocks names a given-back block: what a reused row holds there
-    tables = given_back[torch.randint(holes, (len(seq_lens), cols), generator=g)]
-    start = 0
-    for b, n in enumerate(need):
-        tables[b, :n] = usable[start:start + n]
-        start += n
+    tables = tables_with_stale_columns(seq_lens, BLOCK, usable, given_back, 3, g)
     q = torch.randn(sum(q_lens), 2 * group, head_dim, generator=g).to(dtype)
-    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    return pool, given_back, tables, torch.tensor(seq_lens, dtype=torch.int32), q, cu
+    return pool, given_back, tables, seq_lens, q, cu
 
 
 def _forbidden(pool: torch.Tensor, blocks: torch.Tensor) -> list[tuple[int, int]]:

@@ -19,14 +19,19 @@ from kvpool.ipc.cuda import DeviceBytes, torch_view
 from kvpool.ipc.vmm import VirtualRange, allocation_prop, check, use_device
 from kvpool.kernels import paged_decode_attention, paged_prefill_attention
 from tests.kernels.support import reference as ref
-from tests.kernels.support.testing import assert_matches_reference
+from tests.kernels.support.testing import assert_matches_reference, mixed_batch, tables_with_stale_columns
 
 CHUNK = 2 << 20
 KV_HEADS, GROUP, BLOCK = 8, 4, 16  # Llama-3.2-1B's attention: 32 query heads over 8 KV heads
 
 
+def blocks_per_chunk(head_dim: int) -> int:
+    return CHUNK // (2 * KV_HEADS * BLOCK * head_dim * 2)  # K and V of one layer, bf16
+
+
 def pool_with_holes(chunks: int, holes: set[int], head_dim: int):
-    """A bf16 pool ``[blocks, 1, 2, KV_HEADS, BLOCK, head_dim]`` over a virtual range whose ``holes`` are unmapped."""
+    """A bf16 pool ``[blocks, 1, 2, KV_HEADS, BLOCK, head_dim]`` over a virtual range whose ``holes`` are unmapped;
+    the range, which must live as long as the pool."""
     dev = torch.cuda.current_device()
     cu = use_device(dev)
     vrange = VirtualRange(dev, chunks * CHUNK, CHUNK)
@@ -34,9 +39,8 @@ def pool_with_holes(chunks: int, holes: set[int], head_dim: int):
         if i not in holes:
             vrange.map(i, check(cu.cuMemCreate(CHUNK, allocation_prop(dev), 0), "cuMemCreate"))
     owner = DeviceBytes(vrange.base, vrange.nbytes, dev, lambda _ptr: None)
-    block_bytes = 2 * KV_HEADS * BLOCK * head_dim * 2
-    pool = torch_view(owner, "bfloat16", (chunks * CHUNK // block_bytes, 1, 2, KV_HEADS, BLOCK, head_dim), 0)
-    return vrange, pool, CHUNK // block_bytes
+    shape = (chunks * blocks_per_chunk(head_dim), 1, 2, KV_HEADS, BLOCK, head_dim)
+    return vrange, torch_view(owner, "bfloat16", shape, 0)
 
 
 def cases(rng: random.Random) -> list[tuple[list[int], list[tuple[int, int]]]]:
@@ -52,12 +56,14 @@ def main(head_dim: int) -> int:
     rng = random.Random(head_dim)
     todo = cases(rng)
     most = max(sum(-(-n // BLOCK) for n in [*d, *(c + m for c, m in p)]) for d, p in todo)
-    per_chunk = CHUNK // (2 * KV_HEADS * BLOCK * head_dim * 2)
+    per_chunk = blocks_per_chunk(head_dim)
     chunks = 2 * (-(-most // per_chunk)) + 2
     holes = set(range(1, chunks, 2))  # every other chunk given back
-    _vrange, pool, per_chunk = pool_with_holes(chunks, holes, head_dim)
-    mapped = [b for c in range(chunks) if c not in holes for b in range(c * per_chunk, (c + 1) * per_chunk)]
-    given_back = [b for c in sorted(holes) for b in range(c * per_chunk, (c + 1) * per_chunk)]
+    _vrange, pool = pool_with_holes(chunks, holes, head_dim)
+    ids = torch.arange(chunks * per_chunk, dtype=torch.int32).view(chunks, per_chunk)
+    is_hole = torch.tensor([c in holes for c in range(chunks)])
+    mapped, given_back = ids[~is_hole].flatten(), ids[is_hole].flatten()
+    g = torch.Generator().manual_seed(head_dim)
     host = torch.zeros(pool.shape, dtype=pool.dtype)
     for c in range(chunks):
         if c not in holes:
@@ -67,19 +73,10 @@ def main(head_dim: int) -> int:
     k, v, hk, hv = pool[:, 0, 0], pool[:, 0, 1], host[:, 0, 0], host[:, 0, 1]
     failures = 0
     for decodes, prefills in todo:
-        q_lens = [1] * len(decodes) + [n for _, n in prefills]
-        seq_lens = decodes + [c + n for c, n in prefills]
-        need = [-(-n // BLOCK) for n in seq_lens]
-        pick = rng.sample(mapped, sum(need))
-        tables = torch.tensor([[rng.choice(given_back) for _ in range(max(need) + 4)] for _ in seq_lens],
-                              dtype=torch.int32)
-        start = 0
-        for b, n in enumerate(need):
-            tables[b, :n] = torch.tensor(pick[start:start + n], dtype=torch.int32)
-            start += n
-        q = torch.randn(sum(q_lens), KV_HEADS * GROUP, head_dim).to(torch.bfloat16)
-        lens = torch.tensor(seq_lens, dtype=torch.int32)
-        cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+        q_lens, lens, cu = mixed_batch(decodes, prefills)
+        tables = tables_with_stale_columns(lens, BLOCK, mapped[torch.randperm(len(mapped), generator=g)], given_back,
+                                           4, g)
+        q = torch.randn(sum(q_lens), KV_HEADS * GROUP, head_dim, generator=g).to(torch.bfloat16)
         if prefills:
             out = paged_prefill_attention(q.cuda(), k, v, tables.cuda(), lens.cuda(), cu.cuda())
         else:

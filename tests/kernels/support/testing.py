@@ -9,6 +9,7 @@ is caught too.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -76,6 +77,28 @@ def make_case(
     lens = torch.tensor([int(n) for n in seq_lens], dtype=torch.int32, device=device)
     layer = int(torch.randint(num_layers, (1,), generator=g))
     return PagedCase(pool, layer, tables, lens)
+
+
+def mixed_batch(decodes, chunks) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """Decode rows (one query each, ``decodes`` their lengths) then prefill chunks ``(cached keys, new tokens)``:
+    the query lengths, ``seq_lens`` and ``cu_seqlens_q`` of one call."""
+    q_lens = [1] * len(decodes) + [n for _, n in chunks]
+    seq_lens = torch.tensor([*decodes, *(c + n for c, n in chunks)], dtype=torch.int32)
+    return q_lens, seq_lens, torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
+
+
+def tables_with_stale_columns(seq_lens, block_size: int, blocks: torch.Tensor, stale: torch.Tensor, extra_cols: int,
+                              generator: torch.Generator) -> torch.Tensor:
+    """Block tables whose rows take their blocks in order from ``blocks``, every column past a row's blocks naming a
+    random one of ``stale``: what a reused row holds there (its last owner's blocks)."""
+    need = [-(-int(n) // block_size) for n in seq_lens]
+    tables = stale[torch.randint(len(stale), (len(need), max(need) + extra_cols), generator=generator)]
+    tables = tables.to(torch.int32)
+    start = 0
+    for b, n in enumerate(need):
+        tables[b, :n] = blocks[start:start + n]
+        start += n
+    return tables
 
 
 def poisoned(shape, dtype, device="cpu") -> torch.Tensor:
