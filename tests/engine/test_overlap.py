@@ -135,3 +135,15 @@ def test_a_steady_decode_is_planned_ahead_and_a_stop_drops_the_token_computed_ah
     # (a Step tops it up): neither the late prompt (one Create, no Step) nor the stop and its free break the run
     # (the others go on from the last step's sampled ids)
     assert o_stats.steps_ahead >= o_stats.steps - 3, o_stats
+
+
+@pytest.mark.parametrize("setting, overlaps", [(None, False), (True, True), (False, False)])
+def test_overlap_follows_the_setting_and_is_off_by_default_on_the_cpu(llama, daemon, setting, overlaps):
+    """The default (``None``) overlaps only on a GPU: here the forward runs on the cores the host work would use."""
+    assert ke.EngineConfig().overlap_steps is None
+    eng = ke.Engine.connect(llama, daemon.socket, name=f"overlap-{setting}", model_id="overlap-setting", block_size=8,
+                            config=ke.EngineConfig(overlap_steps=setting))
+    try:
+        assert eng.step_loop.overlap is overlaps
+    finally:
+        eng.close()
